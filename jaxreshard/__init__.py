@@ -1,0 +1,31 @@
+"""jaxreshard: move a pytree of JAX arrays from one layout to another, directly.
+
+The planner intersects source and destination layouts and sends each destination device exactly
+the bytes it lacks, from a device that holds them, balancing the senders. A compiled transfer
+runs the schedule as ``jax.lax.ppermute`` rounds inside ``shard_map`` through bounded staging
+buffers: no full replica, no all-gather, no host round trip.
+
+    import jaxreshard as jr
+    plan = jr.plan(params, sampler_shardings, dtype=jnp.bfloat16)
+    sampler_params = plan(params)
+    sampler_params = plan(new_params, donate=sampler_params)
+"""
+
+from jaxreshard.api import Plan, clear_cache, default_bucket_bytes, plan, reshard
+from jaxreshard.errors import ReshardError, ReshardTypeError
+from jaxreshard.layout import Layout
+from jaxreshard.schedule import PlanStats
+
+__all__ = [
+    "Layout",
+    "Plan",
+    "PlanStats",
+    "ReshardError",
+    "ReshardTypeError",
+    "clear_cache",
+    "default_bucket_bytes",
+    "plan",
+    "reshard",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,502 @@
+"""The public entry points: `plan`, `Plan` and `reshard`."""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, Sharding
+from jax.tree_util import keystr
+
+from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
+from jaxreshard.executor import Executor, wire_itemsize
+from jaxreshard.layout import Layout, LayoutError
+from jaxreshard.planner import Assignment, LeafSpec, Tier, assign
+from jaxreshard.schedule import PlanStats, Schedule, build_schedule, plan_stats
+
+MiB = 1 << 20
+
+DEFAULT_BUCKET_BYTES = {"cpu": 16 * MiB}
+"""Per-device staging buffer size by backend, when ``bucket_bytes`` is not given.
+
+On the CPU backend a collective-permute of fresh multi-10-MiB buffers is slowed by first-touch
+page faults (about 1 GB/s at 64 MiB against 3.5 GB/s at 16 MiB), so buckets stay small there.
+On GPUs NCCL send/recv reaches link bandwidth only with large messages and every bucket costs a
+few kernel launches, so larger buckets (`GPU_BUCKET_BYTES`) pay off.
+"""
+GPU_BUCKET_BYTES = 128 * MiB
+
+
+def default_bucket_bytes(platform: str) -> int:
+    """The default ``bucket_bytes`` for a backend name (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
+    return DEFAULT_BUCKET_BYTES.get(platform, GPU_BUCKET_BYTES)
+
+
+class Plan:
+    """A compiled reshard from one set of layouts to another.
+
+    Made by `jaxreshard.plan`. Call it with a source tree laid out as planned; it returns the
+    tree in the destination layout. Planning is done when the plan is made; the transfer
+    programs are compiled on the first call and reused by every later call.
+
+    Attributes:
+      stats: byte and round counts (`PlanStats`).
+      schedule: the rounds and buckets (pure data).
+      assignment: the local copies and sent pieces (pure data).
+      leaves: one `LeafSpec` per leaf, in tree-flattening order.
+    """
+
+    def __init__(
+        self,
+        treedef: Any,
+        paths: Sequence[str],
+        src_avals: Sequence[tuple[tuple[int, ...], Any, Sharding]],
+        dst_shardings: Sequence[NamedSharding],
+        leaves: Sequence[LeafSpec],
+        assignment: Assignment,
+        schedule: Schedule,
+        bucket_bytes: int,
+    ) -> None:
+        self.treedef = treedef
+        self.paths = tuple(paths)
+        self.src_avals = tuple(src_avals)
+        self.dst_shardings = tuple(dst_shardings)
+        self.leaves = tuple(leaves)
+        self.assignment = assignment
+        self.schedule = schedule
+        self.bucket_bytes = bucket_bytes
+        self.stats: PlanStats = plan_stats(self.leaves, assignment, schedule)
+        self._executor: Executor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def executor(self) -> Executor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = Executor(
+                    self.leaves, self.assignment, self.schedule, self.dst_shardings
+                )
+            return self._executor
+
+    def __call__(self, src_tree: Any, *, donate: Any = None) -> Any:
+        """Reshard ``src_tree`` into the destination layout.
+
+        Args:
+          src_tree: arrays with the planned shapes, dtypes and shardings. Only read.
+          donate: optional result of an earlier call of this plan; its buffers are reused for
+            the new result (as ``jax.jit`` donation does) and it is deleted.
+
+        Returns:
+          A tree of ``jax.Array`` with the destination shardings and dtypes.
+
+        Raises:
+          ReshardError: before any data moves, if an argument does not match the plan.
+        """
+        src = self._check_src(src_tree)
+        old = self._check_donate(donate, src) if donate is not None else None
+        out = self.executor.run(src, old)
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    # --------------------------------------------------------------------------- checking
+
+    def _check_src(self, src_tree: Any) -> list[jax.Array]:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
+        if treedef != self.treedef:
+            raise _structure_error("the source tree", src_tree, self.paths)
+        problems = []
+        for (path, x), (shape, dtype, sharding) in zip(flat, self.src_avals, strict=True):
+            problem = _array_problem(x, shape, dtype, sharding)
+            if problem:
+                problems.append((keystr(path), problem))
+        if problems:
+            raise leaf_error(
+                "these source leaves do not match the plan",
+                problems,
+                "call the plan with arrays of the planned shape, dtype and sharding, or make a "
+                "new plan with jr.plan(...) (jr.reshard does this for you and caches plans)",
+            )
+        return [x for _, x in flat]
+
+    def _check_donate(self, donate: Any, src: Sequence[jax.Array]) -> list[jax.Array]:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(donate)
+        if treedef != self.treedef:
+            raise _structure_error("the donate= tree", donate, self.paths)
+        problems = []
+        src_ids = {id(x) for x in src}
+        for (path, x), leaf, sharding in zip(flat, self.leaves, self.dst_shardings, strict=True):
+            problem = _array_problem(x, leaf.shape, jnp.dtype(leaf.dst_dtype), sharding)
+            if problem is None and id(x) in src_ids:
+                problem = "is also passed as a source array; donating it would destroy the source"
+            if problem:
+                problems.append((keystr(path), problem))
+        if problems:
+            raise leaf_error(
+                "these donate= leaves cannot receive the result",
+                problems,
+                "pass donate= the previous result of this same plan (same destination shapes, "
+                "dtypes and shardings), not yet deleted, or leave donate= out",
+            )
+        return [x for _, x in flat]
+
+    # ---------------------------------------------------------------------------- reports
+
+    def compiled_transfers(self) -> list[str]:
+        """The optimized HLO text of every bucket's transfer program (compiles them).
+
+        For inspection: each holds one ``collective-permute`` per round and no all-gather,
+        all-reduce or all-to-all.
+        """
+        return [self.executor.compiled_transfer_text(b) for b in range(len(self.schedule.buckets))]
+
+    def describe(self) -> str:
+        """A human-readable summary: bytes against the lower bound, rounds, buckets, per device.
+
+        Pure: compiles nothing and moves no data.
+        """
+        s = self.stats
+        send: dict[int, int] = collections.defaultdict(int)
+        recv: dict[int, int] = collections.defaultdict(int)
+        local: dict[int, int] = collections.defaultdict(int)
+        for p in self.assignment.pieces:
+            n = math.prod(e - b for b, e in p.box) * self.leaves[p.leaf].itemsize
+            send[p.src] += n
+            recv[p.dst] += n
+        for c in self.assignment.local:
+            local[c.device] += math.prod(e - b for b, e in c.box) * self.leaves[c.leaf].itemsize
+        devices = sorted(set(send) | set(recv) | set(local))
+        pad = s.bytes_wire - s.bytes_sent
+        lines = [
+            f"jaxreshard plan: {len(self.leaves)} leaves, {len(devices)} devices "
+            f"({len(send)} send, {len(recv)} receive)",
+            f"  bytes   total {_b(s.bytes_total)} | local {_b(s.bytes_local)} | lower bound "
+            f"{_b(s.bytes_lower_bound)} | sent {_b(s.bytes_sent)}"
+            + (
+                f" ({s.bytes_sent / s.bytes_lower_bound:.0%} of bound)"
+                if s.bytes_lower_bound
+                else ""
+            ),
+            f"  wire    {_b(s.bytes_wire)} (padding {_b(pad)}"
+            + (f", {pad / s.bytes_sent:.2%}" if s.bytes_sent else "")
+            + f") | relayed {_b(s.bytes_relayed)}",
+            f"  rounds  {s.rounds} in {s.buckets} bucket(s), chunk {_b(s.chunk_bytes)}, "
+            f"bucket limit {_b(self.bucket_bytes)}, staging {_b(s.staging_bytes)} per device",
+            f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "
+            f"{_b(s.max_device_recv_bytes)}",
+            f"  {'device':>8} {'sends':>12} {'receives':>12} {'local':>12}",
+        ]
+        for d in devices:
+            lines.append(f"  {d:>8} {_b(send[d]):>12} {_b(recv[d]):>12} {_b(local[d]):>12}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (
+            f"Plan(leaves={len(self.leaves)}, bytes_sent={s.bytes_sent}, "
+            f"rounds={s.rounds}, buckets={s.buckets})"
+        )
+
+
+def plan(
+    src_tree: Any,
+    dst_shardings: Any,
+    *,
+    bucket_bytes: int | None = None,
+    dtype: Any = None,
+    tier: Tier | None = None,
+) -> Plan:
+    """Plan moving ``src_tree`` into the layouts ``dst_shardings``.
+
+    Args:
+      src_tree: a pytree of ``jax.Array`` (or ``jax.ShapeDtypeStruct`` with a ``sharding``, to
+        plan before the data exists).
+      dst_shardings: a pytree of ``NamedSharding`` with the same structure, or a prefix of it
+        (one sharding for everything, one per subtree), as ``jax.jit``'s ``out_shardings``.
+      bucket_bytes: largest per-device staging buffer, per direction. Defaults to
+        `default_bucket_bytes` of the destination's backend.
+      dtype: destination dtype: one dtype, or a tree (prefix) of dtypes with None meaning
+        "keep". The cast runs on the senders, so narrowing halves the bytes sent.
+      tier: optional ``tier(src_id, dst_id) -> int`` closeness; among replicas of a part only
+        the closest are used as senders. By default, senders on the receiver's own process
+        are preferred.
+
+    Returns:
+      A `Plan`. Planning is pure: no program is compiled and no data moves.
+
+    Raises:
+      ReshardError: naming every bad leaf, if the trees or layouts cannot be resharded.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
+    paths = [keystr(p) for p, _ in flat]
+    dsts = _broadcast(dst_shardings, src_tree, "dst_shardings", lambda x: isinstance(x, Sharding))
+    dtypes = (
+        [None] * len(flat)
+        if dtype is None
+        else _broadcast(dtype, src_tree, "dtype", lambda x: x is None or _is_dtype_like(x))
+    )
+    problems, avals, leaves = [], [], []
+    for (path, x), dst, want in zip(flat, dsts, dtypes, strict=True):
+        try:
+            aval, leaf = _leaf_spec(keystr(path), x, dst, want)
+        except _LeafProblem as e:
+            problems.append((keystr(path), str(e), e.kind))
+            continue
+        avals.append(aval)
+        leaves.append(leaf)
+    if problems:
+        kinds = {k for _, _, k in problems}
+        cls = ReshardTypeError if kinds == {"type"} else ReshardError
+        raise leaf_error(
+            "cannot plan a reshard for these leaves",
+            [(p, m) for p, m, _ in problems],
+            _FIXES[sorted(kinds)[0]]
+            if len(kinds) == 1
+            else " / ".join(_FIXES[k] for k in sorted(kinds)),
+            cls=cls,
+        )
+    if bucket_bytes is None:
+        platform = next(iter(dsts[0].device_set)).platform if dsts else "cpu"
+        bucket_bytes = default_bucket_bytes(platform)
+    if int(bucket_bytes) < 1:
+        raise ReshardError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
+    assignment = assign(leaves, tier=tier if tier is not None else _process_tier(dsts, avals))
+    schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=int(bucket_bytes))
+    return Plan(treedef, paths, avals, dsts, leaves, assignment, schedule, int(bucket_bytes))
+
+
+# ---------------------------------------------------------------------------- plan cache
+
+_CACHE: collections.OrderedDict[Any, Plan] = collections.OrderedDict()
+_CACHE_SIZE = 64
+_CACHE_LOCK = threading.Lock()
+
+
+def reshard(
+    src_tree: Any,
+    dst_shardings: Any,
+    *,
+    bucket_bytes: int | None = None,
+    dtype: Any = None,
+    donate: Any = None,
+) -> Any:
+    """Reshard ``src_tree`` into ``dst_shardings``; `plan` then call, with plans cached.
+
+    Plans are cached by layout signature (tree structure, shapes, dtypes, shardings and
+    options), so calling this every step plans and compiles only on the first call. See `plan`
+    and `Plan.__call__` for the arguments.
+    """
+    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype)
+    found = None
+    if key is not None:
+        with _CACHE_LOCK:
+            found = _CACHE.get(key)
+            if found is not None:
+                _CACHE.move_to_end(key)
+    if found is None:
+        found = plan(src_tree, dst_shardings, bucket_bytes=bucket_bytes, dtype=dtype)
+        if key is not None:
+            with _CACHE_LOCK:
+                _CACHE[key] = found
+                while len(_CACHE) > _CACHE_SIZE:
+                    _CACHE.popitem(last=False)
+    return found(src_tree, donate=donate)
+
+
+def clear_cache() -> None:
+    """Forget every plan cached by `reshard` (and with them their compiled programs)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(src_tree)
+    if not all(isinstance(x, jax.Array) for x in leaves):
+        return None  # let plan() report it
+    dst_leaves, dst_def = jax.tree_util.tree_flatten(dst, is_leaf=lambda x: isinstance(x, Sharding))
+    dt_leaves, dt_def = jax.tree_util.tree_flatten(
+        dtype, is_leaf=lambda x: x is None or _is_dtype_like(x)
+    )
+    try:
+        key = (
+            treedef,
+            tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+            dst_def,
+            tuple(dst_leaves),
+            dt_def,
+            tuple(None if d is None else jnp.dtype(d) for d in dt_leaves),
+            bucket_bytes,
+        )
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+class _LeafProblem(Exception):
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+_FIXES = {
+    "type": "pass jax.Array leaves (jax.device_put a NumPy array onto its mesh first) or "
+    "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(...)), and NamedSharding "
+    "destinations: NamedSharding(mesh, PartitionSpec(...))",
+    "layout": "make every destination PartitionSpec fit the array: at most one entry per "
+    "dimension, mesh axes of that mesh, and axis sizes whose product divides the dimension "
+    "(or leave that dimension unsharded with None)",
+    "deleted": "pass arrays that are still alive: an array donated to jax.jit or to "
+    "donate= is deleted; keep the source alive until the reshard returns",
+    "dtype": "pass a NumPy/JAX dtype such as jnp.bfloat16, or None to keep the source dtype",
+}
+
+
+def _leaf_spec(path: str, x: Any, dst: Any, want: Any) -> tuple[Any, LeafSpec]:
+    if isinstance(x, jax.core.Tracer):
+        raise _LeafProblem(
+            "is a tracer: jaxreshard moves concrete arrays, call it outside jit", "type"
+        )
+    if isinstance(x, jax.Array):
+        if x.is_deleted():
+            raise _LeafProblem("the source array has been deleted", "deleted")
+        sharding = x.sharding
+    elif isinstance(x, jax.ShapeDtypeStruct):
+        sharding = x.sharding
+        if not isinstance(sharding, Sharding):
+            raise _LeafProblem(
+                "a ShapeDtypeStruct source needs sharding=NamedSharding(...)", "type"
+            )
+    else:
+        raise _LeafProblem(f"the source is a {type(x).__name__}, not a jax.Array", "type")
+    if not isinstance(dst, NamedSharding):
+        raise _LeafProblem(
+            f"the destination is a {type(dst).__name__}, not a NamedSharding", "type"
+        )
+    shape, src_dtype = tuple(x.shape), jnp.dtype(x.dtype)
+    try:
+        dst_dtype = src_dtype if want is None else jax.dtypes.canonicalize_dtype(jnp.dtype(want))
+    except TypeError as e:
+        raise _LeafProblem(f"cannot use {want!r} as a destination dtype ({e})", "dtype") from None
+    try:
+        src_layout = _layout(sharding, shape)
+    except LayoutError as e:
+        raise _LeafProblem(f"source layout: {e}", "layout") from None
+    try:
+        dst_layout = _layout(dst, shape)
+    except LayoutError as e:
+        raise _LeafProblem(
+            f"destination {_describe_sharding(dst)} does not fit shape {shape}: {e}", "layout"
+        ) from None
+    leaf = LeafSpec(
+        path, src_layout, dst_layout, src_dtype.name, dst_dtype.name, wire_itemsize(dst_dtype)
+    )
+    return (shape, src_dtype, sharding), leaf
+
+
+def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        if not hasattr(mesh, "devices"):
+            raise LayoutError("the sharding's mesh is abstract (it has no devices)")
+        spec = tuple(sharding.spec)
+        return Layout.from_mesh(
+            shape,
+            mesh.devices.shape,
+            mesh.axis_names,
+            [d.id for d in mesh.devices.flat],
+            spec,
+        )
+    try:
+        return Layout.from_sharding(sharding, shape)
+    except (ValueError, TypeError) as e:
+        raise LayoutError(str(e)) from None
+
+
+def _describe_sharding(s: NamedSharding) -> str:
+    mesh = dict(zip(s.mesh.axis_names, s.mesh.devices.shape, strict=True))
+    return f"NamedSharding(mesh={mesh}, spec={s.spec})"
+
+
+def _array_problem(x: Any, shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> str | None:
+    if not isinstance(x, jax.Array):
+        return f"expected a jax.Array, got {type(x).__name__}"
+    if x.is_deleted():
+        return "the array has been deleted"
+    if tuple(x.shape) != tuple(shape) or jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        return f"expected {jnp.dtype(dtype).name}{list(shape)}, got {x.dtype.name}{list(x.shape)}"
+    if x.sharding != sharding and not x.sharding.is_equivalent_to(sharding, len(shape)):
+        return f"expected sharding {sharding}, got {x.sharding}"
+    return None
+
+
+def _is_dtype_like(x: Any) -> bool:
+    if isinstance(x, str):
+        return True
+    try:
+        jnp.dtype(x)
+    except TypeError:
+        return False
+    return not isinstance(x, (list, tuple, dict)) and not hasattr(x, "shape")
+
+
+def _broadcast(prefix: Any, full: Any, name: str, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """Broadcast a tree prefix onto ``full``'s leaves, as jax.jit does for ``out_shardings``."""
+    prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
+    try:
+        subtrees = prefix_def.flatten_up_to(full)
+    except (ValueError, TypeError):
+        raise _structure_error(
+            name,
+            prefix,
+            [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]],
+            is_leaf,
+        ) from None
+    out = []
+    for value, sub in zip(prefix_leaves, subtrees, strict=True):
+        out.extend([value] * len(jax.tree_util.tree_leaves(sub)))
+    return out
+
+
+def _structure_error(
+    name: str,
+    tree: Any,
+    expected_paths: Sequence[str],
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> ReshardError:
+    got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+    missing = [p for p in expected_paths if p not in set(got)]
+    extra = [p for p in got if p not in set(expected_paths)]
+    problems = [(p, "missing here") for p in missing] + [
+        (p, "not in the source tree") for p in extra
+    ]
+    if not problems:
+        structure = jax.tree_util.tree_structure(tree, is_leaf=is_leaf)
+        problems = [("<root>", f"same leaves, other structure: {structure}")]
+    return leaf_error(
+        f"{name} does not match the source tree's structure",
+        problems,
+        f"give {name} the same structure as the source tree (a NamedSharding or dtype may also "
+        "stand for a whole subtree, as with jax.jit's out_shardings)",
+    )
+
+
+def _process_tier(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> Tier | None:
+    """Prefer senders on the receiver's own process (host) when there are several processes."""
+    if jax.process_count() == 1:
+        return None
+    process = {d.id: d.process_index for d in jax.devices()}
+    return lambda src, dst: 0 if process.get(src) == process.get(dst) else 1
+
+
+def _b(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

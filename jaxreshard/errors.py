@@ -1,0 +1,36 @@
+"""The library's errors: one base class, messages that name every bad leaf and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ReshardError(ValueError):
+    """Base class of every error jaxreshard raises about its inputs.
+
+    Raised before any data moves. The message lists every offending leaf by its
+    ``jax.tree_util.keystr`` path, what was expected, and how to fix it.
+    """
+
+
+class ReshardTypeError(ReshardError, TypeError):
+    """A leaf of the wrong kind: a source that is not a ``jax.Array``, a destination that is
+    not a ``NamedSharding``."""
+
+
+def leaf_error(
+    summary: str,
+    problems: Sequence[tuple[str, str]],
+    fix: str,
+    *,
+    cls: type[ReshardError] = ReshardError,
+    limit: int = 20,
+) -> ReshardError:
+    """Build an error listing ``(path, problem)`` lines under a summary, ending with the fix."""
+    lines = [f"{summary} ({len(problems)} leaf{'s' if len(problems) != 1 else ''}):"]
+    for path, problem in problems[:limit]:
+        lines.append(f"  {path or '<root>'}: {problem}")
+    if len(problems) > limit:
+        lines.append(f"  ... and {len(problems) - limit} more")
+    lines.append(f"How to fix: {fix}")
+    return cls("\n".join(lines))

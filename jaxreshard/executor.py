@@ -1,0 +1,344 @@
+"""Runs a schedule on JAX devices: pack -> collective-permute rounds -> unpack.
+
+A thin layer over JAX. For every bucket:
+
+1. *pack*: each participating device runs a small jitted program that slices its source shards
+   (or, for relays, its destination shards), casts them to the destination dtype and lays their
+   bytes into one ``uint8`` staging buffer;
+2. *transfer*: the per-device buffers are wrapped, zero-copy, into one array over a 1-D mesh of
+   every participating device (`jax.make_array_from_single_device_arrays`), and one compiled
+   ``shard_map`` program moves them with one ``jax.lax.ppermute`` per round (XLA
+   collective-permute; NCCL send/recv on GPU);
+3. *unpack*: each receiver writes the bytes into its destination shards in place (donated).
+
+Destination shards are first created by a per-device *init* program that copies the part the
+device already holds (or writes into donated buffers of a previous result). Programs are built
+once per plan and cached; only this process's devices run pack/init/unpack, so the same code
+serves multi-controller JAX. Buckets run one after the other: before the next bucket is packed,
+the previous one is unpacked, so at most one send and one receive buffer exist per device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jaxreshard.layout import Box, box_shape, shift
+from jaxreshard.planner import Assignment, LeafSpec
+from jaxreshard.schedule import Bucket, Message, Schedule
+
+AXIS = "jaxreshard"
+"""Name of the 1-D mesh axis spanning every device of a transfer."""
+
+
+class Executor:
+    """Compiled programs of one plan, for the devices of this process.
+
+    Construction builds no program and moves no data; programs are compiled on first use and
+    kept for the life of the plan.
+    """
+
+    def __init__(
+        self,
+        leaves: Sequence[LeafSpec],
+        assignment: Assignment,
+        schedule: Schedule,
+        dst_shardings: Sequence[NamedSharding],
+    ) -> None:
+        self.leaves = tuple(leaves)
+        self.schedule = schedule
+        self.dst_shardings = tuple(dst_shardings)
+        self._device = {d.id: d for d in _all_devices(dst_shardings)}
+        here = jax.process_index()
+        self._local = {i for i, d in self._device.items() if d.process_index == here}
+        dst_leaves: dict[int, list[int]] = defaultdict(list)
+        for index, leaf in enumerate(self.leaves):
+            for device in leaf.dst.devices:
+                dst_leaves[device].append(index)
+        self._dst_leaves = {d: tuple(v) for d, v in dst_leaves.items() if d in self._local}
+        copies: dict[tuple[int, int], list[Box]] = defaultdict(list)
+        for c in assignment.local:
+            copies[c.device, c.leaf].append(c.box)
+        self._copies = dict(copies)
+        union = sorted({i for b in schedule.buckets for m in b.messages for i in (m.src, m.dst)})
+        self._position = {device: i for i, device in enumerate(union)}
+        self._mesh = Mesh(np.array([self._device[i] for i in union]), (AXIS,)) if union else None
+        self._union_local = [i for i in union if i in self._local]
+        self._programs: dict[Any, Any] = {}
+
+    # ----------------------------------------------------------------------------------- run
+
+    def run(
+        self, src: Sequence[jax.Array], donate: Sequence[jax.Array] | None = None
+    ) -> list[jax.Array]:
+        """Move ``src`` (one array per leaf) into new destination arrays.
+
+        With ``donate`` (previous results of this plan), their buffers receive the data and are
+        consumed. The source arrays are only read.
+        """
+        src_shards = [_shards(x) for x in src]
+        old = [_shards(x) for x in donate] if donate is not None else None
+        dst: list[dict[int, jax.Array]] = [{} for _ in self.leaves]
+        for device, leaf_ids in self._dst_leaves.items():
+            sources = [src_shards[i][device] for i in self._init_sources(device)]
+            olds = [old[i][device] for i in leaf_ids] if old is not None else []
+            outs = self._init_program(device, old is not None)(*sources, *olds)
+            for i, arr in zip(leaf_ids, outs, strict=True):
+                dst[i][device] = arr
+        for b, bucket in enumerate(self.schedule.buckets):
+            self._run_bucket(b, bucket, src_shards, dst)
+        return [
+            jax.make_array_from_single_device_arrays(
+                leaf.shape,
+                self.dst_shardings[i],
+                [dst[i][d] for d in leaf.dst.devices if d in dst[i]],
+            )
+            for i, leaf in enumerate(self.leaves)
+        ]
+
+    def _run_bucket(
+        self,
+        b: int,
+        bucket: Bucket,
+        src: list[dict[int, jax.Array]],
+        dst: list[dict[int, jax.Array]],
+    ) -> None:
+        assert self._mesh is not None
+        buffers = []
+        for device in self._union_local:
+            src_in, dst_in = self._pack_inputs(bucket, device)
+            args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
+            buffers.append(self._pack_program(b, device)(*args))
+        sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
+        size = (len(self._position) * bucket.buffer_bytes,)
+        sent = jax.make_array_from_single_device_arrays(size, sharding, buffers)
+        del buffers
+        received = _shards(self._transfer_program(b)(sent))
+        del sent
+        written = []
+        for device in self._union_local:
+            leaf_ids = self._unpack_leaves(bucket, device)
+            if not leaf_ids:
+                continue
+            outs = self._unpack_program(b, device)(
+                received[device], *[dst[i][device] for i in leaf_ids]
+            )
+            for i, arr in zip(leaf_ids, outs, strict=True):
+                dst[i][device] = arr
+            written.extend(outs)
+        del received
+        # Bound staging to one bucket: the next pack may only start once this one is unpacked.
+        jax.block_until_ready(written)
+
+    # ------------------------------------------------------------------------------ programs
+
+    def _cached(self, key: Any, build: Any) -> Any:
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = build()
+        return program
+
+    def _init_sources(self, device: int) -> list[int]:
+        return [i for i in self._dst_leaves.get(device, ()) if (device, i) in self._copies]
+
+    def _init_program(self, device: int, donating: bool) -> Any:
+        def build() -> Any:
+            leaf_ids = self._dst_leaves[device]
+            sources = self._init_sources(device)
+
+            def init(*args: jax.Array) -> tuple[jax.Array, ...]:
+                given = dict(zip(sources, args[: len(sources)], strict=True))
+                olds = args[len(sources) :]
+                outs = []
+                for k, i in enumerate(leaf_ids):
+                    leaf = self.leaves[i]
+                    dst_box = leaf.dst.box_of[device]
+                    dtype = jnp.dtype(leaf.dst_dtype)
+                    out = olds[k] if donating else jnp.zeros(box_shape(dst_box), dtype)
+                    for box in self._copies.get((device, i), ()):
+                        part = _slice(given[i], shift(box, _origin(leaf.src.box_of[device])))
+                        part = part.astype(dtype)
+                        if box == dst_box:
+                            out = part
+                        else:
+                            out = lax.dynamic_update_slice(
+                                out, part, _origin(shift(box, _origin(dst_box)))
+                            )
+                    outs.append(out)
+                return tuple(outs)
+
+            n_src = len(sources)
+            donate = tuple(range(n_src, n_src + len(leaf_ids))) if donating else ()
+            return self._jit(init, device, donate)
+
+        return self._cached(("init", device, donating), build)
+
+    def _pack_inputs(self, bucket: Bucket, device: int) -> tuple[list[int], list[int]]:
+        segments = [s for m in bucket.sends(device) for s in m.segments]
+        src_in = sorted({s.leaf for s in segments if not s.from_dst})
+        dst_in = sorted({s.leaf for s in segments if s.from_dst})
+        return src_in, dst_in
+
+    def _pack_program(self, b: int, device: int) -> Any:
+        def build() -> Any:
+            bucket = self.schedule.buckets[b]
+            src_in, dst_in = self._pack_inputs(bucket, device)
+            messages = sorted(bucket.sends(device), key=lambda m: m.slot)
+
+            def pack(*args: jax.Array) -> jax.Array:
+                from_src = dict(zip(src_in, args[: len(src_in)], strict=True))
+                from_dst = dict(zip(dst_in, args[len(src_in) :], strict=True))
+                parts, cursor = [], 0
+                for m in messages:
+                    for seg in m.segments:
+                        at = m.slot * bucket.chunk_bytes + seg.offset
+                        if at > cursor:
+                            parts.append(jnp.zeros(at - cursor, jnp.uint8))
+                        leaf = self.leaves[seg.leaf]
+                        if seg.from_dst:
+                            shard, held = from_dst[seg.leaf], leaf.dst.box_of[device]
+                        else:
+                            shard, held = from_src[seg.leaf], leaf.src.box_of[device]
+                        part = _slice(shard, shift(seg.box, _origin(held)))
+                        parts.append(to_bytes(part.astype(jnp.dtype(leaf.dst_dtype))))
+                        cursor = at + seg.nbytes
+                if cursor < bucket.buffer_bytes:
+                    parts.append(jnp.zeros(bucket.buffer_bytes - cursor, jnp.uint8))
+                return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+            return self._jit(pack, device, ())
+
+        return self._cached(("pack", b, device), build)
+
+    def _unpack_leaves(self, bucket: Bucket, device: int) -> list[int]:
+        return sorted({s.leaf for m in bucket.recvs(device) for s in m.segments})
+
+    def _unpack_program(self, b: int, device: int) -> Any:
+        def build() -> Any:
+            bucket = self.schedule.buckets[b]
+            leaf_ids = self._unpack_leaves(bucket, device)
+            messages: list[Message] = list(bucket.recvs(device))
+
+            def unpack(buffer: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
+                out = dict(zip(leaf_ids, shards, strict=True))
+                for m in messages:
+                    for seg in m.segments:
+                        leaf = self.leaves[seg.leaf]
+                        at = m.slot * bucket.chunk_bytes + seg.offset
+                        raw = lax.slice(buffer, (at,), (at + seg.nbytes,))
+                        part = from_bytes(raw, jnp.dtype(leaf.dst_dtype), box_shape(seg.box))
+                        start = _origin(shift(seg.box, _origin(leaf.dst.box_of[device])))
+                        out[seg.leaf] = lax.dynamic_update_slice(out[seg.leaf], part, start)
+                return tuple(out[i] for i in leaf_ids)
+
+            return self._jit(unpack, device, tuple(range(1, 1 + len(leaf_ids))))
+
+        return self._cached(("unpack", b, device), build)
+
+    def _transfer_program(self, b: int) -> Any:
+        def build() -> Any:
+            bucket = self.schedule.buckets[b]
+            perms = [
+                [(self._position[s], self._position[d]) for s, d in perm] for perm in bucket.perms()
+            ]
+            chunk = bucket.chunk_bytes
+
+            def transfer(buffer: jax.Array) -> jax.Array:
+                moved = [
+                    lax.ppermute(lax.slice(buffer, (t * chunk,), ((t + 1) * chunk,)), AXIS, perm)
+                    for t, perm in enumerate(perms)
+                ]
+                return jnp.concatenate(moved) if len(moved) > 1 else moved[0]
+
+            spec = PartitionSpec(AXIS)
+            mapped = jax.shard_map(transfer, mesh=self._mesh, in_specs=spec, out_specs=spec)
+            return jax.jit(mapped, donate_argnums=0)
+
+        return self._cached(("transfer", b), build)
+
+    def compiled_transfer_text(self, b: int) -> str:
+        """Optimized HLO of bucket ``b``'s transfer program (compiles it if needed)."""
+        bucket = self.schedule.buckets[b]
+        assert self._mesh is not None
+        size = (len(self._position) * bucket.buffer_bytes,)
+        arg = jax.ShapeDtypeStruct(
+            size, jnp.uint8, sharding=NamedSharding(self._mesh, PartitionSpec(AXIS))
+        )
+        return self._transfer_program(b).lower(arg).compile().as_text()
+
+    def _jit(self, fn: Any, device: int, donate: tuple[int, ...]) -> Any:
+        sharding = SingleDeviceSharding(self._device[device])
+        return jax.jit(fn, out_shardings=sharding, donate_argnums=donate)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _all_devices(shardings: Sequence[Any]) -> list[jax.Device]:
+    devices = {d.id: d for d in jax.devices()}
+    for s in shardings:
+        for d in s.device_set:
+            devices[d.id] = d
+    return list(devices.values())
+
+
+def _shards(x: jax.Array) -> dict[int, jax.Array]:
+    """This process's per-device buffers of ``x`` (zero-copy views)."""
+    return {s.device.id: s.data for s in x.addressable_shards}
+
+
+def _origin(box: Box) -> tuple[int, ...]:
+    return tuple(start for start, _ in box)
+
+
+def _slice(x: jax.Array, box: Box) -> jax.Array:
+    if not box:
+        return x
+    if box_shape(box) == tuple(x.shape):
+        return x
+    return lax.slice(x, _origin(box), tuple(stop for _, stop in box))
+
+
+def wire_itemsize(dtype: Any) -> int:
+    """Bytes one element of ``dtype`` takes in a staging buffer (sub-byte types take one)."""
+    return max(1, jnp.dtype(dtype).itemsize)
+
+
+def to_bytes(x: jax.Array) -> jax.Array:
+    """The elements of ``x`` as a flat ``uint8`` vector, bit for bit (row-major)."""
+    dtype = jnp.dtype(x.dtype)
+    if dtype == jnp.bool_:
+        return x.astype(jnp.uint8).reshape(-1)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    elif jax.dtypes.itemsize_bits(dtype) < 8:  # int4, fp4, ...: widen losslessly to one byte
+        unsigned = jnp.dtype(f"uint{jax.dtypes.itemsize_bits(dtype)}")
+        return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint8).reshape(-1)
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def from_bytes(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of `to_bytes`: flat ``uint8`` back to an array of ``dtype`` and ``shape``."""
+    dtype = jnp.dtype(dtype)
+    n = math.prod(shape)
+    if dtype == jnp.bool_:
+        return (raw != 0).reshape(shape)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        real = jnp.finfo(dtype).dtype
+        parts = lax.bitcast_convert_type(raw.reshape(n, 2, real.itemsize), real)
+        return lax.complex(parts[:, 0], parts[:, 1]).reshape(shape)
+    bits = jax.dtypes.itemsize_bits(dtype)
+    if bits < 8:
+        narrow = raw.astype(jnp.dtype(f"uint{bits}"))
+        return lax.bitcast_convert_type(narrow, dtype).reshape(shape)
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(raw, dtype).reshape(shape)
+    return lax.bitcast_convert_type(raw.reshape(n, dtype.itemsize), dtype).reshape(shape)

@@ -1,0 +1,262 @@
+"""Layouts as per-device boxes, and box arithmetic.
+
+Pure code: no JAX devices are needed to build or compare a `Layout`, so the planner can run on
+virtual clusters of any size. `Layout.from_sharding` is the one bridge from a JAX sharding.
+
+A *box* is a hyper-rectangle of a global array: one ``(start, stop)`` pair per dimension. A scalar's
+box is ``()`` and holds one element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+Box = tuple[tuple[int, int], ...]
+"""A hyper-rectangle of a global array: ``((start, stop), ...)``, one pair per dimension."""
+
+AxisSpec = tuple[tuple[str, ...], ...]
+"""A normalised PartitionSpec: for every dimension, the mesh axes it is split over (major first)."""
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be built; the caller adds which leaf it belongs to."""
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    """The shape of the elements a box covers."""
+    return tuple(stop - start for start, stop in box)
+
+
+def box_size(box: Box) -> int:
+    """Number of elements in a box (1 for the scalar box ``()``)."""
+    return math.prod(box_shape(box))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of the same rank, or None when it holds no element."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def shift(box: Box, origin: Sequence[int]) -> Box:
+    """Re-express a global box relative to ``origin`` (the start of the shard that holds it)."""
+    return tuple((s - o, e - o) for (s, e), o in zip(box, origin, strict=True))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    """The box of a whole array."""
+    return tuple((0, n) for n in shape)
+
+
+def split_rows(box: Box, sizes: Sequence[int]) -> list[Box]:
+    """Split a box along its first dimension of extent > 1 into consecutive parts.
+
+    ``sizes`` are element counts that must add up to the box's size and be multiples of one
+    row along that dimension (the caller rounds them). Zero sizes yield no part. Splitting the
+    outermost dimension keeps every part contiguous in row-major order.
+    """
+    dim = next((i for i, (s, e) in enumerate(box) if e - s > 1), None)
+    if dim is None:
+        return [box] if any(sizes) else []
+    row = box_size(box) // (box[dim][1] - box[dim][0])
+    parts, start = [], box[dim][0]
+    for size in sizes:
+        if size == 0:
+            continue
+        assert size % row == 0, (size, row)
+        stop = start + size // row
+        parts.append((*box[:dim], (start, stop), *box[dim + 1 :]))
+        start = stop
+    assert start == box[dim][1], (box, sizes)
+    return parts
+
+
+def split_flat(box: Box, start: int, stop: int) -> list[Box]:
+    """Boxes covering elements ``[start, stop)`` of ``box`` in row-major order.
+
+    A flat range of a box is a "staircase": at most ``2 * ndim - 1`` boxes. Used where a chunk
+    boundary cuts a piece, so every part that travels is still a box (sliceable without gathers).
+    """
+    shape = box_shape(box)
+    if start >= stop:
+        return []
+    if not shape:
+        return [box]
+    inner = math.prod(shape[1:])
+    (b0, _), rest = box[0], box[1:]
+    first_row, last_row = start // inner, (stop - 1) // inner
+    if start % inner == 0 and stop % inner == 0:
+        return [((b0 + first_row, b0 + stop // inner), *rest)]
+    if first_row == last_row:
+        return [
+            ((b0 + first_row, b0 + first_row + 1), *sub)
+            for sub in split_flat(rest, start - first_row * inner, stop - first_row * inner)
+        ]
+    head_stop = (first_row + 1) * inner
+    tail_start = last_row * inner
+    return (
+        split_flat(box, start, head_stop)
+        + split_flat(box, head_stop, tail_start)
+        + split_flat(box, tail_start, stop)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which box of a global array each device holds.
+
+    Attributes:
+      shape: the global shape.
+      devices: integer device ids, in the sharding's device order.
+      boxes: ``boxes[i]`` is the box held by ``devices[i]``. Replicas hold equal boxes.
+
+    Hashable and comparable, so plans built from layouts can be cached and checked across
+    processes. Building one allocates nothing on any device.
+    """
+
+    shape: tuple[int, ...]
+    devices: tuple[int, ...]
+    boxes: tuple[Box, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.devices) != len(self.boxes):
+            raise LayoutError("a layout needs one box per device")
+        if len(set(self.devices)) != len(self.devices):
+            raise LayoutError(f"a device appears twice in the layout: {self.devices}")
+
+    @functools.cached_property
+    def box_of(self) -> dict[int, Box]:
+        """Device id -> the box it holds."""
+        return dict(zip(self.devices, self.boxes, strict=True))
+
+    @functools.cached_property
+    def shard_shape(self) -> tuple[int, ...]:
+        """The shape every device holds (JAX shards are even, so one shape for all)."""
+        return box_shape(self.boxes[0]) if self.boxes else tuple(self.shape)
+
+    @functools.cached_property
+    def replicas(self) -> dict[Box, tuple[int, ...]]:
+        """Each distinct box -> the sorted ids of the devices that hold it."""
+        groups: dict[Box, list[int]] = {}
+        for device, box in zip(self.devices, self.boxes, strict=True):
+            groups.setdefault(box, []).append(device)
+        return {box: tuple(sorted(ids)) for box, ids in sorted(groups.items())}
+
+    def overlapping(self, box: Box) -> Iterator[tuple[Box, tuple[int, ...], Box]]:
+        """``(held_box, replica_ids, common_part)`` for each distinct held box meeting ``box``.
+
+        The distinct boxes of a mesh layout form a grid, so a per-dimension interval search
+        finds the overlaps without scanning every device (this matters at 256+ devices).
+        """
+        for held in self._grid_candidates(box):
+            common = intersect(held, box)
+            if common is not None:
+                yield held, self.replicas[held], common
+
+    def _grid_candidates(self, box: Box) -> Iterator[Box]:
+        per_dim = self._grid
+        if per_dim is None:  # not a grid (hand-built layout): scan.
+            yield from self.replicas
+            return
+        choices = []
+        for (lo, hi), intervals in zip(box, per_dim, strict=True):
+            choices.append([iv for iv in intervals if iv[0] < hi and lo < iv[1]])
+        yield from (b for b in itertools.product(*choices) if b in self.replicas)
+
+    @functools.cached_property
+    def _grid(self) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        if not self.boxes or box_size(self.boxes[0]) == 0:
+            return None
+        per_dim = tuple(
+            tuple(sorted({box[d] for box in self.replicas})) for d in range(len(self.shape))
+        )
+        if math.prod(len(v) for v in per_dim) != len(self.replicas):
+            return None
+        return per_dim
+
+    @classmethod
+    def from_mesh(
+        cls,
+        shape: Sequence[int],
+        mesh_shape: Sequence[int],
+        axis_names: Sequence[str],
+        device_ids: Sequence[int],
+        spec: Sequence[Any],
+    ) -> Layout:
+        """The layout of a ``NamedSharding(Mesh(ids.reshape(mesh_shape), axis_names), P(*spec))``.
+
+        Pure: works on virtual devices. ``device_ids`` lists the mesh's devices in row-major mesh
+        order. ``spec`` entries are None, an axis name, or a tuple of axis names, as in
+        ``PartitionSpec``. Raises `LayoutError` when the spec does not fit the shape or mesh.
+        """
+        shape, mesh_shape = tuple(int(n) for n in shape), tuple(int(n) for n in mesh_shape)
+        axes = normalize_spec(spec, len(shape), tuple(axis_names))
+        size = dict(zip(axis_names, mesh_shape, strict=True))
+        if math.prod(mesh_shape) != len(device_ids):
+            raise LayoutError(f"mesh shape {mesh_shape} does not hold {len(device_ids)} devices")
+        for dim, (n, dim_axes) in enumerate(zip(shape, axes, strict=True)):
+            ways = math.prod(size[a] for a in dim_axes)
+            if n % ways:
+                raise LayoutError(
+                    f"dimension {dim} of size {n} is split {ways} ways over mesh axes "
+                    f"{dim_axes}, which does not divide it"
+                )
+        strides = {name: math.prod(mesh_shape[i + 1 :]) for i, name in enumerate(axis_names)}
+        boxes = []
+        for flat in range(len(device_ids)):
+            coord = {a: (flat // strides[a]) % size[a] for a in axis_names}
+            box = []
+            for n, dim_axes in zip(shape, axes, strict=True):
+                index, ways = 0, 1
+                for a in dim_axes:  # the first axis is the major one, as in JAX
+                    index, ways = index * size[a] + coord[a], ways * size[a]
+                step = n // ways
+                box.append((index * step, (index + 1) * step))
+            boxes.append(tuple(box))
+        return cls(shape, tuple(int(i) for i in device_ids), tuple(boxes))
+
+    @classmethod
+    def from_sharding(cls, sharding: Any, shape: Sequence[int]) -> Layout:
+        """The layout of any JAX sharding, via ``devices_indices_map`` (allocates nothing)."""
+        shape = tuple(int(n) for n in shape)
+        index_map = sharding.devices_indices_map(shape)
+        items = sorted(index_map.items(), key=lambda kv: kv[0].id)
+        if hasattr(sharding, "mesh"):  # keep the mesh's own device order for NamedSharding
+            order = {d.id: i for i, d in enumerate(sharding.mesh.devices.flat)}
+            items = sorted(index_map.items(), key=lambda kv: order[kv[0].id])
+        boxes = tuple(
+            tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True)) for _, index in items
+        )
+        return cls(shape, tuple(d.id for d, _ in items), boxes)
+
+
+def normalize_spec(spec: Sequence[Any], ndim: int, axis_names: tuple[str, ...]) -> AxisSpec:
+    """PartitionSpec entries -> a tuple of axis-name tuples, one per dimension (padded)."""
+    entries = tuple(spec)
+    if len(entries) > ndim:
+        raise LayoutError(
+            f"the spec {tuple(spec)} has {len(entries)} entries but the array has rank {ndim}"
+        )
+    out = []
+    for entry in entries + (None,) * (ndim - len(entries)):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for name in names:
+            if name not in axis_names:
+                raise LayoutError(
+                    f"the spec names axis {name!r}, not in the mesh axes {axis_names}"
+                )
+        out.append(names)
+    used = [a for names in out for a in names]
+    if len(used) != len(set(used)):
+        raise LayoutError(f"the spec {tuple(spec)} uses a mesh axis twice")
+    return tuple(out)

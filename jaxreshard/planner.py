@@ -1,0 +1,270 @@
+"""Which bytes each destination device needs, and which device sends them.
+
+Pure Python on integer device ids: no JAX devices, no data. For every leaf and destination
+device, the destination box is cut along the source layout's grid. A part the device already
+holds in the source layout is a `LocalCopy`; every other part is a `Piece` sent once, from one
+of the devices that hold it. Where several replicas hold a part, the sending is balanced so the
+busiest sender carries as little as possible (a min-max load problem solved exactly by bisection
+over a small max-flow, then rounded to whole rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from jaxreshard.layout import Box, Layout, box_size, split_rows
+
+Tier = Callable[[int, int], int]
+"""``tier(src_device, dst_device) -> int``: lower is closer (same host, same domain, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """One leaf to move: its path, its source and destination layouts and dtypes.
+
+    ``itemsize`` is the number of bytes one destination element takes on the wire.
+    """
+
+    path: str
+    src: Layout
+    dst: Layout
+    src_dtype: str
+    dst_dtype: str
+    itemsize: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCopy:
+    """Part ``box`` (global coordinates) of leaf ``leaf`` that ``device`` copies from itself."""
+
+    leaf: int
+    device: int
+    box: Box
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Part ``box`` of leaf ``leaf`` sent from device ``src`` to device ``dst``.
+
+    Stage 0 pieces are read from the sender's source shard. Pieces of later stages are relays:
+    the sender forwards bytes it received in an earlier stage, reading its destination shard.
+    """
+
+    leaf: int
+    src: int
+    dst: int
+    box: Box
+    stage: int = 0
+
+    @property
+    def from_dst(self) -> bool:
+        return self.stage > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """Every byte every destination device gets: from itself or from a sender."""
+
+    local: tuple[LocalCopy, ...]
+    pieces: tuple[Piece, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Demand:
+    leaf: int
+    dst: int
+    box: Box
+    candidates: tuple[int, ...]
+    nbytes: int
+
+
+def assign(leaves: Sequence[LeafSpec], *, tier: Tier | None = None) -> Assignment:
+    """Cut every destination shard into local copies and sent pieces, choosing balanced senders.
+
+    Args:
+      leaves: the leaves to move.
+      tier: optional closeness of a sender to a receiver. Among the replicas holding a part,
+        only those of the lowest tier are considered (e.g. prefer the receiver's own host).
+
+    Returns:
+      An `Assignment` whose pieces carry exactly the bytes the destinations lack (the lower
+      bound), each once. Deterministic: the same inputs give the same assignment everywhere.
+    """
+    local: list[LocalCopy] = []
+    demands: list[_Demand] = []
+    for index, leaf in enumerate(leaves):
+        for device, dst_box in zip(leaf.dst.devices, leaf.dst.boxes, strict=True):
+            if box_size(dst_box) == 0:
+                continue
+            for _, replicas, common in leaf.src.overlapping(dst_box):
+                if device in replicas:
+                    local.append(LocalCopy(index, device, common))
+                    continue
+                candidates = replicas
+                if tier is not None:
+                    best = min(tier(s, device) for s in replicas)
+                    candidates = tuple(s for s in replicas if tier(s, device) == best)
+                nbytes = box_size(common) * leaf.itemsize
+                demands.append(_Demand(index, device, common, candidates, nbytes))
+    return Assignment(tuple(local), tuple(_choose_senders(demands)))
+
+
+def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
+    """Give each demand a sender (or split it over several), minimising the busiest sender."""
+    totals: dict[tuple[int, ...], int] = defaultdict(int)
+    for demand in demands:
+        totals[demand.candidates] += demand.nbytes
+    quota = _min_max_quotas(dict(sorted(totals.items())))
+    load: dict[int, int] = defaultdict(int)
+    pieces: list[Piece] = []
+    ordered = sorted(demands, key=lambda d: (d.candidates, -d.nbytes, d.leaf, d.dst, d.box))
+    for demand in ordered:
+        group = demand.candidates
+        left = {s: quota[group, s] for s in group}
+        best = max(group, key=lambda s: (left[s], -load[s], -s))
+        if len(group) == 1 or left[best] >= demand.nbytes:
+            parts = [(best, demand.box)]
+        else:
+            parts = _split(demand, left)
+        for sender, box in parts:
+            nbytes = box_size(box) * demand.nbytes // box_size(demand.box)
+            quota[group, sender] -= nbytes
+            load[sender] += nbytes
+            pieces.append(Piece(demand.leaf, sender, demand.dst, box))
+    return sorted(pieces, key=lambda p: (p.src, p.dst, p.leaf, p.box))
+
+
+def _split(demand: _Demand, left: dict[int, int]) -> list[tuple[int, Box]]:
+    """Cut a demand into whole rows, giving each candidate about what its quota has left."""
+    box = demand.box
+    dim = next((i for i, (s, e) in enumerate(box) if e - s > 1), None)
+    if dim is None:  # a single element: cannot be split
+        return [(max(left, key=lambda s: (left[s], -s)), box)]
+    rows = box[dim][1] - box[dim][0]
+    row_bytes = demand.nbytes // rows
+    order = sorted(left, key=lambda s: (-left[s], s))
+    take: dict[int, int] = {}
+    remaining = rows
+    for sender in order:
+        n = min(remaining, max(0, round(left[sender] / row_bytes)))
+        if n:
+            take[sender] = n
+            remaining -= n
+    if remaining:
+        take[order[0]] = take.get(order[0], 0) + remaining
+    senders = sorted(take)
+    row_elems = box_size(box) // rows
+    boxes = split_rows(box, [take[s] * row_elems for s in senders])
+    return list(zip(senders, boxes, strict=True))
+
+
+def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> dict[tuple[tuple[int, ...], int], int]:
+    """Bytes each candidate group should take from each member so the busiest sender is least.
+
+    Bisection on the per-sender cap ``T``: a cap is feasible when a max-flow from the groups
+    (capacity: their bytes) through their members (capacity ``T`` each) saturates every group.
+    The graph has one node per distinct replica group, so it stays small at any cluster size.
+    """
+    senders = sorted({s for group in totals for s in group})
+    total = sum(totals.values())
+    if not totals or total == 0:
+        return defaultdict(int)
+    lo = max(math.ceil(total / len(senders)), *(math.ceil(b / len(g)) for g, b in totals.items()))
+    hi = max(lo, max(totals.values()))
+    best = _flow(totals, senders, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        flow = _flow(totals, senders, mid)
+        if flow is None:
+            lo = mid + 1
+        else:
+            hi, best = mid, flow
+    assert best is not None
+    return best
+
+
+def _flow(
+    totals: dict[tuple[int, ...], int], senders: list[int], cap: int
+) -> dict[tuple[tuple[int, ...], int], int] | None:
+    """Dinic max-flow; returns the per (group, sender) flow if every group is saturated."""
+    groups = list(totals)
+    n_groups = len(groups)
+    sender_node = {s: 1 + n_groups + i for i, s in enumerate(senders)}
+    sink = 1 + n_groups + len(senders)
+    graph = _FlowGraph(sink + 1)
+    edges = {}
+    for g, group in enumerate(groups):
+        graph.add(0, 1 + g, totals[group])
+        for s in group:
+            edges[group, s] = graph.add(1 + g, sender_node[s], totals[group])
+    for s in senders:
+        graph.add(sender_node[s], sink, cap)
+    if graph.max_flow(0, sink) < sum(totals.values()):
+        return None
+    out: dict[tuple[tuple[int, ...], int], int] = defaultdict(int)
+    for key, edge in edges.items():
+        out[key] = graph.flow_on(edge)
+    return out
+
+
+class _FlowGraph:
+    """A tiny Dinic max-flow on integer capacities (Python ints: byte counts exceed 2**31)."""
+
+    def __init__(self, n: int) -> None:
+        self.adj: list[list[int]] = [[] for _ in range(n)]
+        self.to: list[int] = []
+        self.cap: list[int] = []
+        self.orig: list[int] = []
+
+    def add(self, u: int, v: int, cap: int) -> int:
+        self.adj[u].append(len(self.to))
+        self.to.append(v), self.cap.append(cap), self.orig.append(cap)
+        self.adj[v].append(len(self.to))
+        self.to.append(u), self.cap.append(0), self.orig.append(0)
+        return len(self.to) - 2
+
+    def flow_on(self, edge: int) -> int:
+        return self.orig[edge] - self.cap[edge]
+
+    def max_flow(self, s: int, t: int) -> int:
+        total = 0
+        while True:
+            level = self._levels(s, t)
+            if level[t] < 0:
+                return total
+            it = [0] * len(self.adj)
+            while pushed := self._push(s, t, 1 << 62, level, it):
+                total += pushed
+
+    def _levels(self, s: int, t: int) -> list[int]:
+        level = [-1] * len(self.adj)
+        level[s] = 0
+        queue = [s]
+        for u in queue:
+            for e in self.adj[u]:
+                if self.cap[e] > 0 and level[self.to[e]] < 0:
+                    level[self.to[e]] = level[u] + 1
+                    queue.append(self.to[e])
+        return level
+
+    def _push(self, u: int, t: int, limit: int, level: list[int], it: list[int]) -> int:
+        if u == t:
+            return limit
+        while it[u] < len(self.adj[u]):
+            e = self.adj[u][it[u]]
+            v = self.to[e]
+            if self.cap[e] > 0 and level[v] == level[u] + 1:
+                pushed = self._push(v, t, min(limit, self.cap[e]), level, it)
+                if pushed:
+                    self.cap[e] -= pushed
+                    self.cap[e ^ 1] += pushed
+                    return pushed
+            it[u] += 1
+        return 0
