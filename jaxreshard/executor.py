@@ -199,7 +199,7 @@ class Executor:
                 parts, cursor = [], 0
                 for m in messages:
                     for seg in m.segments:
-                        at = m.slot * bucket.chunk_bytes + seg.offset
+                        at = bucket.slot_offset(m.slot) + seg.offset
                         if at > cursor:
                             parts.append(jnp.zeros(at - cursor, jnp.uint8))
                         leaf = self.leaves[seg.leaf]
@@ -232,7 +232,7 @@ class Executor:
                 for m in messages:
                     for seg in m.segments:
                         leaf = self.leaves[seg.leaf]
-                        at = m.slot * bucket.chunk_bytes + seg.offset
+                        at = bucket.slot_offset(m.slot) + seg.offset
                         raw = lax.slice(buffer, (at,), (at + seg.nbytes,))
                         part = from_bytes(raw, jnp.dtype(leaf.dst_dtype), box_shape(seg.box))
                         start = _origin(shift(seg.box, _origin(leaf.dst.box_of[device])))
@@ -249,12 +249,15 @@ class Executor:
             perms = [
                 [(self._position[s], self._position[d]) for s, d in perm] for perm in bucket.perms()
             ]
-            chunk = bucket.chunk_bytes
+            bounds = [
+                (bucket.slot_offset(t), bucket.slot_offset(t) + n)
+                for t, n in enumerate(bucket.slot_bytes)
+            ]
 
             def transfer(buffer: jax.Array) -> jax.Array:
                 moved = [
-                    lax.ppermute(lax.slice(buffer, (t * chunk,), ((t + 1) * chunk,)), AXIS, perm)
-                    for t, perm in enumerate(perms)
+                    lax.ppermute(lax.slice(buffer, (lo,), (hi,)), AXIS, perm)
+                    for (lo, hi), perm in zip(bounds, perms, strict=True)
                 ]
                 return jnp.concatenate(moved) if len(moved) > 1 else moved[0]
 

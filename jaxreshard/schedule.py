@@ -55,17 +55,25 @@ class Message:
 class Bucket:
     """A run of rounds executed as one compiled transfer over per-device staging buffers.
 
-    Every participating device holds a send buffer and a receive buffer of
-    ``slots * chunk_bytes`` bytes; slot ``t`` of a buffer is the chunk of round ``t``.
+    Every participating device holds a send buffer and a receive buffer of ``buffer_bytes``:
+    slot ``t`` (``slot_bytes[t]`` bytes at ``slot_offset(t)``) carries the chunk of round ``t``.
+    Rounds of full chunks all have the plan's chunk size; the tails of streams travel in
+    rounds sized to their largest tail, so padding stays small.
     """
 
-    slots: int
-    chunk_bytes: int
+    slot_bytes: tuple[int, ...]
     messages: tuple[Message, ...]
 
     @property
+    def slots(self) -> int:
+        return len(self.slot_bytes)
+
+    @property
     def buffer_bytes(self) -> int:
-        return self.slots * self.chunk_bytes
+        return sum(self.slot_bytes)
+
+    def slot_offset(self, slot: int) -> int:
+        return sum(self.slot_bytes[:slot])
 
     def perms(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """For each slot, the (sender, receiver) device-id pairs of its permutation."""
@@ -105,7 +113,7 @@ class PlanStats:
       bytes_wire: bytes in the collective-permutes, padding included.
       rounds: collective-permute steps.
       buckets: compiled transfer calls (each bounded by ``bucket_bytes`` per buffer).
-      chunk_bytes: the uniform message size of one round.
+      chunk_bytes: the size of a full chunk; the tails of streams travel in smaller rounds.
       max_device_send_bytes: payload of the busiest sender.
       max_device_recv_bytes: payload of the busiest receiver.
       staging_bytes: largest per-device transient buffer space of one call beyond the
@@ -160,16 +168,52 @@ def build_schedule(
     buckets: list[Bucket] = []
     for _, pairs in sorted(streams.items()):
         chunks = {pair: _cut(stream, chunk) for pair, stream in pairs.items()}
-        rounds = colour_rounds({pair: len(c) for pair, c in chunks.items()})
-        per_bucket = max(1, cap // chunk)
-        for first in range(0, len(rounds), per_bucket):
-            group = rounds[first : first + per_bucket]
-            messages = []
-            for slot, pairs_in_round in enumerate(group):
-                for pair, k in pairs_in_round:
-                    messages.append(Message(slot, pair[0], pair[1], chunks[pair][k]))
-            buckets.append(Bucket(len(group), chunk, tuple(messages)))
+        rounds = _stage_rounds(chunks, chunk)
+        group: list[tuple[int, list[tuple[tuple[int, int], int]]]] = []
+        for size, entries in rounds:
+            if group and sum(s for s, _ in group) + size > cap:
+                buckets.append(_bucket(group, chunks))
+                group = []
+            group.append((size, entries))
+        if group:
+            buckets.append(_bucket(group, chunks))
     return Schedule(chunk, tuple(buckets))
+
+
+def _stage_rounds(
+    chunks: Mapping[tuple[int, int], list[tuple[Segment, ...]]], chunk: int
+) -> list[tuple[int, list[tuple[tuple[int, int], int]]]]:
+    """Rounds of one stage as ``(slot_bytes, [((src, dst), chunk_index), ...])``.
+
+    Full chunks are coloured together into rounds of ``chunk`` bytes. Each stream's last,
+    partial chunk (its tail) is coloured separately, largest tails first, into rounds sized to
+    their largest tail: tails of small leaves then ride in small rounds instead of being padded
+    to a full chunk.
+    """
+    full = {pair: sum(1 for c in cs if _nbytes(c) == chunk) for pair, cs in chunks.items()}
+    tails = {pair: _nbytes(cs[-1]) for pair, cs in chunks.items() if _nbytes(cs[-1]) < chunk}
+    out = [(chunk, entries) for entries in colour_rounds({p: n for p, n in full.items() if n})]
+    order = sorted(tails, key=lambda p: (-tails[p], p))
+    for entries in colour_rounds({p: 1 for p in order}, order=order):
+        located = [(pair, full[pair]) for pair, _ in entries]
+        out.append((_align(max(tails[pair] for pair, _ in entries)), located))
+    return out
+
+
+def _nbytes(segments: Sequence[Segment]) -> int:
+    return sum(s.nbytes for s in segments)
+
+
+def _bucket(
+    group: Sequence[tuple[int, list[tuple[tuple[int, int], int]]]],
+    chunks: Mapping[tuple[int, int], list[tuple[Segment, ...]]],
+) -> Bucket:
+    messages = [
+        Message(slot, pair[0], pair[1], chunks[pair][k])
+        for slot, (_, entries) in enumerate(group)
+        for pair, k in entries
+    ]
+    return Bucket(tuple(size for size, _ in group), tuple(messages))
 
 
 def _streams(
@@ -215,7 +259,7 @@ def _cut(stream: Sequence[Segment], chunk: int) -> list[tuple[Segment, ...]]:
 def choose_chunk_bytes(
     sizes: Mapping[tuple[int, tuple[int, int]], int], *, cap: int, latency_bytes: int
 ) -> int:
-    """The uniform chunk size minimising ``rounds * (chunk + latency)``.
+    """The chunk size minimising the modeled time: per round, its size plus a latency.
 
     ``sizes`` maps ``(stage, (sender, receiver))`` to stream bytes. Candidates are even
     divisions of the largest streams (so equal streams split with no padding) and the cap.
@@ -232,21 +276,32 @@ def choose_chunk_bytes(
                 candidates.add(c)
 
     def cost(c: int) -> tuple[int, int]:
-        return (_rounds(sizes, c) * (c + latency_bytes), -c)
+        return (_modeled_time(sizes, c, latency_bytes), -c)
 
     return min(candidates, key=cost)
 
 
-def _rounds(sizes: Mapping[tuple[int, tuple[int, int]], int], chunk: int) -> int:
-    per_stage: dict[int, int] = {}
-    degree: dict[tuple[int, str, int], int] = defaultdict(int)
+def _modeled_time(
+    sizes: Mapping[tuple[int, tuple[int, int]], int], chunk: int, latency: int
+) -> int:
+    """Byte-equivalent time of the rounds `_stage_rounds` would make with this chunk size."""
+    full: dict[tuple[int, str, int], int] = defaultdict(int)
+    tail: dict[tuple[int, str, int], int] = defaultdict(int)
+    largest_tail: dict[int, int] = defaultdict(int)
     for (stage, (src, dst)), size in sizes.items():
-        n = math.ceil(size / chunk)
-        degree[stage, "send", src] += n
-        degree[stage, "recv", dst] += n
-    for (stage, _, _), d in degree.items():
-        per_stage[stage] = max(per_stage.get(stage, 0), d)
-    return sum(per_stage.values())
+        n, rest = divmod(size, chunk)
+        full[stage, "send", src] += n
+        full[stage, "recv", dst] += n
+        if rest:
+            tail[stage, "send", src] += 1
+            tail[stage, "recv", dst] += 1
+            largest_tail[stage] = max(largest_tail[stage], rest)
+    total = 0
+    for stage in {key[0] for key in (*full, *tail)}:
+        n_full = max((v for k, v in full.items() if k[0] == stage), default=0)
+        n_tail = max((v for k, v in tail.items() if k[0] == stage), default=0)
+        total += n_full * (chunk + latency) + n_tail * (_align(largest_tail[stage]) + latency)
+    return total
 
 
 def _align(n: int) -> int:
@@ -255,13 +310,15 @@ def _align(n: int) -> int:
 
 def colour_rounds(
     multiplicity: Mapping[tuple[int, int], int],
+    order: Sequence[tuple[int, int]] | None = None,
 ) -> list[list[tuple[tuple[int, int], int]]]:
     """Colour a bipartite multigraph's edges with as many colours as its maximum degree.
 
     ``multiplicity[(s, d)]`` is the number of chunks ``s`` sends ``d``. Returns, per round, the
     ``((s, d), k)`` entries meaning "chunk ``k`` of pair ``(s, d)`` moves in this round"; every
     round is a partial permutation. Konig's alternating-path method: give an edge a colour free
-    at both ends, first swapping two colours along an alternating path when needed.
+    at both ends, first swapping two colours along an alternating path when needed. Edges are
+    coloured in ``order`` (default: sorted), so early edges tend to share the first rounds.
     """
     send_deg: dict[int, int] = defaultdict(int)
     recv_deg: dict[int, int] = defaultdict(int)
@@ -271,8 +328,8 @@ def colour_rounds(
     colours = max([*send_deg.values(), *recv_deg.values(), 0])
     at_src: dict[int, dict[int, int]] = defaultdict(dict)  # sender -> colour -> receiver
     at_dst: dict[int, dict[int, int]] = defaultdict(dict)  # receiver -> colour -> sender
-    for (s, d), n in sorted(multiplicity.items()):
-        for _ in range(n):
+    for s, d in order if order is not None else sorted(multiplicity):
+        for _ in range(multiplicity[s, d]):
             a = _free(at_src[s], colours)
             b = _free(at_dst[d], colours)
             if a not in at_dst[d]:
@@ -344,7 +401,7 @@ def plan_stats(leaves: Sequence[LeafSpec], assignment: Assignment, schedule: Sch
         sent_by[p.src] += n
         recv_by[p.dst] += n
         relayed += n if p.from_dst else 0
-    wire = sum(b.chunk_bytes * len(b.messages) for b in schedule.buckets)
+    wire = sum(b.slot_bytes[m.slot] for b in schedule.buckets for m in b.messages)
     staging = 2 * max((b.buffer_bytes for b in schedule.buckets), default=0)
     return PlanStats(
         bytes_total=total,

@@ -1,0 +1,84 @@
+"""Layouts: pure per-device boxes agree with JAX, and box arithmetic is exact."""
+
+import itertools
+
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxreshard.layout import Layout, LayoutError, box_size, split_flat, split_rows
+
+MESHES = [
+    ((8,), ("x",)),
+    ((2, 4), ("a", "b")),
+    ((4, 2), ("fsdp", "tp")),
+    ((2, 2, 2), ("p", "q", "r")),
+    ((2, 1, 2, 2), ("a", "b", "c", "d")),
+]
+
+
+def _specs(names: tuple[str, ...], ndim: int):
+    options = [None, *names, *itertools.permutations(names, 2)]
+    for spec in itertools.product(options, repeat=ndim):
+        used = [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+        if len(used) == len(set(used)):
+            yield P(*spec)
+
+
+@pytest.mark.parametrize(("mesh_shape", "names"), MESHES)
+def test_from_mesh_matches_jax_devices_indices_map(devices, mesh_shape, names):
+    order = np.random.default_rng(sum(mesh_shape)).permutation(8)
+    mesh = Mesh(np.array([devices[i] for i in order]).reshape(mesh_shape), names)
+    shape = (16, 8)
+    for spec in _specs(names, 2):
+        sharding = NamedSharding(mesh, spec)
+        pure = Layout.from_mesh(shape, mesh_shape, names, [int(i) for i in order], spec)
+        assert pure == Layout.from_sharding(sharding, shape), spec
+
+
+def test_from_mesh_rejects_specs_that_do_not_fit():
+    with pytest.raises(LayoutError, match="does not divide"):
+        Layout.from_mesh((6,), (4,), ("x",), range(4), ("x",))
+    with pytest.raises(LayoutError, match="rank"):
+        Layout.from_mesh((8,), (4,), ("x",), range(4), ("x", None))
+    with pytest.raises(LayoutError, match="not in the mesh axes"):
+        Layout.from_mesh((8,), (4,), ("x",), range(4), ("y",))
+
+
+def test_scalar_layout_holds_one_element_everywhere():
+    layout = Layout.from_mesh((), (4,), ("x",), range(4), ())
+    assert layout.boxes == ((),) * 4
+    assert box_size(()) == 1
+
+
+def test_overlapping_finds_exactly_the_meeting_boxes():
+    layout = Layout.from_mesh((8, 8), (2, 2), ("a", "b"), range(4), ("a", "b"))
+    found = list(layout.overlapping(((2, 6), (0, 3))))
+    assert [(held, ids) for held, ids, _ in found] == [
+        (((0, 4), (0, 4)), (0,)),
+        (((4, 8), (0, 4)), (2,)),
+    ]
+    assert [common for _, _, common in found] == [((2, 4), (0, 3)), ((4, 6), (0, 3))]
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 1, 6)])
+def test_split_flat_covers_every_range_exactly(shape):
+    box = tuple((1, 1 + n) for n in shape)
+    flat = np.arange(int(np.prod(shape))).reshape(shape)
+    for start in range(flat.size + 1):
+        for stop in range(start, flat.size + 1):
+            parts = split_flat(box, start, stop)
+            assert len(parts) <= 2 * len(shape)
+            got = np.concatenate(
+                [flat[tuple(slice(a - 1, b - 1) for a, b in p)].reshape(-1) for p in parts]
+                or [np.zeros(0, int)]
+            )
+            np.testing.assert_array_equal(got, np.arange(start, stop))
+
+
+def test_split_rows_cuts_the_outermost_dimension():
+    assert split_rows(((0, 1), (0, 6), (0, 2)), [4, 0, 8]) == [
+        ((0, 1), (0, 2), (0, 2)),
+        ((0, 1), (2, 6), (0, 2)),
+    ]
