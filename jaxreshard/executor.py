@@ -162,17 +162,18 @@ class Executor:
                     leaf = self.leaves[i]
                     dst_box = leaf.dst.box_of[device]
                     dtype = jnp.dtype(leaf.dst_dtype)
-                    out = olds[k] if donating else jnp.zeros(box_shape(dst_box), dtype)
+                    if donating:
+                        bits = to_bits(olds[k])
+                    else:
+                        bits = jnp.zeros(bits_shape(box_shape(dst_box), dtype), bits_dtype(dtype))
                     for box in self._copies.get((device, i), ()):
-                        part = _slice(given[i], shift(box, _origin(leaf.src.box_of[device])))
-                        part = part.astype(dtype)
+                        src_box = shift(box, _origin(leaf.src.box_of[device]))
+                        part = read_bits(given[i], src_box, dtype)
                         if box == dst_box:
-                            out = part
+                            bits = part
                         else:
-                            out = lax.dynamic_update_slice(
-                                out, part, _origin(shift(box, _origin(dst_box)))
-                            )
-                    outs.append(out)
+                            bits = _write(bits, part, shift(box, _origin(dst_box)))
+                    outs.append(from_bits(bits, dtype))
                 return tuple(outs)
 
             n_src = len(sources)
@@ -207,8 +208,8 @@ class Executor:
                             shard, held = from_dst[seg.leaf], leaf.dst.box_of[device]
                         else:
                             shard, held = from_src[seg.leaf], leaf.src.box_of[device]
-                        part = _slice(shard, shift(seg.box, _origin(held)))
-                        parts.append(to_bytes(part.astype(jnp.dtype(leaf.dst_dtype))))
+                        part = read_bits(shard, shift(seg.box, _origin(held)), leaf.dst_dtype)
+                        parts.append(bits_to_bytes(part))
                         cursor = at + seg.nbytes
                 if cursor < bucket.buffer_bytes:
                     parts.append(jnp.zeros(bucket.buffer_bytes - cursor, jnp.uint8))
@@ -228,16 +229,19 @@ class Executor:
             messages: list[Message] = list(bucket.recvs(device))
 
             def unpack(buffer: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
-                out = dict(zip(leaf_ids, shards, strict=True))
+                out = {i: to_bits(x) for i, x in zip(leaf_ids, shards, strict=True)}
                 for m in messages:
                     for seg in m.segments:
                         leaf = self.leaves[seg.leaf]
+                        dtype = jnp.dtype(leaf.dst_dtype)
                         at = bucket.slot_offset(m.slot) + seg.offset
                         raw = lax.slice(buffer, (at,), (at + seg.nbytes,))
-                        part = from_bytes(raw, jnp.dtype(leaf.dst_dtype), box_shape(seg.box))
-                        start = _origin(shift(seg.box, _origin(leaf.dst.box_of[device])))
-                        out[seg.leaf] = lax.dynamic_update_slice(out[seg.leaf], part, start)
-                return tuple(out[i] for i in leaf_ids)
+                        part = bytes_to_bits(raw, dtype, box_shape(seg.box))
+                        box = shift(seg.box, _origin(leaf.dst.box_of[device]))
+                        out[seg.leaf] = _write(out[seg.leaf], part, box)
+                return tuple(
+                    from_bits(out[i], jnp.dtype(self.leaves[i].dst_dtype)) for i in leaf_ids
+                )
 
             return self._jit(unpack, device, tuple(range(1, 1 + len(leaf_ids))))
 
@@ -303,11 +307,22 @@ def _origin(box: Box) -> tuple[int, ...]:
 
 
 def _slice(x: jax.Array, box: Box) -> jax.Array:
-    if not box:
+    """``x[box]`` with static bounds; trailing dimensions beyond the box are kept whole."""
+    if box_shape(box) == tuple(x.shape[: len(box)]):
         return x
-    if box_shape(box) == tuple(x.shape):
-        return x
-    return lax.slice(x, _origin(box), tuple(stop for _, stop in box))
+    starts = _origin(box) + (0,) * (x.ndim - len(box))
+    stops = tuple(stop for _, stop in box) + tuple(x.shape[len(box) :])
+    return lax.slice(x, starts, stops)
+
+
+def _write(x: jax.Array, part: jax.Array, box: Box) -> jax.Array:
+    """``x`` with ``part`` written at ``box`` (in place when ``x`` is donated)."""
+    return lax.dynamic_update_slice(x, part, _origin(box) + (0,) * (x.ndim - len(box)))
+
+
+# Every byte is moved as unsigned integers of the element's width: XLA's CPU backend computes
+# some ops on 16-bit floats in float32 and would quieten NaN payloads (bit-exactness is a
+# promise). A cast requested by the user is the only floating-point operation.
 
 
 def wire_itemsize(dtype: Any) -> int:
@@ -315,33 +330,66 @@ def wire_itemsize(dtype: Any) -> int:
     return max(1, jnp.dtype(dtype).itemsize)
 
 
-def to_bytes(x: jax.Array) -> jax.Array:
-    """The elements of ``x`` as a flat ``uint8`` vector, bit for bit (row-major)."""
+def bits_dtype(dtype: Any) -> np.dtype:
+    """The unsigned type that carries ``dtype``'s bits (complex: per real component)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return np.dtype(f"uint{dtype.itemsize * 4}")
+    return np.dtype(f"uint{wire_itemsize(dtype) * 8}")
+
+
+def bits_shape(shape: tuple[int, ...], dtype: Any) -> tuple[int, ...]:
+    """Shape of `to_bits` of an array: complex values gain a trailing (real, imag) axis."""
+    complex_ = jnp.issubdtype(jnp.dtype(dtype), jnp.complexfloating)
+    return (*shape, 2) if complex_ else tuple(shape)
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as unsigned integers (a free bitcast for the common dtypes)."""
     dtype = jnp.dtype(x.dtype)
     if dtype == jnp.bool_:
-        return x.astype(jnp.uint8).reshape(-1)
+        return x.astype(jnp.uint8)
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-    elif jax.dtypes.itemsize_bits(dtype) < 8:  # int4, fp4, ...: widen losslessly to one byte
-        unsigned = jnp.dtype(f"uint{jax.dtypes.itemsize_bits(dtype)}")
-        return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint8).reshape(-1)
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+        x = jnp.stack([lax.real(x), lax.imag(x)], axis=-1)
+        return lax.bitcast_convert_type(x, bits_dtype(dtype))
+    width = jax.dtypes.itemsize_bits(dtype)
+    if width < 8:  # int4, fp4, ...: widen losslessly to one byte
+        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}")).astype(jnp.uint8)
+    return lax.bitcast_convert_type(x, bits_dtype(dtype))
 
 
-def from_bytes(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of `to_bytes`: flat ``uint8`` back to an array of ``dtype`` and ``shape``."""
+def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
+    """Inverse of `to_bits`."""
     dtype = jnp.dtype(dtype)
-    n = math.prod(shape)
     if dtype == jnp.bool_:
-        return (raw != 0).reshape(shape)
+        return bits != 0
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        real = jnp.finfo(dtype).dtype
-        parts = lax.bitcast_convert_type(raw.reshape(n, 2, real.itemsize), real)
-        return lax.complex(parts[:, 0], parts[:, 1]).reshape(shape)
-    bits = jax.dtypes.itemsize_bits(dtype)
-    if bits < 8:
-        narrow = raw.astype(jnp.dtype(f"uint{bits}"))
-        return lax.bitcast_convert_type(narrow, dtype).reshape(shape)
-    if dtype.itemsize == 1:
-        return lax.bitcast_convert_type(raw, dtype).reshape(shape)
-    return lax.bitcast_convert_type(raw.reshape(n, dtype.itemsize), dtype).reshape(shape)
+        real = lax.bitcast_convert_type(bits, jnp.finfo(dtype).dtype)
+        return lax.complex(real[..., 0], real[..., 1])
+    width = jax.dtypes.itemsize_bits(dtype)
+    if width < 8:
+        return lax.bitcast_convert_type(bits.astype(jnp.dtype(f"uint{width}")), dtype)
+    return lax.bitcast_convert_type(bits, dtype)
+
+
+def read_bits(shard: jax.Array, box: Box, dtype: Any) -> jax.Array:
+    """The bits of ``shard[box]`` cast to ``dtype`` (the cast runs only when dtypes differ)."""
+    if jnp.dtype(shard.dtype) != jnp.dtype(dtype):
+        return to_bits(_slice(shard, box).astype(dtype))
+    return _slice(to_bits(shard), box)
+
+
+def bits_to_bytes(bits: jax.Array) -> jax.Array:
+    """Unsigned-integer bits as a flat ``uint8`` vector (row-major, native byte order)."""
+    if bits.dtype != jnp.uint8:
+        bits = lax.bitcast_convert_type(bits, jnp.uint8)
+    return bits.reshape(-1)
+
+
+def bytes_to_bits(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of `bits_to_bytes` for an array of ``dtype`` and ``shape``."""
+    target = bits_dtype(dtype)
+    full = bits_shape(shape, dtype)
+    if target.itemsize == 1:
+        return raw.reshape(full)
+    return lax.bitcast_convert_type(raw.reshape((*full, target.itemsize)), target)

@@ -81,7 +81,7 @@ def test_disjoint_fsdp_tp_to_tp_sends_the_whole_destination():
 
 def test_identical_layouts_copy_locally_and_send_nothing():
     spec = (*FSDP_TP, ("fsdp", "tp"))
-    stats, assignment, schedule = check_plan([leaf((8, 8), spec, spec)])
+    stats, _, schedule = check_plan([leaf((8, 8), spec, spec)])
     assert stats.bytes_sent == 0 and stats.rounds == 0 and not schedule.buckets
     assert stats.bytes_local == stats.bytes_total == 8 * 8 * 4
 
