@@ -20,7 +20,6 @@ the previous one is unpacked, so at most one send and one receive buffer exist p
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any

@@ -211,10 +211,10 @@ def test_pytree_with_prefix_shardings_and_dtype_tree():
     src = {
         "layers": [
             {
-                "w": jax.device_put(l["w"], sharding(*src_mesh)),
-                "b": jax.device_put(l["b"], sharding(*src_mesh[:3], "tp")),
+                "w": jax.device_put(layer["w"], sharding(*src_mesh)),
+                "b": jax.device_put(layer["b"], sharding(*src_mesh[:3], "tp")),
             }
-            for l in host["layers"]
+            for layer in host["layers"]
         ],
         "step": jax.device_put(host["step"], sharding(*src_mesh[:3])),
     }
