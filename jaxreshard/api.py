@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, Sharding
 from jax.tree_util import keystr
 
@@ -437,13 +438,8 @@ def _array_problem(x: Any, shape: tuple[int, ...], dtype: Any, sharding: Shardin
 
 
 def _is_dtype_like(x: Any) -> bool:
-    if isinstance(x, str):
-        return True
-    try:
-        jnp.dtype(x)
-    except TypeError:
-        return False
-    return not isinstance(x, (list, tuple, dict)) and not hasattr(x, "shape")
+    """A dtype leaf of a ``dtype=`` tree: a dtype, a scalar type such as jnp.bfloat16, a name."""
+    return isinstance(x, (str, np.dtype, type))
 
 
 def _broadcast(prefix: Any, full: Any, name: str, is_leaf: Callable[[Any], bool]) -> list[Any]:

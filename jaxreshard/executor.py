@@ -88,8 +88,8 @@ class Executor:
         dst: list[dict[int, jax.Array]] = [{} for _ in self.leaves]
         for device, leaf_ids in self._dst_leaves.items():
             sources = [src_shards[i][device] for i in self._init_sources(device)]
-            olds = [old[i][device] for i in leaf_ids] if old is not None else []
-            outs = self._init_program(device, old is not None)(*sources, *olds)
+            olds = [old[i][device] for i in leaf_ids] if old else self._alloc_program(device)()
+            outs = self._init_program(device)(*sources, *olds)
             for i, arr in zip(leaf_ids, outs, strict=True):
                 dst[i][device] = arr
         for b, bucket in enumerate(self.schedule.buckets):
@@ -148,23 +148,41 @@ class Executor:
     def _init_sources(self, device: int) -> list[int]:
         return [i for i in self._dst_leaves.get(device, ()) if (device, i) in self._copies]
 
-    def _init_program(self, device: int, donating: bool) -> Any:
+    def _alloc_program(self, device: int) -> Any:
+        """Fresh destination buffers for ``device`` (when the caller donates none)."""
+
+        def build() -> Any:
+            leaves = [self.leaves[i] for i in self._dst_leaves[device]]
+
+            def alloc() -> tuple[jax.Array, ...]:
+                return tuple(
+                    jnp.zeros(box_shape(lf.dst.box_of[device]), jnp.dtype(lf.dst_dtype))
+                    for lf in leaves
+                )
+
+            return self._jit(alloc, device, ())
+
+        return self._cached(("alloc", device), build)
+
+    def _init_program(self, device: int) -> Any:
+        """Writes the parts ``device`` already holds into its (donated) destination buffers.
+
+        One program serves fresh and donated buffers alike, so a refit loop that starts without
+        ``donate=`` and continues with it compiles nothing after its first call.
+        """
+
         def build() -> Any:
             leaf_ids = self._dst_leaves[device]
             sources = self._init_sources(device)
 
             def init(*args: jax.Array) -> tuple[jax.Array, ...]:
                 given = dict(zip(sources, args[: len(sources)], strict=True))
-                olds = args[len(sources) :]
                 outs = []
-                for k, i in enumerate(leaf_ids):
+                for i, old in zip(leaf_ids, args[len(sources) :], strict=True):
                     leaf = self.leaves[i]
                     dst_box = leaf.dst.box_of[device]
                     dtype = jnp.dtype(leaf.dst_dtype)
-                    if donating:
-                        bits = to_bits(olds[k])
-                    else:
-                        bits = jnp.zeros(bits_shape(box_shape(dst_box), dtype), bits_dtype(dtype))
+                    bits = to_bits(old)
                     for box in self._copies.get((device, i), ()):
                         src_box = shift(box, _origin(leaf.src.box_of[device]))
                         part = read_bits(given[i], src_box, dtype)
@@ -176,10 +194,9 @@ class Executor:
                 return tuple(outs)
 
             n_src = len(sources)
-            donate = tuple(range(n_src, n_src + len(leaf_ids))) if donating else ()
-            return self._jit(init, device, donate)
+            return self._jit(init, device, tuple(range(n_src, n_src + len(leaf_ids))))
 
-        return self._cached(("init", device, donating), build)
+        return self._cached(("init", device), build)
 
     def _pack_inputs(self, bucket: Bucket, device: int) -> tuple[list[int], list[int]]:
         segments = [s for m in bucket.sends(device) for s in m.segments]

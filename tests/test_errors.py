@@ -1,0 +1,141 @@
+"""Bad input is refused before any data moves, naming every bad leaf and the fix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from arrays import random_array, sharding
+from jax.sharding import SingleDeviceSharding
+
+import jaxreshard as jr
+
+SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"), "fsdp", "tp")
+DST = (tuple(range(4, 8)), (4,), ("tp",), None, "tp")
+
+
+@pytest.fixture
+def src():
+    return {
+        "a": jax.device_put(random_array((8, 8), "float32"), sharding(*SRC)),
+        "b": {"c": jax.device_put(random_array((8, 4), "float32", 1), sharding(*SRC))},
+    }
+
+
+def dst_tree():
+    return {"a": sharding(*DST), "b": {"c": sharding(*DST)}}
+
+
+def test_tree_structures_that_differ_name_the_missing_leaf(src):
+    with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\].*missing") as e:
+        jr.plan(src, {"a": sharding(*DST), "b": {"d": sharding(*DST)}})
+    assert "How to fix" in str(e.value)
+
+
+def test_a_destination_that_does_not_divide_the_shape(src):
+    bad = dst_tree()
+    bad["b"]["c"] = sharding(tuple(range(4, 7)), (3,), ("tp",), None, "tp")
+    with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\].*does not divide"):
+        jr.plan(src, bad)
+
+
+def test_a_spec_longer_than_the_rank(src):
+    bad = dst_tree()
+    bad["a"] = sharding(*DST, None)
+    with pytest.raises(jr.ReshardError, match=r"\['a'\].*rank 2"):
+        jr.plan(src, bad)
+
+
+def test_every_bad_leaf_is_listed_at_once(src):
+    bad = {
+        "a": sharding(tuple(range(4, 7)), (3,), ("tp",), "tp"),
+        "b": {"c": sharding(*DST, None)},
+    }
+    with pytest.raises(jr.ReshardError) as e:
+        jr.plan(src, bad)
+    assert "['a']" in str(e.value) and "['b']['c']" in str(e.value)
+    assert "2 leafs" in str(e.value) or "(2 leaf" in str(e.value)
+
+
+def test_a_destination_that_is_not_a_named_sharding(src):
+    bad = dst_tree()
+    bad["a"] = SingleDeviceSharding(jax.devices()[5])
+    with pytest.raises(jr.ReshardTypeError, match=r"\['a'\].*not a NamedSharding"):
+        jr.plan(src, bad)
+    assert issubclass(jr.ReshardTypeError, TypeError)
+    assert issubclass(jr.ReshardError, ValueError)
+
+
+def test_a_source_that_is_not_a_jax_array(src):
+    src["a"] = np.zeros((8, 8), np.float32)
+    with pytest.raises(jr.ReshardTypeError, match=r"\['a'\].*ndarray, not a jax.Array"):
+        jr.plan(src, dst_tree())
+
+
+def test_a_deleted_source_array(src):
+    src["b"]["c"].delete()
+    with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\].*deleted"):
+        jr.plan(src, dst_tree())
+
+
+def test_a_plan_applied_to_arrays_of_another_shape_dtype_or_sharding(src):
+    plan = jr.plan(src, dst_tree())
+    other = dict(src)
+    other["a"] = jax.device_put(random_array((8, 8), "float16"), sharding(*SRC))
+    with pytest.raises(jr.ReshardError, match=r"\['a'\].*expected float32\[8, 8\], got float16"):
+        plan(other)
+    other["a"] = jax.device_put(random_array((8, 8), "float32"), sharding(*DST))
+    with pytest.raises(jr.ReshardError, match=r"\['a'\].*expected sharding"):
+        plan(other)
+    with pytest.raises(jr.ReshardError, match="structure"):
+        plan({"a": src["a"]})
+
+
+def test_an_equivalent_sharding_is_accepted(src):
+    plan = jr.plan(src, dst_tree())
+    same = dict(src)
+    same["a"] = jax.device_put(np.asarray(src["a"]), sharding(*SRC[:3], "fsdp", ("tp",)))
+    plan(same)
+
+
+def test_a_donate_tree_that_does_not_match_the_destination(src):
+    plan = jr.plan(src, dst_tree())
+    out = plan(src)
+    with pytest.raises(jr.ReshardError, match="donate= tree does not match"):
+        plan(src, donate={"a": out["a"]})
+    wrong = {"a": out["a"], "b": {"c": src["b"]["c"]}}
+    with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\].*expected sharding"):
+        plan(src, donate=wrong)
+    assert not out["a"].is_deleted()  # nothing was donated by the refused call
+
+
+def test_donating_the_source_is_refused(src):
+    same = {"a": sharding(*SRC), "b": {"c": sharding(*SRC)}}
+    plan = jr.plan(src, same)
+    with pytest.raises(jr.ReshardError, match="destroy the source"):
+        plan(src, donate=src)
+    assert not src["a"].is_deleted()
+
+
+def test_a_bad_dtype(src):
+    with pytest.raises(jr.ReshardError, match="dtype"):
+        jr.plan(src, dst_tree(), dtype={"a": "not-a-dtype", "b": None})
+
+
+def test_tracers_are_refused(src):
+    def inside(x):
+        jr.plan(x, sharding(*DST))
+        return x
+
+    with pytest.raises(jr.ReshardTypeError, match="tracer"):
+        jax.jit(inside)(src["a"])
+
+
+def test_errors_leave_the_source_untouched(src):
+    before = np.asarray(src["a"]).copy()
+    with pytest.raises(jr.ReshardError):
+        jr.reshard(src, {"a": sharding(*DST), "b": {"c": sharding(*DST, None)}})
+    assert not src["a"].is_deleted()
+    np.testing.assert_array_equal(np.asarray(src["a"]), before)
+    assert jnp.dtype(src["a"].dtype) == jnp.float32
