@@ -4,7 +4,7 @@ A thin layer over JAX. For every bucket:
 
 1. *pack*: each participating device runs a small jitted program that slices its source shards
    (or, for relays, its destination shards), casts them to the destination dtype and lays their
-   bytes into one ``uint8`` staging buffer;
+   bytes into one staging buffer (of the widest unsigned word every leaf's elements allow);
 2. *transfer*: the per-device buffers are wrapped, zero-copy, into one array over a 1-D mesh of
    every participating device (`jax.make_array_from_single_device_arrays`), and one compiled
    ``shard_map`` program moves them with one ``jax.lax.ppermute`` per round (XLA
@@ -72,6 +72,11 @@ class Executor:
         self._mesh = Mesh(np.array([self._device[i] for i in union]), (AXIS,)) if union else None
         self._union_local = [i for i in union if i in self._local]
         self._programs: dict[Any, Any] = {}
+        # Staging buffers hold words as wide as the narrowest element: XLA's CPU backend copies
+        # uint32 words several times faster than the same bytes as uint8.
+        self._word = np.dtype(
+            f"uint{8 * min((bits_dtype(lf.dst_dtype).itemsize for lf in leaves), default=1)}"
+        )
 
     # ----------------------------------------------------------------------------------- run
 
@@ -117,7 +122,7 @@ class Executor:
             args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
             buffers.append(self._pack_program(b, device)(*args))
         sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
-        size = (len(self._position) * bucket.buffer_bytes,)
+        size = (len(self._position) * bucket.buffer_bytes // self._word.itemsize,)
         sent = jax.make_array_from_single_device_arrays(size, sharding, buffers)
         del buffers
         received = _shards(self._transfer_program(b)(sent))
@@ -209,6 +214,7 @@ class Executor:
             bucket = self.schedule.buckets[b]
             src_in, dst_in = self._pack_inputs(bucket, device)
             messages = sorted(bucket.sends(device), key=lambda m: m.slot)
+            word = self._word
 
             def pack(*args: jax.Array) -> jax.Array:
                 from_src = dict(zip(src_in, args[: len(src_in)], strict=True))
@@ -218,17 +224,17 @@ class Executor:
                     for seg in m.segments:
                         at = bucket.slot_offset(m.slot) + seg.offset
                         if at > cursor:
-                            parts.append(jnp.zeros(at - cursor, jnp.uint8))
+                            parts.append(jnp.zeros((at - cursor) // word.itemsize, word))
                         leaf = self.leaves[seg.leaf]
                         if seg.from_dst:
                             shard, held = from_dst[seg.leaf], leaf.dst.box_of[device]
                         else:
                             shard, held = from_src[seg.leaf], leaf.src.box_of[device]
                         part = read_bits(shard, shift(seg.box, _origin(held)), leaf.dst_dtype)
-                        parts.append(bits_to_bytes(part))
+                        parts.append(bits_to_words(part, word))
                         cursor = at + seg.nbytes
                 if cursor < bucket.buffer_bytes:
-                    parts.append(jnp.zeros(bucket.buffer_bytes - cursor, jnp.uint8))
+                    parts.append(jnp.zeros((bucket.buffer_bytes - cursor) // word.itemsize, word))
                 return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
             return self._jit(pack, device, ())
@@ -243,6 +249,7 @@ class Executor:
             bucket = self.schedule.buckets[b]
             leaf_ids = self._unpack_leaves(bucket, device)
             messages: list[Message] = list(bucket.recvs(device))
+            word = self._word
 
             def unpack(buffer: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
                 out = {i: to_bits(x) for i, x in zip(leaf_ids, shards, strict=True)}
@@ -251,8 +258,9 @@ class Executor:
                         leaf = self.leaves[seg.leaf]
                         dtype = jnp.dtype(leaf.dst_dtype)
                         at = bucket.slot_offset(m.slot) + seg.offset
-                        raw = lax.slice(buffer, (at,), (at + seg.nbytes,))
-                        part = bytes_to_bits(raw, dtype, box_shape(seg.box))
+                        n = word.itemsize
+                        raw = lax.slice(buffer, (at // n,), ((at + seg.nbytes) // n,))
+                        part = words_to_bits(raw, dtype, box_shape(seg.box))
                         box = shift(seg.box, _origin(leaf.dst.box_of[device]))
                         out[seg.leaf] = _write(out[seg.leaf], part, box)
                 return tuple(
@@ -269,9 +277,10 @@ class Executor:
             perms = [
                 [(self._position[s], self._position[d]) for s, d in perm] for perm in bucket.perms()
             ]
+            n = self._word.itemsize
             bounds = [
-                (bucket.slot_offset(t), bucket.slot_offset(t) + n)
-                for t, n in enumerate(bucket.slot_bytes)
+                (bucket.slot_offset(t) // n, (bucket.slot_offset(t) + size) // n)
+                for t, size in enumerate(bucket.slot_bytes)
             ]
 
             def transfer(buffer: jax.Array) -> jax.Array:
@@ -291,9 +300,9 @@ class Executor:
         """Optimized HLO of bucket ``b``'s transfer program (compiles it if needed)."""
         bucket = self.schedule.buckets[b]
         assert self._mesh is not None
-        size = (len(self._position) * bucket.buffer_bytes,)
+        size = (len(self._position) * bucket.buffer_bytes // self._word.itemsize,)
         arg = jax.ShapeDtypeStruct(
-            size, jnp.uint8, sharding=NamedSharding(self._mesh, PartitionSpec(AXIS))
+            size, self._word, sharding=NamedSharding(self._mesh, PartitionSpec(AXIS))
         )
         return self._transfer_program(b).lower(arg).compile().as_text()
 
@@ -395,17 +404,18 @@ def read_bits(shard: jax.Array, box: Box, dtype: Any) -> jax.Array:
     return _slice(to_bits(shard), box)
 
 
-def bits_to_bytes(bits: jax.Array) -> jax.Array:
-    """Unsigned-integer bits as a flat ``uint8`` vector (row-major, native byte order)."""
-    if bits.dtype != jnp.uint8:
-        bits = lax.bitcast_convert_type(bits, jnp.uint8)
+def bits_to_words(bits: jax.Array, word: np.dtype) -> jax.Array:
+    """Unsigned-integer bits as a flat vector of ``word`` (no wider than the bits' type)."""
+    if bits.dtype != word:
+        bits = lax.bitcast_convert_type(bits, word)
     return bits.reshape(-1)
 
 
-def bytes_to_bits(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of `bits_to_bytes` for an array of ``dtype`` and ``shape``."""
+def words_to_bits(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of `bits_to_words` for an array of ``dtype`` and ``shape``."""
     target = bits_dtype(dtype)
     full = bits_shape(shape, dtype)
-    if target.itemsize == 1:
+    if target == raw.dtype:
         return raw.reshape(full)
-    return lax.bitcast_convert_type(raw.reshape((*full, target.itemsize)), target)
+    ratio = target.itemsize // raw.dtype.itemsize
+    return lax.bitcast_convert_type(raw.reshape((*full, ratio)), target)
