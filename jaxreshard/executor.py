@@ -20,6 +20,7 @@ the previous one is unpacked, so at most one send and one receive buffer exist p
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -89,24 +90,29 @@ class Executor:
         consumed. The source arrays are only read.
         """
         src_shards = [_shards(x) for x in src]
-        old = [_shards(x) for x in donate] if donate is not None else None
-        dst: list[dict[int, jax.Array]] = [{} for _ in self.leaves]
-        for device, leaf_ids in self._dst_leaves.items():
-            sources = [src_shards[i][device] for i in self._init_sources(device)]
-            olds = [old[i][device] for i in leaf_ids] if old else self._alloc_program(device)()
-            outs = self._init_program(device)(*sources, *olds)
+        fresh = donate if donate is not None else self._allocate()
+        dst = [_shards(x) if x is not None else {} for x in fresh]
+        for device in self._dst_leaves:
+            leaf_ids = self._init_sources(device)
+            if not leaf_ids:
+                continue
+            outs = self._init_program(device)(
+                *[src_shards[i][device] for i in leaf_ids], *[dst[i][device] for i in leaf_ids]
+            )
             for i, arr in zip(leaf_ids, outs, strict=True):
                 dst[i][device] = arr
         for b, bucket in enumerate(self.schedule.buckets):
             self._run_bucket(b, bucket, src_shards, dst)
-        return [
-            jax.make_array_from_single_device_arrays(
-                leaf.shape,
-                self.dst_shardings[i],
-                [dst[i][d] for d in leaf.dst.devices if d in dst[i]],
-            )
-            for i, leaf in enumerate(self.leaves)
-        ]
+        return [self._assemble(i, dst[i]) for i in range(len(self.leaves))]
+
+    def _assemble(self, i: int, shards: dict[int, jax.Array]) -> jax.Array:
+        leaf, sharding = self.leaves[i], self.dst_shardings[i]
+        if not math.prod(leaf.shape):
+            # JAX gives zero-size jit outputs full-shape shards; an empty array needs no data.
+            empty = np.zeros(leaf.dst.shard_shape, jnp.dtype(leaf.dst_dtype))
+            return jax.make_array_from_callback(leaf.shape, sharding, lambda _: empty)
+        order = [shards[d] for d in leaf.dst.devices if d in shards]
+        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, order)
 
     def _run_bucket(
         self,
@@ -153,37 +159,44 @@ class Executor:
     def _init_sources(self, device: int) -> list[int]:
         return [i for i in self._dst_leaves.get(device, ()) if (device, i) in self._copies]
 
-    def _alloc_program(self, device: int) -> Any:
-        """Fresh destination buffers for ``device`` (when the caller donates none)."""
+    def _allocate(self) -> list[jax.Array | None]:
+        """Fresh zero destination arrays, one compiled program per destination device set."""
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, s in enumerate(self.dst_shardings):
+            if math.prod(self.leaves[i].shape):  # zero-size leaves are made in `_assemble`
+                groups[tuple(d.id for d in s.mesh.devices.flat)].append(i)
+        out: list[jax.Array | None] = [None] * len(self.leaves)
+        for key, leaf_ids in groups.items():
 
-        def build() -> Any:
-            leaves = [self.leaves[i] for i in self._dst_leaves[device]]
+            def build(leaf_ids: list[int] = leaf_ids) -> Any:
+                leaves = [self.leaves[i] for i in leaf_ids]
 
-            def alloc() -> tuple[jax.Array, ...]:
-                return tuple(
-                    jnp.zeros(box_shape(lf.dst.box_of[device]), jnp.dtype(lf.dst_dtype))
-                    for lf in leaves
-                )
+                def alloc() -> tuple[jax.Array, ...]:
+                    return tuple(jnp.zeros(lf.shape, jnp.dtype(lf.dst_dtype)) for lf in leaves)
 
-            return self._jit(alloc, device, ())
+                shardings = tuple(self.dst_shardings[i] for i in leaf_ids)
+                return jax.jit(alloc, out_shardings=shardings)
 
-        return self._cached(("alloc", device), build)
+            arrays = self._cached(("alloc", key), build)()
+            for i, arr in zip(leaf_ids, arrays, strict=True):
+                out[i] = arr
+        return out
 
     def _init_program(self, device: int) -> Any:
         """Writes the parts ``device`` already holds into its (donated) destination buffers.
 
         One program serves fresh and donated buffers alike, so a refit loop that starts without
-        ``donate=`` and continues with it compiles nothing after its first call.
+        ``donate=`` and continues with it compiles nothing after its first call. Only leaves
+        with a local part on ``device`` take part; devices with none run no init program.
         """
 
         def build() -> Any:
-            leaf_ids = self._dst_leaves[device]
-            sources = self._init_sources(device)
+            leaf_ids = self._init_sources(device)
 
             def init(*args: jax.Array) -> tuple[jax.Array, ...]:
-                given = dict(zip(sources, args[: len(sources)], strict=True))
+                given = dict(zip(leaf_ids, args[: len(leaf_ids)], strict=True))
                 outs = []
-                for i, old in zip(leaf_ids, args[len(sources) :], strict=True):
+                for i, old in zip(leaf_ids, args[len(leaf_ids) :], strict=True):
                     leaf = self.leaves[i]
                     dst_box = leaf.dst.box_of[device]
                     dtype = jnp.dtype(leaf.dst_dtype)
@@ -198,8 +211,8 @@ class Executor:
                     outs.append(from_bits(bits, dtype))
                 return tuple(outs)
 
-            n_src = len(sources)
-            return self._jit(init, device, tuple(range(n_src, n_src + len(leaf_ids))))
+            n = len(leaf_ids)
+            return self._jit(init, device, tuple(range(n, 2 * n)))
 
         return self._cached(("init", device), build)
 
