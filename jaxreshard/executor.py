@@ -78,6 +78,12 @@ class Executor:
         self._word = np.dtype(
             f"uint{8 * min((bits_dtype(lf.dst_dtype).itemsize for lf in leaves), default=1)}"
         )
+        # All buckets share one staging size, so a buffer can be handed from bucket to bucket.
+        words = max((b.buffer_bytes for b in schedule.buckets), default=0) // self._word.itemsize
+        self._staging_shape = (len(union) * words,)
+        self._staging_sharding = (
+            NamedSharding(self._mesh, PartitionSpec(AXIS)) if self._mesh is not None else None
+        )
 
     # ----------------------------------------------------------------------------------- run
 
@@ -101,8 +107,11 @@ class Executor:
             )
             for i, arr in zip(leaf_ids, outs, strict=True):
                 dst[i][device] = arr
-        for b, bucket in enumerate(self.schedule.buckets):
-            self._run_bucket(b, bucket, src_shards, dst)
+        if self.schedule.buckets:
+            staging = self._new_staging()
+            for b, bucket in enumerate(self.schedule.buckets):
+                self._run_bucket(b, bucket, src_shards, dst, staging)
+            del staging
         return [self._assemble(i, dst[i]) for i in range(len(self.leaves))]
 
     def _assemble(self, i: int, shards: dict[int, jax.Array]) -> jax.Array:
@@ -120,33 +129,45 @@ class Executor:
         bucket: Bucket,
         src: list[dict[int, jax.Array]],
         dst: list[dict[int, jax.Array]],
+        staging: dict[int, jax.Array],
     ) -> None:
+        """Pack, move and unpack one bucket, passing each device's staging buffer along.
+
+        Every step donates the buffer it was given: pack writes into it, the transfer consumes
+        it, unpack hands the received buffer back for the next bucket. So a device never holds
+        more than a send and a receive buffer, with no host-side synchronisation.
+        """
         assert self._mesh is not None
-        buffers = []
         for device in self._union_local:
-            src_in, dst_in = self._pack_inputs(bucket, device)
-            args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
-            buffers.append(self._pack_program(b, device)(*args))
-        sharding = NamedSharding(self._mesh, PartitionSpec(AXIS))
-        size = (len(self._position) * bucket.buffer_bytes // self._word.itemsize,)
-        sent = jax.make_array_from_single_device_arrays(size, sharding, buffers)
-        del buffers
+            if bucket.sends(device):
+                src_in, dst_in = self._pack_inputs(bucket, device)
+                args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
+                staging[device] = self._pack_program(b, device)(staging[device], *args)
+        sent = jax.make_array_from_single_device_arrays(
+            self._staging_shape, self._staging_sharding, [staging[d] for d in self._union_local]
+        )
+        staging.clear()
         received = _shards(self._transfer_program(b)(sent))
         del sent
-        written = []
         for device in self._union_local:
             leaf_ids = self._unpack_leaves(bucket, device)
             if not leaf_ids:
+                staging[device] = received[device]
                 continue
-            outs = self._unpack_program(b, device)(
+            *outs, staging[device] = self._unpack_program(b, device)(
                 received[device], *[dst[i][device] for i in leaf_ids]
             )
             for i, arr in zip(leaf_ids, outs, strict=True):
                 dst[i][device] = arr
-            written.extend(outs)
-        del received
-        # Bound staging to one bucket: the next pack may only start once this one is unpacked.
-        jax.block_until_ready(written)
+
+    def _new_staging(self) -> dict[int, jax.Array]:
+        """One staging buffer per participating device of this process (one program)."""
+
+        def build() -> Any:
+            shape, word = self._staging_shape, self._word
+            return jax.jit(lambda: jnp.zeros(shape, word), out_shardings=self._staging_sharding)
+
+        return _shards(self._cached(("staging",), build)())
 
     # ------------------------------------------------------------------------------ programs
 
@@ -229,28 +250,23 @@ class Executor:
             messages = sorted(bucket.sends(device), key=lambda m: m.slot)
             word = self._word
 
-            def pack(*args: jax.Array) -> jax.Array:
+            def pack(staging: jax.Array, *args: jax.Array) -> jax.Array:
                 from_src = dict(zip(src_in, args[: len(src_in)], strict=True))
                 from_dst = dict(zip(dst_in, args[len(src_in) :], strict=True))
-                parts, cursor = [], 0
                 for m in messages:
                     for seg in m.segments:
                         at = bucket.slot_offset(m.slot) + seg.offset
-                        if at > cursor:
-                            parts.append(jnp.zeros((at - cursor) // word.itemsize, word))
                         leaf = self.leaves[seg.leaf]
                         if seg.from_dst:
                             shard, held = from_dst[seg.leaf], leaf.dst.box_of[device]
                         else:
                             shard, held = from_src[seg.leaf], leaf.src.box_of[device]
                         part = read_bits(shard, shift(seg.box, _origin(held)), leaf.dst_dtype)
-                        parts.append(bits_to_words(part, word))
-                        cursor = at + seg.nbytes
-                if cursor < bucket.buffer_bytes:
-                    parts.append(jnp.zeros((bucket.buffer_bytes - cursor) // word.itemsize, word))
-                return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+                        words = bits_to_words(part, word)
+                        staging = lax.dynamic_update_slice(staging, words, (at // word.itemsize,))
+                return staging
 
-            return self._jit(pack, device, ())
+            return self._jit(pack, device, (0,))
 
         return self._cached(("pack", b, device), build)
 
@@ -276,11 +292,12 @@ class Executor:
                         part = words_to_bits(raw, dtype, box_shape(seg.box))
                         box = shift(seg.box, _origin(leaf.dst.box_of[device]))
                         out[seg.leaf] = _write(out[seg.leaf], part, box)
-                return tuple(
+                shards_out = [
                     from_bits(out[i], jnp.dtype(self.leaves[i].dst_dtype)) for i in leaf_ids
-                )
+                ]
+                return (*shards_out, buffer)  # the buffer goes on to the next bucket
 
-            return self._jit(unpack, device, tuple(range(1, 1 + len(leaf_ids))))
+            return self._jit(unpack, device, tuple(range(1 + len(leaf_ids))))
 
         return self._cached(("unpack", b, device), build)
 
@@ -297,11 +314,13 @@ class Executor:
             ]
 
             def transfer(buffer: jax.Array) -> jax.Array:
-                moved = [
-                    lax.ppermute(lax.slice(buffer, (lo,), (hi,)), AXIS, perm)
-                    for (lo, hi), perm in zip(bounds, perms, strict=True)
-                ]
-                return jnp.concatenate(moved) if len(moved) > 1 else moved[0]
+                # Each round's received chunk lands where its sent chunk was: the output is the
+                # (donated) input buffer, so a transfer allocates only the chunks in flight.
+                out = buffer
+                for (lo, hi), perm in zip(bounds, perms, strict=True):
+                    moved = lax.ppermute(lax.slice(buffer, (lo,), (hi,)), AXIS, perm)
+                    out = lax.dynamic_update_slice(out, moved, (lo,))
+                return out
 
             spec = PartitionSpec(AXIS)
             mapped = jax.shard_map(transfer, mesh=self._mesh, in_specs=spec, out_specs=spec)
@@ -311,12 +330,8 @@ class Executor:
 
     def compiled_transfer_text(self, b: int) -> str:
         """Optimized HLO of bucket ``b``'s transfer program (compiles it if needed)."""
-        bucket = self.schedule.buckets[b]
         assert self._mesh is not None
-        size = (len(self._position) * bucket.buffer_bytes // self._word.itemsize,)
-        arg = jax.ShapeDtypeStruct(
-            size, self._word, sharding=NamedSharding(self._mesh, PartitionSpec(AXIS))
-        )
+        arg = jax.ShapeDtypeStruct(self._staging_shape, self._word, sharding=self._staging_sharding)
         return self._transfer_program(b).lower(arg).compile().as_text()
 
     def _jit(self, fn: Any, device: int, donate: tuple[int, ...]) -> Any:

@@ -117,19 +117,55 @@ def assign(leaves: Sequence[LeafSpec], *, tier: Tier | None = None) -> Assignmen
 
 
 def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
-    """Give each demand a sender (or split it over several), minimising the busiest sender."""
+    """Give each demand a sender (or split it over several), minimising the busiest sender.
+
+    First the optimal per-sender loads are found (`_min_max_quotas`). Demands are then handed
+    out largest first; a sender that already sends to the same receiver is preferred while its
+    load stays within the optimum, since every new (sender, receiver) pair costs a message and
+    possibly a round. If that greedy pass overshoots the optimum anywhere, the plain
+    quota-following pass (optimal up to whole rows) is used instead.
+    """
     totals: dict[tuple[int, ...], int] = defaultdict(int)
     for demand in demands:
         totals[demand.candidates] += demand.nbytes
     quota = _min_max_quotas(dict(sorted(totals.items())))
+    optimum: dict[int, int] = defaultdict(int)
+    for (_, sender), nbytes in quota.items():
+        optimum[sender] += nbytes
+    plain = _hand_out(demands, dict(quota), None)
+    paired = _hand_out(demands, dict(quota), max(optimum.values(), default=0))
+    chosen = paired if _busiest(paired) <= _busiest(plain) else plain
+    return sorted((s.piece for s in chosen), key=lambda p: (p.src, p.dst, p.leaf, p.box))
+
+
+def _busiest(sent: Sequence[_Sent]) -> int:
     load: dict[int, int] = defaultdict(int)
-    pieces: list[Piece] = []
-    ordered = sorted(demands, key=lambda d: (d.candidates, -d.nbytes, d.leaf, d.dst, d.box))
+    for s in sent:
+        load[s.src] += s.nbytes
+    return max(load.values(), default=0)
+
+
+def _hand_out(
+    demands: Sequence[_Demand], quota: dict[tuple[tuple[int, ...], int], int], limit: int | None
+) -> list[_Sent]:
+    """One pass of sender choice; ``limit`` enables the pair preference (None: quotas only)."""
+    load: dict[int, int] = defaultdict(int)
+    pairs: set[tuple[int, int]] = set()
+    out: list[_Sent] = []
+    ordered = sorted(
+        demands,
+        key=lambda d: (len(d.candidates) > 1, -d.nbytes, d.candidates, d.leaf, d.dst, d.box),
+    )
     for demand in ordered:
         group = demand.candidates
         left = {s: quota[group, s] for s in group}
-        best = max(group, key=lambda s: (left[s], -load[s], -s))
-        if len(group) == 1 or left[best] >= demand.nbytes:
+        paired = [
+            s
+            for s in group
+            if limit is not None and (s, demand.dst) in pairs and load[s] + demand.nbytes <= limit
+        ]
+        best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
+        if len(group) == 1 or paired or left[best] >= demand.nbytes:
             parts = [(best, demand.box)]
         else:
             parts = _split(demand, left)
@@ -137,8 +173,19 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
             nbytes = box_size(box) * demand.nbytes // box_size(demand.box)
             quota[group, sender] -= nbytes
             load[sender] += nbytes
-            pieces.append(Piece(demand.leaf, sender, demand.dst, box))
-    return sorted(pieces, key=lambda p: (p.src, p.dst, p.leaf, p.box))
+            pairs.add((sender, demand.dst))
+            out.append(_Sent(Piece(demand.leaf, sender, demand.dst, box), nbytes))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    piece: Piece
+    nbytes: int
+
+    @property
+    def src(self) -> int:
+        return self.piece.src
 
 
 def _split(demand: _Demand, left: dict[int, int]) -> list[tuple[int, Box]]:

@@ -214,3 +214,15 @@ def test_planning_is_deterministic():
         [lf], b.pieces, bucket_bytes=512
     )
     assert all(box_size(p.box) > 0 for p in a.pieces)
+
+
+def test_small_replicated_leaves_ride_on_pairs_already_in_use():
+    """A norm scale split over fsdp joins the kernel's (sender, receiver) pairs: no new rounds."""
+    trainer = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
+    sampler = ((2, 2), ("dp", "tp"), (4, 5, 6, 7))
+    w = leaf((256, 256), (*trainer, ("fsdp", "tp")), (*sampler, (None, "tp")), path="w")
+    scale = leaf((256,), (*trainer, ("fsdp",)), (*sampler, ()), path="scale")
+    alone, _, _ = check_plan([w])
+    both, _, _ = check_plan([w, scale])
+    assert both.rounds == alone.rounds
+    assert both.bytes_wire == both.bytes_sent
