@@ -16,8 +16,11 @@ sampler weights donated. One line per iteration; at the end a summary that also 
 refit done with ``jax.device_put`` and prints ``plan.describe()``.
 
 The task: the prompt is the start of a counting sequence modulo ``--vocab`` (``a, a+d, a+2d,
-...``, stride ``d`` in 1..``--max-stride``); the answer must continue it. The reward of an answer
-is the fraction of its tokens that are right.
+...``); the answer must go on counting. The verifier scores an answer by the fraction of its
+tokens that add the stride ``d`` to the token before them. The default stride is 1 (count up),
+which a fresh policy learns within the default 60 iterations; ``--max-stride 2`` mixes strides
+that the policy must read from the prompt, and learns more slowly (a reward near 0.5 after 200
+iterations in our runs).
 
 Checkpoints (orbax-checkpoint): ``--ckpt-dir DIR`` saves the trainer state every ``--ckpt-every``
 steps and at the end; ``--resume`` restores the latest one onto the trainer mesh and continues.
@@ -51,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -307,26 +311,28 @@ def abstract_tree(shapes: Any, shardings: Any, dtype: Any = None) -> Any:
 # ------------------------------------------------------------------------------ checkpoints
 
 
-def checkpoint_manager(directory: str, every: int):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=3)
+def checkpoint_manager(directory: str) -> ocp.CheckpointManager:
+    """Checkpoints of the trainer state in ``directory`` (the last three are kept)."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=3)
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 
-def save_checkpoint(mngr, step: int, params: dict, opt_state: Any, force: bool = False) -> bool:
-    import orbax.checkpoint as ocp
+def save_checkpoint(mngr: ocp.CheckpointManager, step: int, params: dict, opt_state: Any) -> None:
+    """Save the trainer state as two items, so that the parameters can be restored alone.
 
+    Waits until the checkpoint is written (orbax writes in the background otherwise).
+    """
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state)
     )
-    return mngr.save(step, args=args, force=force)
+    mngr.save(step, args=args, force=True)
+    mngr.wait_until_finished()
 
 
-def restore_trainer_state(mngr, step: int, params_target: Any, opt_target: Any):
+def restore_trainer_state(
+    mngr: ocp.CheckpointManager, step: int, params_target: Any, opt_target: Any
+) -> tuple[dict, Any]:
     """Params and optimizer state of checkpoint ``step``, laid out as the targets say."""
-    import orbax.checkpoint as ocp
-
     out = mngr.restore(
         step,
         args=ocp.args.Composite(
@@ -337,10 +343,8 @@ def restore_trainer_state(mngr, step: int, params_target: Any, opt_target: Any):
     return out["params"], out["opt_state"]
 
 
-def restore_params(mngr, step: int, target: Any) -> dict:
+def restore_params(mngr: ocp.CheckpointManager, step: int, target: Any) -> dict:
     """Only the parameters of checkpoint ``step``, in ``target``'s shardings and dtypes."""
-    import orbax.checkpoint as ocp
-
     out = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     return out["params"]
 
@@ -381,7 +385,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="put the sampler on the trainer's devices instead of the next ones",
     )
     p.add_argument("--ckpt-dir", default=None, help="save orbax checkpoints here")
-    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=10, help="save every N steps and at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--compare-reps", type=int, default=10, help="refits timed in the summary")
     args = p.parse_args(argv)
@@ -457,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> Result:
         f"tp{args.sampler_mesh[1]} on devices {[d.id for d in sampler_devices]}, bf16"
     )
 
-    mngr = checkpoint_manager(args.ckpt_dir, args.ckpt_every) if args.ckpt_dir else None
+    mngr = checkpoint_manager(args.ckpt_dir) if args.ckpt_dir else None
     start = 0
     if args.resume and mngr.latest_step() is not None:
         start = mngr.latest_step()
@@ -521,10 +525,8 @@ def main(argv: Sequence[str] | None = None) -> Result:
             f"sample {_ms(row['sample_s'])} | train {_ms(row['train_s'])} | "
             f"refit {_ms(row['refit_s'])} | refit share {row['refit_s'] / row['iter_s']:5.1%}"
         )
-        if mngr is not None and save_checkpoint(
-            mngr, step, params, opt_state, force=step == args.steps
-        ):
-            mngr.wait_until_finished()
+        if mngr is not None and (step % args.ckpt_every == 0 or step == args.steps):
+            save_checkpoint(mngr, step, params, opt_state)
             print(f"           saved checkpoint {step} to {args.ckpt_dir}")
 
     summary = summarize(history, plan, params, sampler_params, train_sh, sample_sh, args)
@@ -569,14 +571,22 @@ def summarize(history, plan, params, sampler_params, train_sh, sample_sh, args) 
         summary.update(
             reward_first=first, reward_last=last, mean_refit_s=mean["refit_s"], refit_share=share
         )
-        span = f"iterations {warm[0]['step']}-{warm[-1]['step']}"
-        print(f"\nsummary ({span}; the first iteration, which compiles, is left out):")
+        if len(history) > 1:
+            span = f"iterations {warm[0]['step']}-{warm[-1]['step']}; the first, which compiles, "
+            span += "is left out"
+        else:
+            span = f"iteration {warm[0]['step']} only, compilation included"
+        print(f"\nsummary ({span}):")
         print(f"  reward        {first:.3f} (first {k} iterations) -> {last:.3f} (last {k})")
         print(
             f"  iteration  {_ms(mean['iter_s'])}: sample {_ms(mean['sample_s']).strip()}, "
             f"train {_ms(mean['train_s']).strip()}, refit {_ms(mean['refit_s']).strip()}"
         )
-        print(f"  refit share   {share:.1%} of the iteration (mean refit {_ms(mean['refit_s'])})")
+        median = statistics.median(r["refit_s"] for r in warm)
+        print(
+            f"  refit share   {share:.1%} of the iteration (refit mean "
+            f"{_ms(mean['refit_s']).strip()}, median {_ms(median).strip()})"
+        )
 
     # The same refit (fp32 trainer params -> bf16 sampler layout) with jax.device_put: cast on
     # the trainer mesh (as jaxreshard does, so that both move bf16 bytes), then device_put.

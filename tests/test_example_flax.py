@@ -112,7 +112,7 @@ def test_orbax_round_trip_is_bit_exact(example, checkpointed):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
         )
 
-    mngr = example.checkpoint_manager(ckpt, 1)
+    mngr = example.checkpoint_manager(ckpt)
     assert mngr.all_steps() == [1, 2]
     params, opt_state = example.restore_trainer_state(
         mngr, 2, target(result.params), target(result.opt_state)
