@@ -54,7 +54,7 @@ def main() -> None:
     print(plan.describe())
 
     sampler_params = plan(params)  # first call compiles
-    for step in range(3):  # a refit loop: new weights, written into the old sampler buffers
+    for _ in range(3):  # a refit loop: new weights, written into the old sampler buffers
         params = jax.tree.map(lambda p: p * 0.5, params)
         sampler_params = plan(params, donate=sampler_params)
     jax.block_until_ready(sampler_params)

@@ -27,7 +27,7 @@ def leaf_error(
     limit: int = 20,
 ) -> ReshardError:
     """Build an error listing ``(path, problem)`` lines under a summary, ending with the fix."""
-    lines = [f"{summary} ({len(problems)} leaf{'s' if len(problems) != 1 else ''}):"]
+    lines = [f"{summary} ({len(problems)} {'leaf' if len(problems) == 1 else 'leaves'}):"]
     for path, problem in problems[:limit]:
         lines.append(f"  {path or '<root>'}: {problem}")
     if len(problems) > limit:

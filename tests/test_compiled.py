@@ -171,5 +171,5 @@ def test_a_1gib_leaf_moves_without_a_full_extra_replica(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    extra, staging = map(int, result.stdout.split()[-2:])
+    extra, _staging = map(int, result.stdout.split()[-2:])
     assert extra < size // 4, f"peak extra memory {extra / 2**20:.0f} MiB"

@@ -55,7 +55,7 @@ def test_every_bad_leaf_is_listed_at_once(src):
     with pytest.raises(jr.ReshardError) as e:
         jr.plan(src, bad)
     assert "['a']" in str(e.value) and "['b']['c']" in str(e.value)
-    assert "2 leafs" in str(e.value) or "(2 leaf" in str(e.value)
+    assert "(2 leaves)" in str(e.value)
 
 
 def test_a_destination_that_is_not_a_named_sharding(src):
