@@ -106,42 +106,54 @@ class Plan:
     # --------------------------------------------------------------------------- checking
 
     def _check_src(self, src_tree: Any) -> list[jax.Array]:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
-        if treedef != self.treedef:
-            raise _structure_error("the source tree", src_tree, self.paths)
-        problems = []
-        for (path, x), (shape, dtype, sharding) in zip(flat, self.src_avals, strict=True):
-            problem = _array_problem(x, shape, dtype, sharding)
-            if problem:
-                problems.append((keystr(path), problem))
-        if problems:
-            raise leaf_error(
-                "these source leaves do not match the plan",
-                problems,
-                "call the plan with arrays of the planned shape, dtype and sharding, or make a "
-                "new plan with jr.plan(...) (jr.reshard does this for you and caches plans)",
-            )
-        return [x for _, x in flat]
+        return self._check_arrays(
+            src_tree,
+            "the source tree",
+            self.src_avals,
+            "these source leaves do not match the plan",
+            "call the plan with arrays of the planned shape, dtype and sharding, or make a "
+            "new plan with jr.plan(...) (jr.reshard does this for you and caches plans)",
+        )
 
     def _check_donate(self, donate: Any, src: Sequence[jax.Array]) -> list[jax.Array]:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(donate)
+        expected = [
+            (leaf.shape, jnp.dtype(leaf.dst_dtype), sharding)
+            for leaf, sharding in zip(self.leaves, self.dst_shardings, strict=True)
+        ]
+        return self._check_arrays(
+            donate,
+            "the donate= tree",
+            expected,
+            "these donate= leaves cannot receive the result",
+            "pass donate= the previous result of this same plan (same destination shapes, "
+            "dtypes and shardings), not yet deleted, or leave donate= out",
+            sources=src,
+        )
+
+    def _check_arrays(
+        self,
+        tree: Any,
+        name: str,
+        expected: Sequence[tuple[tuple[int, ...], Any, Sharding]],
+        summary: str,
+        fix: str,
+        sources: Sequence[jax.Array] = (),
+    ) -> list[jax.Array]:
+        """The leaves of ``tree``, if each is a live array of the expected shape, dtype and
+        sharding (and, for donation, none is a source array); else an error naming them all."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
-            raise _structure_error("the donate= tree", donate, self.paths)
+            raise _structure_error(name, tree, self.paths)
+        source_ids = {id(x) for x in sources}
         problems = []
-        src_ids = {id(x) for x in src}
-        for (path, x), leaf, sharding in zip(flat, self.leaves, self.dst_shardings, strict=True):
-            problem = _array_problem(x, leaf.shape, jnp.dtype(leaf.dst_dtype), sharding)
-            if problem is None and id(x) in src_ids:
+        for (path, x), (shape, dtype, sharding) in zip(flat, expected, strict=True):
+            problem = _array_problem(x, shape, dtype, sharding)
+            if problem is None and id(x) in source_ids:
                 problem = "is also passed as a source array; donating it would destroy the source"
             if problem:
                 problems.append((keystr(path), problem))
         if problems:
-            raise leaf_error(
-                "these donate= leaves cannot receive the result",
-                problems,
-                "pass donate= the previous result of this same plan (same destination shapes, "
-                "dtypes and shardings), not yet deleted, or leave donate= out",
-            )
+            raise leaf_error(summary, problems, fix)
         return [x for _, x in flat]
 
     # ---------------------------------------------------------------------------- reports
