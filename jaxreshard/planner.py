@@ -55,6 +55,9 @@ class Piece:
 
     Stage 0 pieces are read from the sender's source shard. Pieces of later stages are relays:
     the sender forwards bytes it received in an earlier stage, reading its destination shard.
+    ``relay=False`` marks a later-stage piece that is read from the source shard all the same:
+    it depends on nothing and only shares that stage's rounds (e.g. direct sends inside a
+    domain riding along with another domain's relays instead of waiting for them).
     """
 
     leaf: int
@@ -62,10 +65,15 @@ class Piece:
     dst: int
     box: Box
     stage: int = 0
+    relay: bool | None = None  # None: a relay exactly when stage > 0
+
+    def __post_init__(self) -> None:
+        if self.relay and self.stage == 0:
+            raise ValueError("a relay forwards bytes received in an earlier stage: stage > 0")
 
     @property
     def from_dst(self) -> bool:
-        return self.stage > 0
+        return self.stage > 0 if self.relay is None else self.relay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +232,9 @@ def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> dict[tuple[tuple[int,
     if not totals or total == 0:
         return defaultdict(int)
     lo = max(math.ceil(total / len(senders)), *(math.ceil(b / len(g)) for g, b in totals.items()))
-    hi = max(lo, max(totals.values()))
+    # Feasible for sure: every group sent whole by any member loads a sender with at most the
+    # bytes of all groups it belongs to. (The largest single group is not always feasible.)
+    hi = max(lo, max(sum(b for g, b in totals.items() if s in g) for s in senders))
     best = _flow(totals, senders, hi)
     while lo < hi:
         mid = (lo + hi) // 2
