@@ -29,7 +29,7 @@ class LayoutError(ValueError):
 
 def box_shape(box: Box) -> tuple[int, ...]:
     """The shape of the elements a box covers."""
-    return tuple(stop - start for start, stop in box)
+    return tuple([stop - start for start, stop in box])  # a list is faster than a generator
 
 
 def box_size(box: Box) -> int:
@@ -88,27 +88,67 @@ def split_flat(box: Box, start: int, stop: int) -> list[Box]:
     boundary cuts a piece, so every part that travels is still a box (sliceable without gathers).
     """
     shape = box_shape(box)
+    return [part for part, _ in split_flat_sized(box, shape, strides(shape), start, stop)]
+
+
+def strides(shape: Sequence[int]) -> list[int]:
+    """Row-major element strides of ``shape``."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return out
+
+
+def split_flat_sized(
+    box: Box, shape: Sequence[int], steps: Sequence[int], start: int, stop: int
+) -> list[tuple[Box, int]]:
+    """`split_flat` with each part's element count, given the box's ``shape`` and ``strides``
+    (callers cutting one box many times compute them once).
+
+    From ``start``, climb from the innermost dimension outward, each time taking whole units of
+    that dimension up to the next unit of the one outside it; then whole outermost rows; then
+    descend inward to ``stop``. Each part varies in one dimension (and those inside it) only.
+    """
+    nd = len(shape)
     if start >= stop:
         return []
-    if not shape:
-        return [box]
-    inner = math.prod(shape[1:])
-    (b0, _), rest = box[0], box[1:]
-    first_row, last_row = start // inner, (stop - 1) // inner
-    if start % inner == 0 and stop % inner == 0:
-        return [((b0 + first_row, b0 + stop // inner), *rest)]
-    if first_row == last_row:
-        return [
-            ((b0 + first_row, b0 + first_row + 1), *sub)
-            for sub in split_flat(rest, start - first_row * inner, stop - first_row * inner)
-        ]
-    head_stop = (first_row + 1) * inner
-    tail_start = last_row * inner
-    return (
-        split_flat(box, start, head_stop)
-        + split_flat(box, head_stop, tail_start)
-        + split_flat(box, tail_start, stop)
-    )
+    if nd == 0:
+        return [(box, 1)]
+    cuts = []  # (lo, hi, d): elements [lo, hi) differ only in dimension d and inward
+    lo, level = start, 1
+    for d in range(nd - 1, 0, -1):
+        up = steps[d - 1]
+        if lo % up == 0:
+            continue
+        row_end = lo - lo % up + up
+        hi = min(stop, row_end)
+        hi -= hi % steps[d]
+        if hi > lo:
+            cuts.append((lo, hi, d))
+            lo = hi
+        if stop < row_end:
+            level = d + 1
+            break
+    else:
+        hi = stop - stop % steps[0]
+        if hi > lo:
+            cuts.append((lo, hi, 0))
+            lo = hi
+    for d in range(level, nd):
+        hi = stop - stop % steps[d]
+        if hi > lo:
+            cuts.append((lo, hi, d))
+            lo = hi
+    out = []
+    for lo, hi, d in cuts:
+        fixed = []
+        for i in range(d):
+            c = box[i][0] + lo // steps[i] % shape[i]
+            fixed.append((c, c + 1))
+        step, b0 = steps[d], box[d][0]
+        span = (b0 + lo // step % shape[d], b0 + (hi - 1) // step % shape[d] + 1)
+        out.append(((*fixed, span, *box[d + 1 :]), hi - lo))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
