@@ -1,0 +1,407 @@
+"""Which devices share a fast domain, how fast their links are, and plans that use it.
+
+A *fast domain* is a set of devices joined by a fast fabric (an NVLink island of 8 H100s, a
+GB200 NVL72 rack of 72 GPUs, a TPU slice); between domains bytes cross a slower network (one
+400 Gb/s NIC per GPU on the clusters modeled here). A `Topology` records, for integer device
+ids, the domain and host of each device and the per-device bandwidth inside and across domains.
+It is pure data (hashable, comparable), built from JAX devices (`Topology.from_devices`), from
+groups declared by hand (`Topology.from_groups`, e.g. to treat 4 + 4 of the 8 CPU test devices
+as two domains), or from a named cluster profile for virtual clusters (`Topology.profile`).
+
+`assign` plans with it:
+
+- *topology-aware sources*: among the replicas that hold a part, one in the receiver's own
+  domain is used when there is one; what must cross domains is balanced over all replicas so
+  the busiest sender's cross-domain link carries as little as possible;
+- *hierarchical fan-out*: when several destination devices of one domain need the same bytes
+  (data-parallel replicas of the destination) and no device of that domain holds them, the bytes
+  cross the slow network once for the domain, split evenly over those devices (stage 0), and
+  each forwards its part to the others inside the domain (stage 1 relay `Piece`s, read from its
+  destination shard). Every destination device still receives exactly the bytes it lacks, so
+  ``bytes_sent == bytes_lower_bound`` holds; only the route changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jaxreshard.errors import ReshardError
+from jaxreshard.layout import Box, box_size, split_flat
+from jaxreshard.planner import (
+    Assignment,
+    LeafSpec,
+    LocalCopy,
+    Piece,
+    Tier,
+    _choose_senders,
+    _Demand,
+)
+
+GB = 1e9
+"""Bandwidths are in bytes per second; vendors quote GB/s with GB = 10**9 bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A cluster kind: domain size, per-device bandwidths, round latency, and where they come
+    from."""
+
+    name: str
+    domain_size: int
+    host_size: int
+    intra_bandwidth: float
+    inter_bandwidth: float
+    round_latency: float
+    source: str
+
+
+PROFILES: dict[str, Profile] = {
+    "h100": Profile(
+        name="h100",
+        domain_size=8,
+        host_size=8,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=50 * GB,
+        round_latency=20e-6,
+        source=(
+            "NVIDIA H100 SXM5 datasheet: NVLink 4 at 900 GB/s per GPU, both directions together "
+            "(450 GB/s each way), 8 GPUs per NVSwitch domain (DGX/HGX H100). DGX H100 user "
+            "guide: 8 ConnectX-7 NICs at 400 Gb/s, one per GPU (50 GB/s each way per GPU)."
+        ),
+    ),
+    "gb200-nvl72": Profile(
+        name="gb200-nvl72",
+        domain_size=72,
+        host_size=4,
+        intra_bandwidth=900 * GB,
+        inter_bandwidth=50 * GB,
+        round_latency=20e-6,
+        source=(
+            "NVIDIA GB200 NVL72 specifications: 72 Blackwell GPUs in one NVLink 5 domain at "
+            "1.8 TB/s per GPU, both directions together (900 GB/s each way); 18 compute trays "
+            "of 4 GPUs (one host each), one ConnectX-7 400 Gb/s NIC per GPU for the scale-out "
+            "network (50 GB/s each way per GPU)."
+        ),
+    ),
+}
+"""Named cluster profiles. ``round_latency`` (the fixed cost of one collective-permute round:
+launch plus the NCCL send/recv handshake) is an assumption of the model, in line with the
+~10-20 us small-message latency nccl-tests reports; it is not measured here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Fast domains, hosts and link bandwidths of a set of integer device ids.
+
+    Attributes:
+      devices: device ids.
+      domains: ``domains[i]`` is the fast domain of ``devices[i]`` (any integer label).
+      hosts: ``hosts[i]`` is the host (process) of ``devices[i]``.
+      intra_bandwidth: bytes/s one device sends (and, at the same time, receives) to another
+        device of its domain.
+      inter_bandwidth: bytes/s one device sends (and receives) to a device of another domain.
+      round_latency: seconds of fixed cost per collective-permute round (cost model only).
+      name: a label for reports.
+
+    Hashable and comparable (it is part of `jaxreshard.reshard`'s plan cache key). Building one
+    allocates nothing on any device.
+    """
+
+    devices: tuple[int, ...]
+    domains: tuple[int, ...]
+    hosts: tuple[int, ...]
+    intra_bandwidth: float
+    inter_bandwidth: float
+    round_latency: float = 20e-6
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not len(self.devices) == len(self.domains) == len(self.hosts):
+            raise ValueError("a topology needs one domain and one host per device")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"a device appears twice in the topology: {self.devices}")
+        if not (self.intra_bandwidth > 0 and self.inter_bandwidth > 0):
+            raise ValueError("bandwidths must be positive (bytes per second)")
+        if self.round_latency < 0:
+            raise ValueError("round_latency must be >= 0 seconds")
+
+    # ------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_groups(
+        cls,
+        groups: Iterable[Iterable[Any]],
+        *,
+        intra_bandwidth: float = PROFILES["h100"].intra_bandwidth,
+        inter_bandwidth: float = PROFILES["h100"].inter_bandwidth,
+        round_latency: float = PROFILES["h100"].round_latency,
+        hosts: Iterable[Iterable[Any]] | None = None,
+        name: str = "custom",
+    ) -> Topology:
+        """Declare domains by hand: each group (device ids or JAX devices) is one fast domain.
+
+        ``hosts`` groups devices by host the same way; by default each domain is one host.
+        Example: ``Topology.from_groups([devs[:4], devs[4:]])`` makes the 8 CPU test devices
+        two domains of 4, so a plan over them routes and fans out as on two GPU nodes.
+        """
+        domain_lists = [[_device_id(d) for d in group] for group in groups]
+        host_lists = domain_lists if hosts is None else [[_device_id(d) for d in g] for g in hosts]
+        host_of = {d: h for h, group in enumerate(host_lists) for d in group}
+        devices, domains = [], []
+        for g, group in enumerate(domain_lists):
+            for d in group:
+                devices.append(d)
+                domains.append(g)
+        missing = [d for d in devices if d not in host_of]
+        if missing:
+            raise ValueError(f"hosts= does not place devices {missing}")
+        return cls(
+            tuple(devices),
+            tuple(domains),
+            tuple(host_of[d] for d in devices),
+            float(intra_bandwidth),
+            float(inter_bandwidth),
+            float(round_latency),
+            name,
+        )
+
+    @classmethod
+    def from_devices(
+        cls,
+        devices: Iterable[Any],
+        *,
+        intra_bandwidth: float = PROFILES["h100"].intra_bandwidth,
+        inter_bandwidth: float = PROFILES["h100"].inter_bandwidth,
+        round_latency: float = PROFILES["h100"].round_latency,
+        name: str = "from-devices",
+    ) -> Topology:
+        """The topology JAX reports: a device's domain is its ``slice_index`` when it has one
+        (TPU slices; multi-node NVLink GPUs), else its ``process_index`` (one host, one domain);
+        its host is its ``process_index``. Bandwidths are not discoverable and default to the
+        `h100` profile's; pass the right ones for other hardware.
+        """
+        devices = list(devices)
+        hosts = tuple(int(d.process_index) for d in devices)
+        domains = tuple(
+            int(s) if (s := getattr(d, "slice_index", None)) is not None else h
+            for d, h in zip(devices, hosts, strict=True)
+        )
+        return cls(
+            tuple(int(d.id) for d in devices),
+            domains,
+            hosts,
+            float(intra_bandwidth),
+            float(inter_bandwidth),
+            float(round_latency),
+            name,
+        )
+
+    @classmethod
+    def profile(
+        cls,
+        name: str,
+        num_devices: int,
+        *,
+        domain_size: int | None = None,
+        first_device: int = 0,
+    ) -> Topology:
+        """A virtual cluster of a named kind (`PROFILES`): ids ``first_device ..`` filling
+        domains of ``domain_size`` (default: the profile's) in order, hosts likewise."""
+        if name not in PROFILES:
+            raise ValueError(f"unknown topology profile {name!r}; known: {sorted(PROFILES)}")
+        p = PROFILES[name]
+        size = p.domain_size if domain_size is None else int(domain_size)
+        host = min(p.host_size, size)
+        ids = tuple(range(first_device, first_device + int(num_devices)))
+        label = p.name if size == p.domain_size else f"{p.name} ({size} per domain)"
+        return cls(
+            ids,
+            tuple(i // size for i in range(len(ids))),
+            tuple(i // host for i in range(len(ids))),
+            p.intra_bandwidth,
+            p.inter_bandwidth,
+            p.round_latency,
+            label,
+        )
+
+    # ------------------------------------------------------------------------------ queries
+
+    @functools.cached_property
+    def domain_of(self) -> dict[int, int]:
+        """Device id -> domain label."""
+        return dict(zip(self.devices, self.domains, strict=True))
+
+    @functools.cached_property
+    def host_of(self) -> dict[int, int]:
+        """Device id -> host label."""
+        return dict(zip(self.devices, self.hosts, strict=True))
+
+    @functools.cached_property
+    def members(self) -> dict[int, tuple[int, ...]]:
+        """Domain label -> its device ids, sorted."""
+        out: dict[int, list[int]] = defaultdict(list)
+        for d, g in zip(self.devices, self.domains, strict=True):
+            out[g].append(d)
+        return {g: tuple(sorted(ds)) for g, ds in sorted(out.items())}
+
+    def crosses(self, src: int, dst: int) -> bool:
+        """Whether bytes from ``src`` to ``dst`` leave a fast domain."""
+        return self.domain_of[src] != self.domain_of[dst]
+
+    def tier(self, src: int, dst: int) -> int:
+        """A `planner.assign` tier: 0 inside the receiver's domain, 1 across domains."""
+        return int(self.crosses(src, dst))
+
+    def link_class(self, src: int, dst: int) -> int:
+        """A `schedule.build_schedule` link class: 1 (slow) across domains, 0 inside one."""
+        return int(self.crosses(src, dst))
+
+    def class_latency_bytes(self) -> dict[int, int]:
+        """Per `link_class`, the round latency in bytes that link moves meanwhile: how
+        `schedule.build_schedule` weighs an extra round against padding when sizing chunks."""
+        return {
+            0: int(self.round_latency * self.intra_bandwidth),
+            1: int(self.round_latency * self.inter_bandwidth),
+        }
+
+    def bandwidth(self, src: int, dst: int) -> float:
+        """Bytes/s of one message from ``src`` to ``dst``."""
+        return self.inter_bandwidth if self.crosses(src, dst) else self.intra_bandwidth
+
+    def check_covers(self, device_ids: Iterable[int]) -> None:
+        """Raise `ReshardError` naming the devices this topology does not place."""
+        missing = sorted(set(device_ids) - set(self.domain_of))
+        if missing:
+            raise ReshardError(
+                f"the topology {self.name!r} does not place devices {missing} (it knows "
+                f"{len(self.devices)} devices). Fix: build it over every device of the source "
+                "and destination shardings, e.g. jr.Topology.from_devices(jax.devices()) or "
+                "jr.Topology.from_groups([...]) with every device in some group."
+            )
+
+
+def _device_id(d: Any) -> int:
+    return int(d.id) if hasattr(d, "id") else int(d)
+
+
+# --------------------------------------------------------------------------------- planning
+
+
+def assign(
+    leaves: Sequence[LeafSpec],
+    topology: Topology,
+    *,
+    fan_out: bool = True,
+    tier: Tier | None = None,
+) -> Assignment:
+    """Local copies and sent pieces for ``leaves``, routed by ``topology``.
+
+    Args:
+      leaves: the leaves to move.
+      topology: domains and hosts of every device the leaves use.
+      fan_out: relay bytes needed by several devices of a domain inside that domain (stage 1
+        pieces) so that they cross domains once per domain; False sends every destination
+        device its bytes directly (one stage, like `planner.assign` with ``topology.tier``).
+      tier: optional closeness overriding ``topology.tier`` for choosing among replicas.
+
+    Returns:
+      An `Assignment` whose pieces deliver to every destination device exactly the bytes it
+      lacks, each once (stage-1 relays deliver bytes their sender received in stage 0). Pure
+      and deterministic.
+
+    Raises:
+      ReshardError: if the topology does not place a device of the leaves.
+    """
+    topology.check_covers(
+        {d for leaf in leaves for layout in (leaf.src, leaf.dst) for d in layout.devices}
+    )
+    closeness = topology.tier if tier is None else tier
+    domain = topology.domain_of
+    local: list[LocalCopy] = []
+    near: list[_Demand] = []  # served from a replica in the receiver's own domain
+    far: list[_Demand] = []  # must cross domains
+    # Fan-out groups: the devices of one domain that all lack the same regions (one replica
+    # group of a destination box, the same for every leaf laid out alike) -> those regions.
+    groups: dict[tuple[int, tuple[int, ...]], list[_Region]] = defaultdict(list)
+    for index, leaf in enumerate(leaves):
+        for dst_box, holders in leaf.dst.replicas.items():
+            if box_size(dst_box) == 0:
+                continue
+            for _, replicas, common in leaf.src.overlapping(dst_box):
+                held_in = {domain[s] for s in replicas}
+                wanting: dict[int, list[int]] = defaultdict(list)
+                for d in holders:
+                    if d in replicas:
+                        local.append(LocalCopy(index, d, common))
+                    else:
+                        wanting[domain[d]].append(d)
+                nbytes = box_size(common) * leaf.itemsize
+                for g, ds in sorted(wanting.items()):
+                    if fan_out and len(ds) > 1 and g not in held_in:
+                        groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
+                        continue
+                    for d in ds:
+                        senders = _closest(replicas, d, closeness)
+                        demand = _Demand(index, d, common, senders, nbytes)
+                        (near if g in held_in else far).append(demand)
+    relays: list[Piece] = []
+    for (_, ds), regions in sorted(groups.items()):
+        regions.sort()  # by source replicas first: each receiver then has few senders
+        parts = _split_evenly(regions, len(ds), [leaves[r.leaf].itemsize for r in regions])
+        for d, part in zip(ds, parts, strict=True):
+            for r in part:
+                senders = _closest(r.replicas, d, closeness)
+                far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
+                relays.extend(Piece(r.leaf, d, other, r.box, stage=1) for other in ds if other != d)
+    near_pieces = _choose_senders(near)
+    if relays:
+        # Sends inside a domain need nothing from stage 0; riding in stage 1 they share fast
+        # rounds with the relays instead of taking fast rounds of their own beside the slow
+        # cross-domain ones (a round lasts as long as its slowest message).
+        near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
+    pieces = _choose_senders(far) + near_pieces + relays
+    pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
+    return Assignment(tuple(local), tuple(pieces))
+
+
+def _closest(replicas: tuple[int, ...], dst: int, tier: Tier) -> tuple[int, ...]:
+    best = min(tier(s, dst) for s in replicas)
+    return tuple(s for s in replicas if tier(s, dst) == best)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Region:
+    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``."""
+
+    replicas: tuple[int, ...]
+    leaf: int
+    box: Box
+    nbytes: int
+
+
+def _split_evenly(
+    regions: Sequence[_Region], k: int, itemsizes: Sequence[int]
+) -> list[list[_Region]]:
+    """Lay the regions end to end and cut them into ``k`` runs of equal bytes (to one element);
+    a region cut in the middle becomes a few boxes (`split_flat`, row-major)."""
+    total = sum(r.nbytes for r in regions)
+    bounds = [j * total // k for j in range(k + 1)]
+    parts: list[list[_Region]] = [[] for _ in range(k)]
+    offset = 0
+    for r, item in zip(regions, itemsizes, strict=True):
+        for j in range(k):
+            lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + r.nbytes)
+            if lo >= hi:
+                continue
+            first, last = (lo - offset) // item, (hi - offset) // item
+            if (first, last) == (0, r.nbytes // item):
+                parts[j].append(r)
+                continue
+            for box in split_flat(r.box, first, last):
+                parts[j].append(_Region(r.replicas, r.leaf, box, box_size(box) * item))
+        offset += r.nbytes
+    return parts
