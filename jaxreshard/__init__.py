@@ -15,6 +15,7 @@ from jaxreshard.api import Plan, clear_cache, default_bucket_bytes, plan, reshar
 from jaxreshard.errors import ReshardError, ReshardTypeError
 from jaxreshard.layout import Layout
 from jaxreshard.schedule import PlanStats
+from jaxreshard.topology import Topology
 
 __all__ = [
     "Layout",
@@ -22,6 +23,7 @@ __all__ = [
     "PlanStats",
     "ReshardError",
     "ReshardTypeError",
+    "Topology",
     "clear_cache",
     "default_bucket_bytes",
     "plan",

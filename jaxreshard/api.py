@@ -19,6 +19,8 @@ from jaxreshard.executor import Executor, wire_itemsize
 from jaxreshard.layout import Layout, LayoutError
 from jaxreshard.planner import Assignment, LeafSpec, Tier, assign
 from jaxreshard.schedule import PlanStats, Schedule, build_schedule, plan_stats
+from jaxreshard.topology import Topology
+from jaxreshard.topology import assign as topology_assign
 
 MiB = 1 << 20
 
@@ -62,6 +64,7 @@ class Plan:
         assignment: Assignment,
         schedule: Schedule,
         bucket_bytes: int,
+        topology: Topology | None = None,
     ) -> None:
         self.treedef = treedef
         self.paths = tuple(paths)
@@ -71,7 +74,9 @@ class Plan:
         self.assignment = assignment
         self.schedule = schedule
         self.bucket_bytes = bucket_bytes
-        self.stats: PlanStats = plan_stats(self.leaves, assignment, schedule)
+        self.topology = topology
+        crosses = topology.crosses if topology is not None else None
+        self.stats: PlanStats = plan_stats(self.leaves, assignment, schedule, crosses=crosses)
         self._executor: Executor | None = None
         self._lock = threading.Lock()
 
@@ -221,6 +226,7 @@ def plan(
     bucket_bytes: int | None = None,
     dtype: Any = None,
     tier: Tier | None = None,
+    topology: Topology | None = None,
 ) -> Plan:
     """Plan moving ``src_tree`` into the layouts ``dst_shardings``.
 
@@ -236,6 +242,11 @@ def plan(
       tier: optional ``tier(src_id, dst_id) -> int`` closeness; among replicas of a part only
         the closest are used as senders. By default, senders on the receiver's own process
         are preferred.
+      topology: optional `Topology` (fast domains, bandwidths) of the devices. With it,
+        senders in the receiver's domain are preferred, cross-domain sends are balanced, bytes
+        needed by several devices of a domain cross into it once and are relayed inside it
+        (hierarchical fan-out), slow and fast links get rounds of their own, and
+        ``stats.bytes_cross_domain`` counts what crosses domains. See `jaxreshard.topology`.
 
     Returns:
       A `Plan`. Planning is pure: no program is compiled and no data moves.
@@ -276,9 +287,21 @@ def plan(
         bucket_bytes = default_bucket_bytes(platform)
     if int(bucket_bytes) < 1:
         raise ReshardError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
-    assignment = assign(leaves, tier=tier if tier is not None else _process_tier(dsts, avals))
-    schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=int(bucket_bytes))
-    return Plan(treedef, paths, avals, dsts, leaves, assignment, schedule, int(bucket_bytes))
+    if topology is None:
+        assignment = assign(leaves, tier=tier if tier is not None else _process_tier(dsts, avals))
+        schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=int(bucket_bytes))
+    else:
+        assignment = topology_assign(leaves, topology, tier=tier)
+        schedule = build_schedule(
+            leaves,
+            assignment.pieces,
+            bucket_bytes=int(bucket_bytes),
+            link_class=topology.link_class,
+            class_latency_bytes=topology.class_latency_bytes(),
+        )
+    return Plan(
+        treedef, paths, avals, dsts, leaves, assignment, schedule, int(bucket_bytes), topology
+    )
 
 
 # ---------------------------------------------------------------------------- plan cache
@@ -295,6 +318,7 @@ def reshard(
     bucket_bytes: int | None = None,
     dtype: Any = None,
     donate: Any = None,
+    topology: Topology | None = None,
 ) -> Any:
     """Reshard ``src_tree`` into ``dst_shardings``; `plan` then call, with plans cached.
 
@@ -302,7 +326,7 @@ def reshard(
     options), so calling this every step plans and compiles only on the first call. See `plan`
     and `Plan.__call__` for the arguments.
     """
-    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype)
+    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, topology)
     found = None
     if key is not None:
         with _CACHE_LOCK:
@@ -310,7 +334,9 @@ def reshard(
             if found is not None:
                 _CACHE.move_to_end(key)
     if found is None:
-        found = plan(src_tree, dst_shardings, bucket_bytes=bucket_bytes, dtype=dtype)
+        found = plan(
+            src_tree, dst_shardings, bucket_bytes=bucket_bytes, dtype=dtype, topology=topology
+        )
         if key is not None:
             with _CACHE_LOCK:
                 _CACHE[key] = found
@@ -325,7 +351,7 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any) -> Any:
+def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(src_tree)
     if not all(isinstance(x, jax.Array) for x in leaves):
         return None  # let plan() report it
@@ -342,6 +368,7 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any) -> Any:
             dt_def,
             tuple(None if d is None else jnp.dtype(d) for d in dt_leaves),
             bucket_bytes,
+            topology,
         )
         hash(key)
     except TypeError:
