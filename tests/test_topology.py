@@ -1,0 +1,315 @@
+"""Topologies, topology-aware planning and hierarchical fan-out.
+
+Plans over two declared domains must send exactly the lower bound, cross domains once per
+destination domain, and rebuild every destination shard bit for bit: on virtual devices through
+the NumPy model of the executor, and for real on the 8 CPU devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference import run_reference
+
+import jaxreshard as jr
+from jaxreshard.layout import Layout, box_size
+from jaxreshard.planner import LeafSpec, Piece, _min_max_quotas, assign
+from jaxreshard.schedule import build_schedule, plan_rounds, plan_stats
+from jaxreshard.topology import PROFILES, Topology
+from jaxreshard.topology import assign as topology_assign
+
+TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
+def leaf(shape, src, dst, dtype="float32", path="x"):
+    """A LeafSpec from (mesh_shape, names, ids, spec) tuples."""
+    return LeafSpec(
+        path,
+        Layout.from_mesh(shape, *src),
+        Layout.from_mesh(shape, *dst),
+        dtype,
+        dtype,
+        np.dtype(dtype).itemsize,
+    )
+
+
+def check_virtual(leaves, topology, bucket_bytes=1 << 20):
+    """Plan with the topology, run the NumPy executor model, check every invariant."""
+    assignment = topology_assign(leaves, topology)
+    options = dict(
+        bucket_bytes=bucket_bytes,
+        link_class=topology.link_class,
+        class_latency_bytes=topology.class_latency_bytes(),
+    )
+    schedule = build_schedule(leaves, assignment.pieces, **options)
+    stats = plan_stats(leaves, assignment, schedule, crosses=topology.crosses)
+    assert (
+        plan_stats(
+            leaves,
+            assignment,
+            plan_rounds(leaves, assignment.pieces, **options),
+            crosses=topology.crosses,
+        )
+        == stats
+    ), "plan_rounds must make the rounds build_schedule makes"
+    rng = np.random.default_rng(0)
+    globals_ = [
+        rng.integers(0, 255, size=math.prod(lf.shape) * lf.itemsize, dtype=np.uint8)
+        .view(lf.dst_dtype)
+        .reshape(lf.shape)
+        for lf in leaves
+    ]
+    shards = run_reference(leaves, globals_, assignment, schedule)
+    for lf, g, got in zip(leaves, globals_, shards, strict=True):
+        for device, box in zip(lf.dst.devices, lf.dst.boxes, strict=True):
+            assert got[device].tobytes() == g[tuple(slice(a, b) for a, b in box)].tobytes()
+    assert stats.bytes_sent == stats.bytes_lower_bound
+    for bucket in schedule.buckets:
+        for perm in bucket.perms():
+            assert len({s for s, _ in perm}) == len(perm), "a device sends twice in a round"
+            assert len({d for _, d in perm}) == len(perm), "a device receives twice in a round"
+    return stats, assignment, schedule
+
+
+# ------------------------------------------------------------------------------ topologies
+
+
+def test_from_groups_places_devices_in_domains():
+    t = Topology.from_groups([[0, 1], [2, 3]], intra_bandwidth=10, inter_bandwidth=1)
+    assert t.domain_of == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert t.crosses(1, 2) and not t.crosses(2, 3)
+    assert (t.tier(0, 1), t.tier(0, 3)) == (0, 1)
+    assert (t.bandwidth(0, 1), t.bandwidth(0, 3)) == (10, 1)
+    assert t.members == {0: (0, 1), 1: (2, 3)}
+    assert hash(t) == hash(Topology.from_groups([[0, 1], [2, 3]], intra_bandwidth=10,
+                                                inter_bandwidth=1))  # fmt: skip
+
+
+def test_from_groups_accepts_jax_devices(devices):
+    t = Topology.from_groups([devices[:4], devices[4:]])
+    assert [t.domain_of[d.id] for d in devices] == [0] * 4 + [1] * 4
+
+
+def test_from_devices_uses_process_index_on_one_host(devices):
+    t = Topology.from_devices(devices)
+    assert set(t.domains) == {0} and set(t.hosts) == {0}
+    assert t.devices == tuple(d.id for d in devices)
+
+
+@pytest.mark.parametrize(("name", "size", "intra", "inter"), [
+    ("h100", 8, 450e9, 50e9),
+    ("gb200-nvl72", 72, 900e9, 50e9),
+])  # fmt: skip
+def test_profiles(name, size, intra, inter):
+    t = Topology.profile(name, 2 * size + 3)
+    assert (t.intra_bandwidth, t.inter_bandwidth) == (intra, inter)
+    assert [len(m) for m in t.members.values()] == [size, size, 3]
+    assert PROFILES[name].source  # every profile says where its numbers come from
+
+
+def test_profile_domain_size_override_and_unknown_name():
+    assert [
+        len(m) for m in Topology.profile("gb200-nvl72", 128, domain_size=64).members.values()
+    ] == [64, 64]
+    with pytest.raises(ValueError, match="unknown topology profile"):
+        Topology.profile("a100", 8)
+
+
+def test_bad_topologies_are_rejected():
+    with pytest.raises(ValueError, match="twice"):
+        Topology.from_groups([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="positive"):
+        Topology.from_groups([[0]], inter_bandwidth=0)
+
+
+def test_a_topology_missing_a_device_names_it():
+    lf = leaf((8,), ((2,), ("x",), (0, 1), ("x",)), ((1,), ("y",), (9,), ()))
+    with pytest.raises(jr.ReshardError, match=r"does not place devices \[9\]"):
+        topology_assign([lf], TWO_BY_FOUR)
+
+
+# -------------------------------------------------------------------- planning (virtual)
+
+# A (64, 32) array sharded in halves on devices 0, 1 (domain A = 0..3); the destination is
+# TP2 x DP3 on devices 2..7: replica {2, 3} in A, replicas {4, 5} and {6, 7} in B = 4..7.
+SRC = ((2,), ("x",), (0, 1), ("x",))
+DST = ((3, 2), ("dp", "tp"), (2, 3, 4, 5, 6, 7), (None, "tp"))
+ARRAY_BYTES = 64 * 32 * 4
+TP_SLICE = ARRAY_BYTES // 2
+
+
+def test_fan_out_crosses_once_per_domain_and_relays_inside():
+    stats, assignment, _ = check_virtual([leaf((64, 32), SRC, DST)], TWO_BY_FOUR)
+    # Devices 2, 3 lack their TP slice; so do 4, 5, 6, 7: six slices.
+    assert stats.bytes_lower_bound == 6 * TP_SLICE
+    # Domain B needs the whole array once: each of its four devices takes half its slice
+    # across, then forwards it to the other replica of its slice.
+    assert stats.bytes_cross_domain == ARRAY_BYTES
+    assert stats.bytes_relayed == ARRAY_BYTES
+    cross = defaultdict(int)
+    for p in assignment.pieces:
+        n = box_size(p.box) * 4
+        if TWO_BY_FOUR.crosses(p.src, p.dst):
+            assert p.stage == 0 and p.src in (0, 1) and p.dst in (4, 5, 6, 7)
+            cross[p.dst] += n
+        elif p.from_dst:
+            assert p.stage == 1 and {p.src, p.dst} in ({4, 6}, {5, 7})
+        else:  # replica {2, 3} is served inside A, read from the source, beside the relays
+            assert p.src in (0, 1) and p.dst in (2, 3)
+    assert dict(cross) == {d: TP_SLICE // 2 for d in (4, 5, 6, 7)}
+
+
+def test_without_fan_out_every_destination_device_crosses():
+    assignment = topology_assign([leaf((64, 32), SRC, DST)], TWO_BY_FOUR, fan_out=False)
+    cross = sum(box_size(p.box) * 4 for p in assignment.pieces if TWO_BY_FOUR.crosses(p.src, p.dst))
+    assert cross == 4 * TP_SLICE and all(p.stage == 0 for p in assignment.pieces)
+
+
+def test_senders_in_the_receivers_domain_are_preferred():
+    """Replicas on 0 (A) and 4 (B): every receiver is served from its own domain."""
+    lf = leaf((16, 16), ((2,), ("dp",), (0, 4), ()), ((4,), ("tp",), (1, 2, 5, 6), (None, "tp")))
+    stats, assignment, _ = check_virtual([lf], TWO_BY_FOUR)
+    assert stats.bytes_cross_domain == 0
+    assert all(not TWO_BY_FOUR.crosses(p.src, p.dst) for p in assignment.pieces)
+
+
+def test_cross_domain_sends_are_balanced_over_replicas():
+    """Four replicas in A feed four devices of B, one receiver each."""
+    lf = leaf((64, 8), ((4,), ("dp",), (0, 1, 2, 3), ()), ((4,), ("tp",), (4, 5, 6, 7), ("tp",)))
+    stats, _, _ = check_virtual([lf], TWO_BY_FOUR)
+    assert stats.max_device_send_bytes == 64 * 8 * 4 // 4
+
+
+def test_many_leaves_and_dtypes_fan_out_exactly():
+    dst = ((2, 2, 2), ("dp", "fsdp", "tp"), (0, 4, 1, 5, 2, 6, 3, 7), ("fsdp", "tp"))
+    leaves = [
+        leaf((24, 16), ((2, 2), ("a", "b"), (0, 1, 2, 3), ("a", "b")), dst, dtype=dt, path=dt)
+        for dt in ("float32", "int8", "float16", "float64")
+    ]
+    stats, _, _ = check_virtual(leaves, TWO_BY_FOUR, bucket_bytes=256)
+    assert stats.bytes_relayed > 0
+
+
+def test_slow_rounds_are_as_few_as_the_busiest_device_needs():
+    """With link classes, cross-domain chunks get rounds of their own: exactly the busiest
+    device's count of cross-domain chunks (plus tail rounds)."""
+    lf = leaf((256, 64), SRC, DST)
+    assignment = topology_assign([lf], TWO_BY_FOUR)
+    schedule = build_schedule(
+        [lf], assignment.pieces, bucket_bytes=4096, link_class=TWO_BY_FOUR.link_class
+    )
+    degree = defaultdict(int)
+    slow_rounds = 0
+    for bucket in schedule.buckets:
+        crossing = set()
+        for m in bucket.messages:
+            if TWO_BY_FOUR.crosses(m.src, m.dst):
+                crossing.add(m.slot)
+                degree["s", m.src] += 1
+                degree["r", m.dst] += 1
+        slow_rounds += len(crossing)
+    assert slow_rounds == max(degree.values())
+
+
+def test_min_max_quotas_when_the_largest_group_alone_is_not_feasible():
+    """Regression: the bisection's upper end was the largest group's bytes, which is not
+    always feasible (here 0 and 1 must each carry 10 of their own, plus half of the shared)."""
+    quotas = _min_max_quotas({(0,): 10, (1,): 10, (0, 1): 10, (2, 3): 1})
+    assert quotas[(0, 1), 0] + quotas[(0, 1), 1] == 10
+    a = leaf((10,), ((1,), ("x",), (0,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
+    b = leaf((10,), ((1,), ("x",), (1,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
+    c = leaf((10,), ((2,), ("x",), (0, 1), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
+    d = leaf((1,), ((2,), ("x",), (2, 3), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
+    pieces = assign([a, b, c, d]).pieces
+    assert sum(box_size(p.box) for p in pieces) == 31
+
+
+def test_a_relay_needs_a_later_stage():
+    with pytest.raises(ValueError, match="stage > 0"):
+        Piece(0, 0, 1, ((0, 1),), stage=0, relay=True)
+    assert Piece(0, 0, 1, ((0, 1),), stage=1, relay=False).from_dst is False
+    assert Piece(0, 0, 1, ((0, 1),), stage=1).from_dst is True
+
+
+# ------------------------------------------------------------------ real run, 8 CPU devices
+
+
+def _mesh(devices, ids, shape, names):
+    return Mesh(np.array([devices[i] for i in ids]).reshape(shape), names)
+
+
+def _check_real(out, want):
+    for shard in out.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+
+
+def test_hierarchical_plan_runs_bit_exact_on_cpu_devices(devices):
+    topo = Topology.from_groups([devices[:4], devices[4:]])
+    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (3, 2), ("dp", "tp")), P(None, "tp"))
+    value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) * 1.5 - 7
+    x = jax.device_put(value, src)
+    plan = jr.plan({"w": x}, {"w": dst}, topology=topo)
+    s = plan.stats
+    assert s.bytes_sent == s.bytes_lower_bound == 6 * TP_SLICE
+    assert s.bytes_cross_domain == ARRAY_BYTES and s.bytes_relayed == ARRAY_BYTES
+    assert {p.stage for p in plan.assignment.pieces} == {0, 1}
+    out = plan({"w": x})["w"]
+    assert out.sharding == dst
+    _check_real(out, value)
+    again = plan({"w": x}, donate={"w": out})["w"]  # donated buffers receive the relays too
+    _check_real(again, value)
+
+
+def test_hierarchical_plan_with_several_leaves_and_a_cast(devices):
+    topo = Topology.from_groups([devices[:4], devices[4:]])
+    src_mesh = _mesh(devices, (0, 1, 2, 3), (2, 2), ("fsdp", "tp"))
+    dst_mesh = _mesh(devices, (0, 4, 1, 5, 2, 6, 3, 7), (2, 4), ("dp", "tp"))
+    rng = np.random.default_rng(0)
+    tree = {
+        "a": rng.standard_normal((32, 16)).astype(np.float32),
+        "b": rng.integers(-100, 100, (8, 24)).astype(np.int32),
+        "c": rng.standard_normal((16,)).astype(np.float32),
+    }
+    src = {
+        "a": NamedSharding(src_mesh, P("fsdp", "tp")),
+        "b": NamedSharding(src_mesh, P(None, "tp")),
+        "c": NamedSharding(src_mesh, P("fsdp")),
+    }
+    dst = {
+        "a": NamedSharding(dst_mesh, P(None, "tp")),
+        "b": NamedSharding(dst_mesh, P("tp")),
+        "c": NamedSharding(dst_mesh, P()),
+    }
+    x = {k: jax.device_put(v, src[k]) for k, v in tree.items()}
+    plan = jr.plan(x, dst, topology=topo, dtype={"a": jnp.bfloat16, "b": None, "c": None},
+                   bucket_bytes=512)  # fmt: skip
+    assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
+    assert plan.stats.bytes_relayed > 0 and plan.stats.bytes_cross_domain > 0
+    out = plan(x)
+    _check_real(out["a"], tree["a"].astype(jnp.bfloat16))
+    _check_real(out["b"], tree["b"])
+    _check_real(out["c"], tree["c"])
+
+
+def test_reshard_caches_plans_per_topology(devices):
+    jr.clear_cache()
+    two = Topology.from_groups([devices[:4], devices[4:]])
+    one = Topology.from_groups([devices])
+    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (3, 2), ("dp", "tp")), P(None, "tp"))
+    value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    x = jax.device_put(value, src)
+    for topo in (two, one, two):
+        _check_real(jr.reshard(x, dst, topology=topo), value)
+    from jaxreshard import api
+
+    assert len(api._CACHE) == 2
+    jr.clear_cache()
