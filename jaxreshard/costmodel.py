@@ -109,10 +109,18 @@ def lower_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBound:
     for g, receivers in p.receivers.items():
         cross = p.cross_in.get(g, 0)
         t = (cross / bx + (need_in[g] - cross) / bi) / len(receivers)
-        terms.append((t, f"domain {g} takes in {cross} B through {len(receivers)} NICs"))
+        terms.append((
+            t,
+            f"domain {g}'s {len(receivers)} receivers take {cross / 1e9:.2f} GB from other "
+            f"domains and {(need_in[g] - cross) / 1e9:.2f} GB more inside",
+        ))  # fmt: skip
     for g, n in p.cross_out.items():
         t = n / (len(p.participants[g]) * bx)
-        terms.append((t, f"domain {g} sends out {n} B through {len(p.participants[g])} NICs"))
+        terms.append((
+            t,
+            f"domain {g} sends out {n / 1e9:.2f} GB only it holds through "
+            f"{len(p.participants[g])} NICs",
+        ))  # fmt: skip
     seconds, binding = max(terms)
     if seconds > 0:
         seconds += topology.round_latency

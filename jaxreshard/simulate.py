@@ -4,6 +4,7 @@
     python -m jaxreshard.simulate --all
     python -m jaxreshard.simulate --model llama-3.1-70b --src FSDP64 --dst "TP8 DP8" \\
         --topology h100
+    python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + build_schedule time
 
 Nothing runs on a device and JAX is not needed: layouts are built on integer device ids, the
 planner and scheduler run as they do inside `jaxreshard.plan`, and `jaxreshard.costmodel`

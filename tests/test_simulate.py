@@ -88,7 +88,7 @@ def test_lower_bound_domain_ingress_by_hand():
     lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
     bound = costmodel.lower_bound([lf], topo())
     assert bound.seconds == pytest.approx((128 / 10 + 384 / 100) / 4)
-    assert bound.binding.startswith("domain 1 takes in")
+    assert bound.binding.startswith("domain 1's 4 receivers take")
 
 
 def test_baselines_by_hand():
