@@ -6,9 +6,9 @@
         --topology h100
     python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + build_schedule time
 
-Nothing runs on a device and JAX is not needed: layouts are built on integer device ids, the
-planner and scheduler run as they do inside `jaxreshard.plan`, and `jaxreshard.costmodel`
-prices the schedule, the lower bound and the baselines.
+Nothing runs on a device (importing the package still loads JAX): layouts are built on integer
+device ids, the planner and scheduler run as they do inside `jaxreshard.plan`, and
+`jaxreshard.costmodel` prices the schedule, the lower bound and the baselines.
 
 Parameter inventories follow the models' public configs (Hugging Face ``config.json``); each
 kind of layer weight is one leaf stacked over its layers, so pipeline parallelism is a sharded

@@ -14,11 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from reference import run_reference
 
 import jaxreshard as jr
+from jaxreshard.costmodel import lower_bound
 from jaxreshard.layout import Layout, box_size
 from jaxreshard.planner import LeafSpec, Piece, _min_max_quotas, assign
 from jaxreshard.schedule import build_schedule, plan_rounds, plan_stats
@@ -313,3 +316,39 @@ def test_reshard_caches_plans_per_topology(devices):
 
     assert len(api._CACHE) == 2
     jr.clear_cache()
+
+
+@st.composite
+def mesh_layouts(draw, prefix):
+    devices = draw(st.permutations(range(12)))
+    sizes = draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3))
+    while math.prod(sizes) > 12:
+        sizes = sizes[:-1] or [1]
+    names = tuple(f"{prefix}{i}" for i in range(len(sizes)))
+    free, spec = list(names), []
+    for _ in range(2):
+        k = draw(st.integers(0, min(2, len(free))))
+        spec.append(tuple(free[:k]))
+        free = free[k:]
+    return tuple(sizes), names, tuple(devices[: math.prod(sizes)]), tuple(spec)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    src=mesh_layouts("s"),
+    dst=mesh_layouts("d"),
+    groups=st.sampled_from([[range(12)], [range(6), range(6, 12)], [range(3), range(3, 12)],
+                            [range(0, 12, 2), range(1, 12, 2)], [[i] for i in range(12)]]),
+    bucket=st.sampled_from([16, 100, 1 << 20]),
+    dtype=st.sampled_from(["uint8", "float16", "float64"]),
+)  # fmt: skip
+def test_random_layouts_and_domains_on_virtual_devices(src, dst, groups, bucket, dtype):
+    size = dict(zip(src[1], src[0], strict=True)) | dict(zip(dst[1], dst[0], strict=True))
+    shape = tuple(
+        2 * math.lcm(*(math.prod(size[a] for a in s[3][d]) for s in (src, dst))) for d in range(2)
+    )
+    topology = Topology.from_groups(groups)
+    lf = leaf(shape, src, dst, dtype=dtype)
+    stats, _, _ = check_virtual([lf], topology, bucket)
+    # Each domain takes in each byte it lacks exactly once.
+    assert stats.bytes_cross_domain == lower_bound([lf], topology).bytes_cross_needed
