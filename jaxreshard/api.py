@@ -188,6 +188,7 @@ class Plan:
             local[c.device] += math.prod(e - b for b, e in c.box) * self.leaves[c.leaf].itemsize
         devices = sorted(set(send) | set(recv) | set(local))
         pad = s.bytes_wire - s.bytes_sent
+        largest = max((n for b in self.schedule.buckets for n in b.slot_bytes), default=0)
         lines = [
             f"jaxreshard plan: {len(self.leaves)} leaves, {len(devices)} devices "
             f"({len(send)} send, {len(recv)} receive)",
@@ -201,7 +202,7 @@ class Plan:
             f"  wire    {_b(s.bytes_wire)} (padding {_b(pad)}"
             + (f", {pad / s.bytes_sent:.2%}" if s.bytes_sent else "")
             + f") | relayed {_b(s.bytes_relayed)}",
-            f"  rounds  {s.rounds} in {s.buckets} bucket(s), chunk {_b(s.chunk_bytes)}, "
+            f"  rounds  {s.rounds} in {s.buckets} bucket(s), largest round {_b(largest)}, "
             f"bucket limit {_b(self.bucket_bytes)}, staging {_b(s.staging_bytes)} per device",
             f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "
             f"{_b(s.max_device_recv_bytes)}",
