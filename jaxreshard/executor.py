@@ -78,9 +78,6 @@ class Executor:
         self._word = np.dtype(
             f"uint{8 * min((bits_dtype(lf.dst_dtype).itemsize for lf in leaves), default=1)}"
         )
-        # All buckets share one staging size, so a buffer can be handed from bucket to bucket.
-        words = max((b.buffer_bytes for b in schedule.buckets), default=0) // self._word.itemsize
-        self._staging_shape = (len(union) * words,)
         self._staging_sharding = (
             NamedSharding(self._mesh, PartitionSpec(AXIS)) if self._mesh is not None else None
         )
@@ -108,10 +105,7 @@ class Executor:
             for i, arr in zip(leaf_ids, outs, strict=True):
                 dst[i][device] = arr
         if self.schedule.buckets:
-            staging = self._new_staging()
-            for b, bucket in enumerate(self.schedule.buckets):
-                self._run_bucket(b, bucket, src_shards, dst, staging)
-            del staging
+            self._run_buckets(src_shards, dst)
         return [self._assemble(i, dst[i]) for i in range(len(self.leaves))]
 
     def _assemble(self, i: int, shards: dict[int, jax.Array]) -> jax.Array:
@@ -123,51 +117,85 @@ class Executor:
         order = [shards[d] for d in leaf.dst.devices if d in shards]
         return jax.make_array_from_single_device_arrays(leaf.shape, sharding, order)
 
-    def _run_bucket(
-        self,
-        b: int,
-        bucket: Bucket,
-        src: list[dict[int, jax.Array]],
-        dst: list[dict[int, jax.Array]],
-        staging: dict[int, jax.Array],
+    def _run_buckets(
+        self, src: list[dict[int, jax.Array]], dst: list[dict[int, jax.Array]]
     ) -> None:
-        """Pack, move and unpack one bucket, passing each device's staging buffer along.
+        """Pack, move and unpack every bucket in order.
 
-        Every step donates the buffer it was given: pack writes into it, the transfer consumes
-        it, unpack hands the received buffer back for the next bucket. So a device never holds
-        more than a send and a receive buffer, with no host-side synchronisation.
+        Each round's chunk is an array of its own from pack to unpack, so the transfer is one
+        collective-permute per round and nothing else (no slicing or re-assembly copies). A
+        device that sends nothing in a round still passes an array of the round's size, which
+        the collective never reads: a buffer received in the previous bucket, recycled (zeros
+        only when none fits). Before a bucket's transfer starts, the previous bucket's unpack
+        has finished, so a device holds at most one bucket of sent and one of received chunks.
         """
         assert self._mesh is not None
-        for device in self._union_local:
-            if bucket.sends(device):
-                src_in, dst_in = self._pack_inputs(bucket, device)
-                args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
-                staging[device] = self._pack_program(b, device)(staging[device], *args)
-        sent = jax.make_array_from_single_device_arrays(
-            self._staging_shape, self._staging_sharding, [staging[d] for d in self._union_local]
-        )
-        staging.clear()
-        received = _shards(self._transfer_program(b)(sent))
-        del sent
-        for device in self._union_local:
-            leaf_ids = self._unpack_leaves(bucket, device)
-            if not leaf_ids:
-                staging[device] = received[device]
-                continue
-            *outs, staging[device] = self._unpack_program(b, device)(
-                received[device], *[dst[i][device] for i in leaf_ids]
+        spare: dict[int, dict[int, jax.Array]] = {d: {} for d in self._union_local}
+        unpacked: list[jax.Array] = []
+        for b, bucket in enumerate(self.schedule.buckets):
+            words = [n // self._word.itemsize for n in bucket.slot_bytes]
+            chunks: dict[int, list[jax.Array]] = {}
+            for device in self._union_local:
+                sent = self._sent_slots(bucket, device)
+                if sent:
+                    src_in, dst_in = self._pack_inputs(bucket, device)
+                    args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
+                    packed = dict(zip(sent, self._pack_program(b, device)(*args), strict=True))
+                else:
+                    packed = {}
+                chunks[device] = [
+                    packed[t] if t in packed else self._spare(spare[device], device, n)
+                    for t, n in enumerate(words)
+                ]
+            jax.block_until_ready(unpacked)  # bounds staging: the previous bucket is done
+            moved = self._transfer_program(b)(
+                *[
+                    jax.make_array_from_single_device_arrays(
+                        (len(self._position) * n,),
+                        self._staging_sharding,
+                        [chunks[d][t] for d in self._union_local],
+                    )
+                    for t, n in enumerate(words)
+                ]
             )
-            for i, arr in zip(leaf_ids, outs, strict=True):
-                dst[i][device] = arr
+            del chunks
+            received = [_shards(x) for x in moved]
+            del moved
+            unpacked = []
+            for device in self._union_local:
+                slots = self._received_slots(bucket, device)
+                if slots:
+                    leaf_ids = self._unpack_leaves(bucket, device)
+                    outs = self._unpack_program(b, device)(
+                        *[received[t][device] for t in slots],
+                        *[dst[i][device] for i in leaf_ids],
+                    )
+                    for i, arr in zip(leaf_ids, outs, strict=True):
+                        dst[i][device] = arr
+                    unpacked.extend(outs)
+                keep = self._spare_sizes(b + 1, device)
+                spare[device] = {n: received[t][device] for t, n in enumerate(words) if n in keep}
+            del received
 
-    def _new_staging(self) -> dict[int, jax.Array]:
-        """One staging buffer per participating device of this process (one program)."""
+    def _spare(self, pool: dict[int, jax.Array], device: int, words: int) -> jax.Array:
+        """An array of ``words`` words on ``device`` whose contents do not matter."""
+        if words not in pool:
+            pool[words] = jnp.zeros((words,), self._word, device=self._device[device])
+        return pool[words]
 
-        def build() -> Any:
-            shape, word = self._staging_shape, self._word
-            return jax.jit(lambda: jnp.zeros(shape, word), out_shardings=self._staging_sharding)
+    def _sent_slots(self, bucket: Bucket, device: int) -> list[int]:
+        return sorted(m.slot for m in bucket.sends(device))
 
-        return _shards(self._cached(("staging",), build)())
+    def _received_slots(self, bucket: Bucket, device: int) -> list[int]:
+        return sorted(m.slot for m in bucket.recvs(device))
+
+    def _spare_sizes(self, b: int, device: int) -> set[int]:
+        """Word counts of the rounds of bucket ``b`` in which ``device`` sends nothing."""
+        if b >= len(self.schedule.buckets):
+            return set()
+        bucket = self.schedule.buckets[b]
+        sent = set(self._sent_slots(bucket, device))
+        return {n // self._word.itemsize for t, n in enumerate(bucket.slot_bytes) if t not in sent}
 
     # ------------------------------------------------------------------------------ programs
 
@@ -250,23 +278,27 @@ class Executor:
             messages = sorted(bucket.sends(device), key=lambda m: m.slot)
             word = self._word
 
-            def pack(staging: jax.Array, *args: jax.Array) -> jax.Array:
+            def pack(*args: jax.Array) -> tuple[jax.Array, ...]:
                 from_src = dict(zip(src_in, args[: len(src_in)], strict=True))
                 from_dst = dict(zip(dst_in, args[len(src_in) :], strict=True))
+                chunks = []
                 for m in messages:
+                    parts = []
                     for seg in m.segments:
-                        at = bucket.slot_offset(m.slot) + seg.offset
                         leaf = self.leaves[seg.leaf]
                         if seg.from_dst:
                             shard, held = from_dst[seg.leaf], leaf.dst.box_of[device]
                         else:
                             shard, held = from_src[seg.leaf], leaf.src.box_of[device]
                         part = read_bits(shard, shift(seg.box, _origin(held)), leaf.dst_dtype)
-                        words = bits_to_words(part, word)
-                        staging = lax.dynamic_update_slice(staging, words, (at // word.itemsize,))
-                return staging
+                        parts.append(bits_to_words(part, word))
+                    pad = (bucket.slot_bytes[m.slot] - m.nbytes) // word.itemsize
+                    if pad:
+                        parts.append(jnp.zeros((pad,), word))
+                    chunks.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+                return tuple(chunks)
 
-            return self._jit(pack, device, (0,))
+            return self._jit(pack, device, ())
 
         return self._cached(("pack", b, device), build)
 
@@ -277,27 +309,29 @@ class Executor:
         def build() -> Any:
             bucket = self.schedule.buckets[b]
             leaf_ids = self._unpack_leaves(bucket, device)
-            messages: list[Message] = list(bucket.recvs(device))
+            messages: list[Message] = sorted(bucket.recvs(device), key=lambda m: m.slot)
             word = self._word
 
-            def unpack(buffer: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
-                out = {i: to_bits(x) for i, x in zip(leaf_ids, shards, strict=True)}
-                for m in messages:
+            def unpack(*args: jax.Array) -> tuple[jax.Array, ...]:
+                chunks = args[: len(messages)]
+                out = {i: to_bits(x) for i, x in zip(leaf_ids, args[len(messages) :], strict=True)}
+                for m, chunk in zip(messages, chunks, strict=True):
                     for seg in m.segments:
                         leaf = self.leaves[seg.leaf]
                         dtype = jnp.dtype(leaf.dst_dtype)
-                        at = bucket.slot_offset(m.slot) + seg.offset
                         n = word.itemsize
-                        raw = lax.slice(buffer, (at // n,), ((at + seg.nbytes) // n,))
+                        raw = lax.slice(
+                            chunk, (seg.offset // n,), ((seg.offset + seg.nbytes) // n,)
+                        )
                         part = words_to_bits(raw, dtype, box_shape(seg.box))
                         box = shift(seg.box, _origin(leaf.dst.box_of[device]))
                         out[seg.leaf] = _write(out[seg.leaf], part, box)
-                shards_out = [
+                return tuple(
                     from_bits(out[i], jnp.dtype(self.leaves[i].dst_dtype)) for i in leaf_ids
-                ]
-                return (*shards_out, buffer)  # the buffer goes on to the next bucket
+                )
 
-            return self._jit(unpack, device, tuple(range(1 + len(leaf_ids))))
+            n_chunks = len(messages)
+            return self._jit(unpack, device, tuple(range(n_chunks, n_chunks + len(leaf_ids))))
 
         return self._cached(("unpack", b, device), build)
 
@@ -307,32 +341,31 @@ class Executor:
             perms = [
                 [(self._position[s], self._position[d]) for s, d in perm] for perm in bucket.perms()
             ]
-            n = self._word.itemsize
-            bounds = [
-                (bucket.slot_offset(t) // n, (bucket.slot_offset(t) + size) // n)
-                for t, size in enumerate(bucket.slot_bytes)
-            ]
 
-            def transfer(buffer: jax.Array) -> jax.Array:
-                # Each round's received chunk lands where its sent chunk was: the output is the
-                # (donated) input buffer, so a transfer allocates only the chunks in flight.
-                out = buffer
-                for (lo, hi), perm in zip(bounds, perms, strict=True):
-                    moved = lax.ppermute(lax.slice(buffer, (lo,), (hi,)), AXIS, perm)
-                    out = lax.dynamic_update_slice(out, moved, (lo,))
-                return out
+            def transfer(*chunks: jax.Array) -> tuple[jax.Array, ...]:
+                return tuple(
+                    lax.ppermute(chunk, AXIS, perm)
+                    for chunk, perm in zip(chunks, perms, strict=True)
+                )
 
-            spec = PartitionSpec(AXIS)
+            spec = (PartitionSpec(AXIS),) * len(perms)
             mapped = jax.shard_map(transfer, mesh=self._mesh, in_specs=spec, out_specs=spec)
-            return jax.jit(mapped, donate_argnums=0)
+            return jax.jit(mapped)
 
         return self._cached(("transfer", b), build)
 
     def compiled_transfer_text(self, b: int) -> str:
         """Optimized HLO of bucket ``b``'s transfer program (compiles it if needed)."""
         assert self._mesh is not None
-        arg = jax.ShapeDtypeStruct(self._staging_shape, self._word, sharding=self._staging_sharding)
-        return self._transfer_program(b).lower(arg).compile().as_text()
+        args = [
+            jax.ShapeDtypeStruct(
+                (len(self._position) * n // self._word.itemsize,),
+                self._word,
+                sharding=self._staging_sharding,
+            )
+            for n in self.schedule.buckets[b].slot_bytes
+        ]
+        return self._transfer_program(b).lower(*args).compile().as_text()
 
     def _jit(self, fn: Any, device: int, donate: tuple[int, ...]) -> Any:
         sharding = SingleDeviceSharding(self._device[device])
