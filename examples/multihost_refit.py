@@ -85,6 +85,11 @@ def _launch_local(args: argparse.Namespace) -> int:
 
 
 def refit(args: argparse.Namespace) -> None:
+    if args.num_processes == 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""
+    ):  # one process on CPU: ask for --devices devices (accelerator backends ignore the flag)
+        flag = f"--xla_force_host_platform_device_count={args.devices}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     import jax
     import jax.numpy as jnp
     import numpy as np

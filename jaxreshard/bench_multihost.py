@@ -20,16 +20,19 @@ Strategies:
   ``multihost_utils.broadcast_one_to_all`` sends it to every process, and each process places its
   destination shards with ``jax.make_array_from_callback``.
 
-Method: both run twice untimed (the first call compiles and agrees on the plan, and is reported
-as ``first s``; the second compiles what writes into a donated result), every process checks its
-destination shards against the expected values; then ``--reps`` repetitions interleaved
-``A B, B A, ...``. Every call starts after a barrier on all processes; its time is the slowest
-process's (the refit is done when the last shard has landed). Reported: min / median / max
-seconds, the median of the per-repetition ratios jaxreshard / broadcast, bytes moved, and per
-process the peak resident memory during one more call of each, alone, beyond the resident
-memory just before it (free heap memory returned to the system first with ``malloc_trim``; the
-kernel's ``VmHWM`` after resetting it). On the CPU backend device buffers are host memory, so
-this counts staging buffers, host copies and new results alike.
+Strategies ``jaxreshard[4MiB]`` etc. are the same with another ``bucket_bytes`` (``--bucket-mib``).
+
+Method: every strategy runs twice untimed (the first call compiles and agrees on the plan, and
+is reported as ``first s``; the second compiles what writes into a donated result), and every
+process checks its destination shards against the expected values; then ``--reps`` repetitions
+interleaved ``A B C, C B A, ...``. Every call starts after a barrier on all processes; its time
+is the slowest process's (the refit is done when the last shard has landed). Reported: min /
+median / max seconds, the median of the per-repetition ratios to the baseline, bytes moved, and
+per process the peak resident memory of a call beyond the resident memory just before it:
+median of three more calls of each, untimed, in rotating order, each after returning free heap
+memory to the system (``malloc_trim``) and resetting the kernel's ``VmHWM``. On the CPU backend
+device buffers are host memory, so this counts staging buffers, temporaries, host copies and new
+results alike. Noisy: a call's peak depends a little on what the allocator kept from before.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ def _combine(per_process: list[dict[str, Any]], args: argparse.Namespace) -> dic
         "first_call_s": {n: max(p["first_call_s"][n] for p in per_process) for n in names},
         "bytes": first["bytes"],
         "plans": first["plans"],
-        # Per process: peak resident memory during the call beyond that just before it.
+        # Per process and call: peak resident memory during the call beyond that just before.
         "peak_rss_bytes": {n: [p["rss_peak"][n] for p in per_process] for n in names},
         "rss_before_bytes": {n: [p["rss_before"][n] for p in per_process] for n in names},
     }
@@ -181,7 +184,7 @@ def _format(r: dict[str, Any]) -> str:
         f"{'first s':>8}  " + "  ".join(f"{f'peak RSS p{i}':>12}" for i in range(s["processes"])),
     ]
     for n, t in r["time_s"].items():
-        rss = "  ".join(f"{_b(max(x)):>12}" for x in r["peak_rss_bytes"][n])
+        rss = "  ".join(f"{_b(statistics.median(x)):>12}" for x in r["peak_rss_bytes"][n])
         ratio = r["median_ratio_over_broadcast"].get(n)
         lines.append(
             f"  {n:<{width}} {t['min']:7.3f} {t['median']:9.3f} {t['max']:7.3f} "
@@ -327,8 +330,8 @@ def _worker(args: argparse.Namespace) -> None:
     # trimmed heap makes every buffer a fresh, page-faulting allocation, so it is not timed).
     rss_peak: dict[str, list[int]] = {name: [] for name in order}
     rss_before: dict[str, list[int]] = {name: [] for name in order}
-    for _ in range(3):
-        for name in order:
+    for r in range(3):  # in rotating order: a call's peak can depend on what ran before it
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             if name == BASELINE:
                 del results[name]
             _malloc_trim()

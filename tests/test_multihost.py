@@ -403,3 +403,21 @@ def test_plans_called_in_different_orders_raise_instead_of_hanging(run_4x2):
         seconds = float(re.search(r"CROSSED raised after ([\d.]+) s", out).group(1))
         assert seconds < 10, seconds
     assert "waiting for each other in different plans" in run_4x2.outputs[0]
+
+
+EXAMPLE_ARGS = ["--local", "2", "--devices", "2", "--steps", "2", "--width", "64"]
+
+
+@pytest.mark.multiprocess
+def test_multihost_example_runs_as_local_processes():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multihost_refit.py"), *EXAMPLE_ARGS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "process 1 (sampler): step 1 refit" in run.stdout, run.stdout[-3000:]
