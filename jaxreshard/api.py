@@ -17,6 +17,7 @@ from jax.tree_util import keystr
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
 from jaxreshard.executor import Executor, wire_itemsize
 from jaxreshard.layout import Layout, LayoutError
+from jaxreshard.multihost import agree, process_tier
 from jaxreshard.planner import Assignment, LeafSpec, Tier, assign
 from jaxreshard.schedule import PlanStats, Schedule, build_schedule, plan_stats
 from jaxreshard.topology import Topology
@@ -79,6 +80,7 @@ class Plan:
         self.stats: PlanStats = plan_stats(self.leaves, assignment, schedule, crosses=crosses)
         self._executor: Executor | None = None
         self._lock = threading.Lock()
+        self._agreed = False
 
     @property
     def executor(self) -> Executor:
@@ -93,18 +95,25 @@ class Plan:
         """Reshard ``src_tree`` into the destination layout.
 
         Args:
-          src_tree: arrays with the planned shapes, dtypes and shardings. Only read.
+          src_tree: arrays with the planned shapes, dtypes and shardings. Only read. Under
+            ``jax.distributed`` a leaf whose source devices are all on other processes may be a
+            ``jax.ShapeDtypeStruct`` with the planned sharding (see `plan`).
           donate: optional result of an earlier call of this plan; its buffers are reused for
             the new result (as ``jax.jit`` donation does) and it is deleted.
 
         Returns:
-          A tree of ``jax.Array`` with the destination shardings and dtypes.
+          A tree of ``jax.Array`` with the destination shardings and dtypes. Under
+          ``jax.distributed`` each process's arrays hold its own destination shards.
 
         Raises:
-          ReshardError: before any data moves, if an argument does not match the plan.
+          ReshardError: before any data moves, if an argument does not match the plan, or (first
+            call, several processes) if the processes do not hold the same plan.
         """
         src = self._check_src(src_tree)
         old = self._check_donate(donate, src) if donate is not None else None
+        if not self._agreed:  # once per plan: a mismatch must fail here, not in a collective
+            agree(self)
+            self._agreed = True
         out = self.executor.run(src, old)
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
@@ -118,6 +127,7 @@ class Plan:
             "these source leaves do not match the plan",
             "call the plan with arrays of the planned shape, dtype and sharding, or make a "
             "new plan with jr.plan(...) (jr.reshard does this for you and caches plans)",
+            allow_placeholders=True,
         )
 
     def _check_donate(self, donate: Any, src: Sequence[jax.Array]) -> list[jax.Array]:
@@ -143,16 +153,21 @@ class Plan:
         summary: str,
         fix: str,
         sources: Sequence[jax.Array] = (),
+        allow_placeholders: bool = False,
     ) -> list[jax.Array]:
         """The leaves of ``tree``, if each is a live array of the expected shape, dtype and
-        sharding (and, for donation, none is a source array); else an error naming them all."""
+        sharding (and, for donation, none is a source array); else an error naming them all.
+
+        With ``allow_placeholders``, a leaf whose sharding has no device on this process may be
+        a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
             raise _structure_error(name, tree, self.paths)
         source_ids = {id(x) for x in sources}
         problems = []
         for (path, x), (shape, dtype, sharding) in zip(flat, expected, strict=True):
-            problem = _array_problem(x, shape, dtype, sharding)
+            placeholder_ok = allow_placeholders and not sharding.addressable_devices
+            problem = _array_problem(x, shape, dtype, sharding, placeholder_ok)
             if problem is None and id(x) in source_ids:
                 problem = "is also passed as a source array; donating it would destroy the source"
             if problem:
@@ -254,6 +269,28 @@ def plan(
 
     Raises:
       ReshardError: naming every bad leaf, if the trees or layouts cannot be resharded.
+
+    Multi-controller JAX (``jax.distributed``): the transfer is a collective over the devices
+    of several processes, so:
+
+    1. Every *involved* process, one that owns a device of any leaf's source or destination
+       sharding, calls ``jr.plan`` (or ``jr.reshard``) with the same global description: the
+       same tree, shapes and dtypes, shardings on the same meshes (same device order) and the
+       same options. Plans are deterministic: every process derives the identical schedule.
+    2. Each involved process then calls the plan with its source tree: ``jax.Array`` leaves
+       holding its own (addressable) shards; a leaf whose source devices are all on other
+       processes may be a ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``. The result
+       holds this process's destination shards (none on a process without destination
+       devices). ``donate=`` is per process: the previous result of the same plan.
+    3. Involved processes call their plans in the same order. The first call of a plan blocks
+       until every involved process reaches it and confirms (through the ``jax.distributed``
+       key-value store) that they hold the same plan; on a mismatch every process raises
+       `ReshardError` naming the first differing leaf, before any data moves.
+    4. Processes that own none of the plan's devices need not call it (calling it does nothing
+       and returns arrays with no addressable shards).
+
+    With several processes and no ``tier``, a part with replicas is sent from one on the
+    receiver's own process when there is one; other parts are balanced over all replicas.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
@@ -354,7 +391,7 @@ def clear_cache() -> None:
 
 def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(src_tree)
-    if not all(isinstance(x, jax.Array) for x in leaves):
+    if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
         return None  # let plan() report it
     dst_leaves, dst_def = jax.tree_util.tree_flatten(dst, is_leaf=lambda x: isinstance(x, Sharding))
     dt_leaves, dt_def = jax.tree_util.tree_flatten(
@@ -465,10 +502,16 @@ def _describe_sharding(s: NamedSharding) -> str:
     return f"NamedSharding(mesh={mesh}, spec={s.spec})"
 
 
-def _array_problem(x: Any, shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> str | None:
-    if not isinstance(x, jax.Array):
+def _array_problem(
+    x: Any, shape: tuple[int, ...], dtype: Any, sharding: Sharding, placeholder_ok: bool = False
+) -> str | None:
+    # A process holding no shard of a source contributes nothing to it: a ShapeDtypeStruct
+    # describing it will do (multi-controller JAX cannot build such arrays on every process).
+    if placeholder_ok and isinstance(x, jax.ShapeDtypeStruct):
+        pass
+    elif not isinstance(x, jax.Array):
         return f"expected a jax.Array, got {type(x).__name__}"
-    if x.is_deleted():
+    elif x.is_deleted():
         return "the array has been deleted"
     if tuple(x.shape) != tuple(shape) or jnp.dtype(x.dtype) != jnp.dtype(dtype):
         return f"expected {jnp.dtype(dtype).name}{list(shape)}, got {x.dtype.name}{list(x.shape)}"
@@ -527,8 +570,7 @@ def _process_tier(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> Tier |
     """Prefer senders on the receiver's own process (host) when there are several processes."""
     if jax.process_count() == 1:
         return None
-    process = {d.id: d.process_index for d in jax.devices()}
-    return lambda src, dst: 0 if process.get(src) == process.get(dst) else 1
+    return process_tier({d.id: d.process_index for d in jax.devices()})
 
 
 def _b(n: int) -> str:

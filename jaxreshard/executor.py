@@ -104,7 +104,7 @@ class Executor:
             )
             for i, arr in zip(leaf_ids, outs, strict=True):
                 dst[i][device] = arr
-        if self.schedule.buckets:
+        if self._union_local:  # a process owning no device of the transfer issues none of it
             self._run_buckets(src_shards, dst)
         return [self._assemble(i, dst[i]) for i in range(len(self.leaves))]
 
@@ -112,10 +112,14 @@ class Executor:
         leaf, sharding = self.leaves[i], self.dst_shardings[i]
         if not math.prod(leaf.shape):
             # JAX gives zero-size jit outputs full-shape shards; an empty array needs no data.
-            empty = np.zeros(leaf.dst.shard_shape, jnp.dtype(leaf.dst_dtype))
-            return jax.make_array_from_callback(leaf.shape, sharding, lambda _: empty)
+            dtype = jnp.dtype(leaf.dst_dtype)
+            empty = np.zeros(leaf.dst.shard_shape, dtype)
+            return jax.make_array_from_callback(leaf.shape, sharding, lambda _: empty, dtype=dtype)
         order = [shards[d] for d in leaf.dst.devices if d in shards]
-        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, order)
+        # dtype= because a process holding no destination shard has no buffer to take it from.
+        return jax.make_array_from_single_device_arrays(
+            leaf.shape, sharding, order, dtype=jnp.dtype(leaf.dst_dtype)
+        )
 
     def _run_buckets(
         self, src: list[dict[int, jax.Array]], dst: list[dict[int, jax.Array]]
@@ -212,8 +216,11 @@ class Executor:
         """Fresh zero destination arrays, one compiled program per destination device set."""
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i, s in enumerate(self.dst_shardings):
-            if math.prod(self.leaves[i].shape):  # zero-size leaves are made in `_assemble`
-                groups[tuple(d.id for d in s.mesh.devices.flat)].append(i)
+            if not math.prod(self.leaves[i].shape):
+                continue  # zero-size leaves are made in `_assemble`
+            if not s.addressable_devices:
+                continue  # multi-process: another process's destination; nothing to make here
+            groups[tuple(d.id for d in s.mesh.devices.flat)].append(i)
         out: list[jax.Array | None] = [None] * len(self.leaves)
         for key, leaf_ids in groups.items():
 
@@ -383,8 +390,10 @@ def _all_devices(shardings: Sequence[Any]) -> list[jax.Device]:
     return list(devices.values())
 
 
-def _shards(x: jax.Array) -> dict[int, jax.Array]:
-    """This process's per-device buffers of ``x`` (zero-copy views)."""
+def _shards(x: jax.Array | jax.ShapeDtypeStruct) -> dict[int, jax.Array]:
+    """This process's per-device buffers of ``x`` (zero-copy views); none for a placeholder."""
+    if not isinstance(x, jax.Array):
+        return {}
     return {s.device.id: s.data for s in x.addressable_shards}
 
 

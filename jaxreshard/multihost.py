@@ -1,0 +1,383 @@
+"""Multi-controller JAX: plan fingerprints, plan agreement and process topology.
+
+Under ``jax.distributed`` every process runs its own copy of the program. jaxreshard's transfers
+are collectives over the devices of several processes, so every process whose devices take part
+must derive the same schedule and issue the same programs in the same order; a process that
+planned something else would wait forever in a collective that never completes.
+
+This module makes that failure loud instead of silent:
+
+- `fingerprint` hashes the pure data of a plan (leaves with their layouts and dtypes, the
+  assignment, the schedule, the bucket size). It uses integer device ids and a canonical text
+  form of frozen dataclasses and tuples, so it does not depend on dict order, hash seeds, object
+  identities or the order in which a process enumerates its devices.
+- `agree` runs before the first transfer of a plan: each involved process publishes its
+  fingerprint in the ``jax.distributed`` key-value store and reads the others'. Equal
+  fingerprints: the transfer proceeds. A different fingerprint, or a peer blocked in the agreement
+  of another plan that involves this process (plans made in different orders, or over different
+  devices), raises `ReshardError` on every process within a poll interval, naming the first leaf
+  (by path) whose description differs. A peer that never arrives raises after
+  `agreement_timeout_s` seconds.
+- `process_tier` is the default sender preference of multi-process plans: a replica on the
+  receiver's own process first; the balancing of the planner spreads the rest over the others.
+
+Only the key-value store of the distributed runtime is used (no collective, no device memory),
+so the same code serves the CPU backend (gloo) and GPUs (NCCL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxreshard.errors import ReshardError
+from jaxreshard.planner import LeafSpec, Tier
+
+if TYPE_CHECKING:
+    from jaxreshard.api import Plan
+
+FORMAT = "jaxreshard-plan-v1"
+"""Version tag hashed into every fingerprint: plans of different library versions never agree."""
+
+DEFAULT_AGREEMENT_TIMEOUT_S = 300.0
+"""How long a process waits for peers that have not yet reached a plan's first call.
+
+Peers normally arrive within a step; a mismatch is detected as soon as the peer arrives (or is
+seen waiting elsewhere), so this bounds only the case of a peer that never calls the plan.
+Override with the ``JAXRESHARD_AGREEMENT_TIMEOUT_S`` environment variable.
+"""
+
+_PREFIX = "jaxreshard/agree"
+_POLL_S = (0.001, 0.25)  # first and largest sleep between polls of the key-value store
+
+
+# ------------------------------------------------------------------------------ fingerprints
+
+
+def _canonical(x: Any, out: list[str]) -> None:
+    """Append a canonical text form of plan data (dataclasses, tuples, ints, strs, bools)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        out.append(type(x).__name__)
+        out.append("(")
+        for field in dataclasses.fields(x):
+            _canonical(getattr(x, field.name), out)
+            out.append(",")
+        out.append(")")
+    elif isinstance(x, (tuple, list)):
+        if any(dataclasses.is_dataclass(v) or isinstance(v, Mapping) for v in x):
+            out.append("(")
+            for v in x:
+                _canonical(v, out)
+                out.append(",")
+            out.append(")")
+        else:  # tuples of ints/strs/tuples (boxes, device ids): repr is canonical and fast
+            out.append(repr(tuple(x)))
+    elif isinstance(x, Mapping):  # sorted, so insertion order does not matter
+        out.append("{")
+        for k in sorted(x, key=repr):
+            out.append(repr(k))
+            out.append(":")
+            _canonical(x[k], out)
+            out.append(",")
+        out.append("}")
+    elif x is None or isinstance(x, (bool, int, str)):
+        out.append(repr(x))
+    else:
+        raise TypeError(f"cannot fingerprint a {type(x).__name__}: plans hold only pure data")
+
+
+def digest(*parts: Any) -> str:
+    """A short, process-independent hash of pure plan data."""
+    text: list[str] = []
+    for part in parts:
+        _canonical(part, text)
+        text.append("|")
+    return hashlib.blake2b("".join(text).encode(), digest_size=16).hexdigest()
+
+
+def leaf_digest(leaf: LeafSpec) -> str:
+    """The hash of one leaf: path, shape, source and destination layouts, dtypes."""
+    return digest(FORMAT, leaf)
+
+
+def fingerprint(
+    leaves: Sequence[LeafSpec], assignment: Any, schedule: Any, bucket_bytes: int
+) -> str:
+    """The hash of a whole plan; equal on two processes exactly when they planned the same.
+
+    Covers the leaves and what was derived from them (assignment and schedule), so a difference
+    in options (``bucket_bytes``, a process-dependent ``tier``) is caught as well.
+    """
+    return digest(
+        FORMAT, [leaf_digest(leaf) for leaf in leaves], assignment, schedule, int(bucket_bytes)
+    )
+
+
+# ---------------------------------------------------------------------------------- topology
+
+
+def process_tier(process_of: Mapping[int, int]) -> Tier:
+    """Sender preference by process: 0 for a sender on the receiver's process, 1 otherwise.
+
+    The planner keeps only the lowest tier among the replicas of a part, so a replica on the
+    receiver's own host is used whenever one exists (host-local links are the fast ones); parts
+    with no local replica are balanced over all remote replicas by the planner's min-max flow.
+    Device ids missing from ``process_of`` count as remote.
+    """
+
+    def tier(src: int, dst: int) -> int:
+        p = process_of.get(src)
+        return 0 if p is not None and p == process_of.get(dst) else 1
+
+    return tier
+
+
+def involved_processes(
+    leaves: Iterable[LeafSpec], process_of: Mapping[int, int]
+) -> tuple[int, ...]:
+    """The processes owning a device of any leaf's source or destination layout (sorted)."""
+    devices = {d for leaf in leaves for d in (*leaf.src.devices, *leaf.dst.devices)}
+    return tuple(sorted({process_of[d] for d in devices}))
+
+
+# --------------------------------------------------------------------------------- agreement
+
+
+def agreement_timeout_s() -> float:
+    """The current wait limit for absent peers (see `DEFAULT_AGREEMENT_TIMEOUT_S`)."""
+    value = os.environ.get("JAXRESHARD_AGREEMENT_TIMEOUT_S")
+    return float(value) if value else DEFAULT_AGREEMENT_TIMEOUT_S
+
+
+@dataclasses.dataclass
+class _State:
+    agreed: set[str] = dataclasses.field(default_factory=set)
+    rounds: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_STATE = _State()
+
+
+def agree(plan: Plan, *, timeout_s: float | None = None, client: Any = None) -> None:
+    """Confirm that every process involved in ``plan`` holds the same plan; blocks until then.
+
+    Called by `Plan.__call__` before its first transfer. A no-op in a single process, on a
+    process that owns none of the plan's devices, and for a fingerprint this process has already
+    agreed on (plans remade with the same inputs, e.g. after ``jr.clear_cache()``). Uses the
+    ``jax.distributed`` key-value store only; moves no array data.
+
+    Raises:
+      ReshardError: on a peer with a different plan (naming the first differing leaf), a peer
+        blocked in the agreement of another plan involving this process, or a peer that has not
+        arrived within ``timeout_s`` (default `agreement_timeout_s`).
+    """
+    import jax
+    from jax._src import distributed
+
+    if jax.process_count() == 1:
+        return
+    client = client if client is not None else distributed.global_state.client
+    if client is None:
+        return  # multi-process without the distributed runtime: nothing to talk through
+    me = jax.process_index()
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    group = involved_processes(plan.leaves, process_of)
+    if me not in group or len(group) == 1:
+        return
+    fp = fingerprint(plan.leaves, plan.assignment, plan.schedule, plan.bucket_bytes)
+    with _STATE.lock:
+        if fp in _STATE.agreed:
+            return
+        group_key = digest(group)[:16]
+        n = _STATE.rounds[group_key]
+        _STATE.rounds[group_key] = n + 1
+        _Agreement(client, me, group, group_key, n, fp, plan).run(
+            agreement_timeout_s() if timeout_s is None else timeout_s
+        )
+        _STATE.agreed.add(fp)
+
+
+class _Agreement:
+    """One round of the agreement protocol for one process (see `agree`).
+
+    Keys: ``{_PREFIX}/{group}/{n}/fp/{process}`` holds a process's fingerprint and options;
+    ``{_PREFIX}/{group}/{n}/leaves/{process}`` its per-leaf digests and descriptions (read only
+    on a mismatch); ``{_PREFIX}/waiting/{process}`` the round it is blocked in, or "idle".
+    """
+
+    def __init__(
+        self, client: Any, me: int, group: tuple[int, ...], key: str, n: int, fp: str, plan: Plan
+    ) -> None:
+        self.client, self.me, self.group, self.n, self.fp, self.plan = (
+            client,
+            me,
+            group,
+            n,
+            fp,
+            plan,
+        )
+        self.base = f"{_PREFIX}/{key}/{n}"
+        self.waiting = {"group": list(group), "key": key, "n": n}
+
+    def run(self, timeout_s: float) -> None:
+        c, me = self.client, self.me
+        c.key_value_set_bytes(f"{self.base}/leaves/{me}", _leaves_blob(self.plan))
+        c.key_value_set(
+            f"{self.base}/fp/{me}",
+            json.dumps({"fp": self.fp, "bucket_bytes": self.plan.bucket_bytes}),
+        )
+        c.key_value_set(f"{_PREFIX}/waiting/{me}", json.dumps(self.waiting), allow_overwrite=True)
+        try:
+            self._wait(timeout_s)
+        except ReshardError as e:
+            # Peers waiting for this process in any plan see this and fail too, rather than
+            # wait for a process that is about to exit.
+            failed = {**self.waiting, "failed": str(e).splitlines()[0][:500]}
+            c.key_value_set(f"{_PREFIX}/waiting/{me}", json.dumps(failed), allow_overwrite=True)
+            raise
+        c.key_value_set(f"{_PREFIX}/waiting/{me}", "idle", allow_overwrite=True)
+        if self.n > 0:  # every peer has passed the previous round: its keys are no longer read
+            previous = self.base.rsplit("/", 1)[0] + f"/{self.n - 1}"
+            for kind in ("fp", "leaves"):
+                c.key_value_delete(f"{previous}/{kind}/{me}")
+
+    def _wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        sleep = _POLL_S[0]
+        peers = set(self.group) - {self.me}
+        while True:
+            seen = {
+                int(k.rsplit("/", 1)[1]): json.loads(v)
+                for k, v in self.client.key_value_dir_get(f"{self.base}/fp/")
+            }
+            for q in sorted(peers & set(seen)):
+                if seen[q]["fp"] != self.fp:
+                    raise self._mismatch(q, seen[q])
+            missing = sorted(peers - set(seen))
+            if not missing:
+                return
+            self._check_blocked(missing)
+            if time.monotonic() > deadline:
+                raise ReshardError(
+                    f"jaxreshard: process {self.me} waited {timeout_s:.0f} s for processes "
+                    f"{missing} to reach the first call of the same plan (every process owning a "
+                    f"device of the plan: {list(self.group)}).\nHow to fix: call the plan (or "
+                    "jr.reshard) on every process that owns one of its source or destination "
+                    "devices, in the same order; raise JAXRESHARD_AGREEMENT_TIMEOUT_S if they "
+                    "are only slow to get there"
+                )
+            time.sleep(sleep)
+            sleep = min(_POLL_S[1], sleep * 2)
+
+    def _check_blocked(self, missing: Sequence[int]) -> None:
+        """Raise if a missing peer is blocked in another round that waits for this process."""
+        for k, v in self.client.key_value_dir_get(f"{_PREFIX}/waiting/"):
+            q = int(k.rsplit("/", 1)[1])
+            if q not in missing or v == "idle":
+                continue
+            other = json.loads(v)
+            if "failed" in other:
+                raise ReshardError(
+                    f"jaxreshard: process {q}, which this plan needs (processes "
+                    f"{list(self.group)}), failed the agreement of its plan "
+                    f"#{other['n'] + 1} over processes {other['group']} and will not get "
+                    f"here: {other['failed']}\nHow to fix: see the error on process {q}"
+                )
+            if self.me not in other["group"] or (other["key"], other["n"]) == (
+                self.waiting["key"],
+                self.waiting["n"],
+            ):
+                continue
+            mine = f"{_PREFIX}/{other['key']}/{other['n']}/fp/{self.me}"
+            if _try_get(self.client, mine) is not None:
+                continue  # this process already passed that round; the peer will follow
+            raise ReshardError(
+                f"jaxreshard: processes {self.me} and {q} are waiting for each other in "
+                f"different plans: this process is at its plan #{self.n + 1} over processes "
+                f"{list(self.group)}, process {q} at its plan #{other['n'] + 1} over processes "
+                f"{other['group']}.\nHow to fix: every process must make and call the same "
+                "plans (same trees, shardings with the same meshes and device order, same "
+                "options) in the same order"
+            )
+
+    def _mismatch(self, q: int, theirs: Mapping[str, Any]) -> ReshardError:
+        mine = _leaves_entries(self.plan)
+        raw = self.client.blocking_key_value_get_bytes(f"{self.base}/leaves/{q}", 10_000)
+        other = json.loads(zlib.decompress(raw))
+        lines = [
+            f"jaxreshard: processes {self.me} (this one) and {q} hold different plans for the "
+            f"same transfer (fingerprints {self.fp[:12]} and {theirs['fp'][:12]}); no data "
+            "was moved."
+        ]
+        for i in range(max(len(mine), len(other))):
+            a = mine[i] if i < len(mine) else None
+            b = other[i] if i < len(other) else None
+            if a is not None and b is not None and a[0] == b[0]:
+                continue
+            here = f"{a[1]}: {a[2]}" if a else "(no such leaf)"
+            there = f"{b[1]}: {b[2]}" if b else "(no such leaf)"
+            lines += [
+                f"First differing leaf: {(a or b)[1]} (leaf {i} of {len(mine)} here)",
+                f"  process {self.me}: {here}",
+                f"  process {q}: {there}",
+            ]
+            break
+        else:
+            lines.append(
+                f"Every leaf agrees, but the schedules differ: bucket_bytes "
+                f"{self.plan.bucket_bytes} here, {theirs['bucket_bytes']} on process {q}, or a "
+                "tier= that depends on the process."
+            )
+        lines.append(
+            "How to fix: every process must call jr.plan / jr.reshard with the same global "
+            "description: the same tree, shapes and dtypes, shardings on the same meshes (same "
+            "device order) with the same PartitionSpecs, and the same dtype=, bucket_bytes= and "
+            "tier="
+        )
+        return ReshardError("\n".join(lines))
+
+
+def _try_get(client: Any, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # NOT_FOUND is reported as an exception by the runtime client
+        return None
+
+
+def _leaves_entries(plan: Plan) -> list[list[str]]:
+    return [
+        [leaf_digest(leaf), leaf.path, _describe_leaf(plan, i)]
+        for i, leaf in enumerate(plan.leaves)
+    ]
+
+
+def _leaves_blob(plan: Plan) -> bytes:
+    return zlib.compress(json.dumps(_leaves_entries(plan)).encode())
+
+
+def _describe_leaf(plan: Plan, i: int) -> str:
+    leaf = plan.leaves[i]
+    src = plan.src_avals[i][2]
+    return (
+        f"{leaf.src_dtype}{list(leaf.shape)} {_describe(src, leaf.src.devices)} -> "
+        f"{leaf.dst_dtype} {_describe(plan.dst_shardings[i], leaf.dst.devices)}"
+    )
+
+
+def _describe(sharding: Any, devices: Sequence[int]) -> str:
+    ids = list(devices)
+    shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} devices)" if len(ids) > 16 else "")
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "axis_names"):
+        axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        return f"NamedSharding(mesh={axes}, devices=[{shown}], spec={sharding.spec})"
+    return f"{type(sharding).__name__}(devices=[{shown}])"

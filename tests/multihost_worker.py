@@ -1,0 +1,311 @@
+"""One process of a multi-process jaxreshard test (launched by tests/test_multihost.py).
+
+    python tests/multihost_worker.py SCENARIO PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS
+
+Runs every case of the scenario in order (the same order on every process, as the calling
+convention requires) and prints ``CASE <name> OK`` after each; every process checks its own
+destination shards against NumPy. Exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+SCENARIO, PID, NPROC, PORT, NDEV = sys.argv[1], *map(int, sys.argv[2:6])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxreshard as jr  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
+
+# Devices of each process, in id order (ids are not contiguous across processes).
+BY_PROCESS = [
+    sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+    for p in range(NPROC)
+]
+PROCESS_OF = {d.id: d.process_index for d in jax.devices()}
+
+
+def mesh(devices: list, shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
+    return Mesh(np.array(devices, dtype=object).reshape(shape), axes)
+
+
+def data(shape: tuple[int, ...], seed: int, dtype=np.float32) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal(shape) * 100
+    return values.astype(dtype)
+
+
+def source(full: np.ndarray, sharding: NamedSharding, placeholder: bool = True):
+    """This process's part of a global source array, as each process would hold it.
+
+    A process holding no shard passes a ShapeDtypeStruct (or, with placeholder=False, an array
+    with no addressable shards).
+    """
+    if not sharding.addressable_devices and placeholder:
+        return jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=sharding)
+    return jax.make_array_from_callback(
+        full.shape, sharding, lambda index: full[index], dtype=full.dtype
+    )
+
+
+def check(out, expected: dict[str, np.ndarray], dsts: dict, dtypes: dict | None = None) -> int:
+    """Compare this process's destination shards with NumPy; returns the number checked."""
+    checked = 0
+    for name, full in expected.items():
+        arr = out[name]
+        want_dtype = jnp.dtype((dtypes or {}).get(name) or full.dtype)
+        assert arr.sharding == dsts[name], (name, arr.sharding, dsts[name])
+        assert arr.dtype == want_dtype, (name, arr.dtype, want_dtype)
+        assert arr.shape == full.shape, (name, arr.shape)
+        want_devices = {d for d in dsts[name].device_set if d.process_index == PID}
+        assert {s.device for s in arr.addressable_shards} == want_devices, name
+        reference = full.astype(want_dtype)
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), reference[shard.index], name)
+            checked += 1
+    return checked
+
+
+def ok(name: str, **info) -> None:
+    extra = " ".join(f"{k}={v}" for k, v in info.items())
+    print(f"CASE {name} OK {extra}".rstrip(), flush=True)
+
+
+# ------------------------------------------------------------------------------ 2 x 4 cases
+
+
+def case_split() -> None:
+    """Trainer (fsdp2 x tp2) on process 0, sampler (tp4) on process 1; bf16 cast; a
+    destination replicated on every sampler device; a second call donating the first result."""
+    trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
+    sampler = mesh(BY_PROCESS[1], (4,), ("tp",))
+    full = {
+        "w_in": data((64, 48), 1),
+        "w_out": data((48, 64), 2),
+        "bias": data((64,), 3),
+        "steps": np.arange(32 * 8, dtype=np.int32).reshape(32, 8),
+    }
+    srcs = {
+        "w_in": NamedSharding(trainer, P("fsdp", "tp")),
+        "w_out": NamedSharding(trainer, P("tp", "fsdp")),
+        "bias": NamedSharding(trainer, P("fsdp")),
+        "steps": NamedSharding(trainer, P(None, ("fsdp", "tp"))),
+    }
+    dsts = {
+        "w_in": NamedSharding(sampler, P(None, "tp")),
+        "w_out": NamedSharding(sampler, P("tp", None)),
+        "bias": NamedSharding(sampler, P()),  # replicated on every sampler device
+        "steps": NamedSharding(sampler, P("tp")),
+    }
+    dtypes = {"w_in": jnp.bfloat16, "w_out": jnp.bfloat16, "bias": jnp.bfloat16, "steps": None}
+    tree = {k: source(full[k], srcs[k], placeholder=k != "steps") for k in full}
+    plan = jr.plan(tree, dsts, dtype=dtypes)
+    s = plan.stats
+    assert s.bytes_local == 0 and s.bytes_sent == s.bytes_lower_bound == s.bytes_total, s
+    out = plan(tree)
+    n = check(out, full, dsts, dtypes)
+    # Second step: new weights, donating the previous result (what a refit loop does).
+    full2 = {k: v + 1 for k, v in full.items()}
+    tree2 = {k: source(full2[k], srcs[k]) for k in full2}
+    out2 = plan(tree2, donate=out)
+    n += check(out2, full2, dsts, dtypes)
+    assert n == (0 if PID == 0 else 32), n
+    ok("split", checked=n, bytes_sent=s.bytes_sent, rounds=s.rounds)
+
+
+def case_spanning() -> None:
+    """Both meshes span both processes, with different shapes and device orders; replicas on
+    both processes, so every piece must come from the receiver's own process."""
+    p0, p1 = BY_PROCESS
+    # Trainer: fsdp x tp = 2 x 4, row fsdp=k on process k: P("tp") replicates over processes.
+    trainer = mesh(p0 + p1, (2, 4), ("fsdp", "tp"))
+    # Sampler: dp x tp = 4 x 2 over an interleaved, reversed order of both processes' devices.
+    order = [d for pair in zip(p1[::-1], p0, strict=True) for d in pair]
+    sampler = mesh(order, (4, 2), ("dp", "tp"))
+    full = {"a": data((32, 24), 4), "b": data((16, 40), 5), "c": data((8, 16, 4), 6)}
+    srcs = {
+        "a": NamedSharding(trainer, P("tp")),
+        "b": NamedSharding(trainer, P(None, "tp")),
+        "c": NamedSharding(trainer, P("fsdp", "tp")),
+    }
+    dsts = {
+        "a": NamedSharding(sampler, P("tp", "dp")),
+        "b": NamedSharding(sampler, P(("dp", "tp"))),
+        "c": NamedSharding(sampler, P(None, "dp", "tp")),
+    }
+    tree = {k: source(full[k], srcs[k]) for k in full}
+    plan = jr.plan(tree, dsts)
+    # Leaves a and b have a source replica on each process: never cross processes for them.
+    for piece in plan.assignment.pieces:
+        if plan.leaves[piece.leaf].path in ("['a']", "['b']"):
+            assert PROCESS_OF[piece.src] == PROCESS_OF[piece.dst], piece
+    crossing = sum(1 for p in plan.assignment.pieces if PROCESS_OF[p.src] != PROCESS_OF[p.dst])
+    assert crossing > 0  # leaf c has a single replica: some of it must cross
+    out = plan(tree)
+    n = check(out, full, dsts)
+    assert n == 12, n
+    ok("spanning", checked=n, crossing_pieces=crossing)
+
+
+def case_reshard_cached() -> None:
+    """jr.reshard every step: planned and agreed once, cached (placeholders included)."""
+    trainer = mesh(BY_PROCESS[0], (4,), ("x",))
+    sampler = mesh(BY_PROCESS[1], (2, 2), ("dp", "tp"))
+    src_sharding = NamedSharding(trainer, P("x"))
+    dst = NamedSharding(sampler, P("tp"))
+    before = len(jr.api._CACHE)
+    for step in range(3):
+        full = data((16, 16), 10 + step)
+        out = jr.reshard({"p": source(full, src_sharding)}, {"p": dst})
+        check(out, {"p": full}, {"p": dst})
+    assert len(jr.api._CACHE) == before + 1, (before, len(jr.api._CACHE))
+    ok("reshard_cached")
+
+
+def case_mismatch() -> None:
+    """Process 1 passes a different destination spec for one leaf: both must raise, fast."""
+    trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
+    sampler = mesh(BY_PROCESS[1], (4,), ("tp",))
+    full = {"embed": data((32, 16), 7), "layers": {"w_in": data((16, 32), 8)}}
+    srcs = {
+        "embed": NamedSharding(trainer, P("fsdp", "tp")),
+        "layers": {"w_in": NamedSharding(trainer, P("tp", "fsdp"))},
+    }
+    spec = P(None, "tp") if PID == 0 else P("tp", None)  # the mistake, on process 1 only
+    dsts = {
+        "embed": NamedSharding(sampler, P("tp")),
+        "layers": {"w_in": NamedSharding(sampler, spec)},
+    }
+    tree = jax.tree.map(source, full, srcs)
+    plan = jr.plan(tree, dsts)
+    start = time.monotonic()
+    try:
+        plan(tree)
+    except jr.ReshardError:
+        print(f"MISMATCH raised after {time.monotonic() - start:.2f} s", flush=True)
+        raise
+    raise AssertionError("the mismatched plan ran")
+
+
+# ------------------------------------------------------------------------------ 4 x 2 cases
+
+
+def case_every_process() -> None:
+    """Rows over 8 devices -> columns over the reversed order: every destination device needs a
+    piece from every device, so from every process."""
+    devices = [d for ds in BY_PROCESS for d in ds]
+    src_mesh = mesh(devices, (8,), ("x",))
+    dst_mesh = mesh(devices[::-1], (2, 4), ("dp", "tp"))
+    full = {"w": data((64, 32), 11), "v": data((16, 64), 12, np.float16)}
+    srcs = {"w": NamedSharding(src_mesh, P("x")), "v": NamedSharding(src_mesh, P(None, "x"))}
+    dsts = {
+        "w": NamedSharding(dst_mesh, P(None, ("dp", "tp"))),
+        "v": NamedSharding(dst_mesh, P(("tp", "dp"))),
+    }
+    tree = {k: source(full[k], srcs[k]) for k in full}
+    plan = jr.plan(tree, dsts, dtype={"w": jnp.bfloat16, "v": None})
+    senders: dict[int, set[int]] = {}
+    for piece in plan.assignment.pieces:
+        senders.setdefault(piece.dst, set()).add(PROCESS_OF[piece.src])
+    assert all(s == set(range(NPROC)) for s in senders.values()), senders
+    out = plan(tree)
+    n = check(out, full, dsts, {"w": jnp.bfloat16})
+    assert n == 4, n
+    ok("every_process", checked=n, bytes_sent=plan.stats.bytes_sent)
+
+
+def case_subset() -> None:
+    """A plan over processes 0 and 1 only: process 2 calls it (a no-op), process 3 does not."""
+    src_mesh = mesh(BY_PROCESS[0], (2,), ("x",))
+    dst_mesh = mesh(BY_PROCESS[1][::-1], (2,), ("x",))
+    full = data((8, 6), 13)
+    src, dst = NamedSharding(src_mesh, P("x")), NamedSharding(dst_mesh, P(None, "x"))
+    if PID == 3:
+        ok("subset", called=False)
+        return
+    plan = jr.plan({"w": source(full, src)}, {"w": dst})
+    out = plan({"w": source(full, src)})
+    n = check(out, {"w": full}, {"w": dst})
+    assert n == (2 if PID == 1 else 0), n
+    ok("subset", called=True, checked=n)
+
+
+def case_topology() -> None:
+    """Two replicas of the source, one on processes {0, 1}, one on {2, 3}: each destination
+    device takes what its own process holds from itself, and the rest is spread over the two
+    remote processes that hold it."""
+    rows = [d for p in (0, 1) for d in BY_PROCESS[p]], [d for p in (2, 3) for d in BY_PROCESS[p]]
+    src_mesh = mesh(rows[0] + rows[1], (2, 4), ("r", "s"))
+    dst_mesh = mesh([d for ds in BY_PROCESS for d in ds], (8,), ("x",))
+    full = data((64, 64), 14)
+    src, dst = NamedSharding(src_mesh, P("s")), NamedSharding(dst_mesh, P(None, "x"))
+    plan = jr.plan({"w": source(full, src)}, {"w": dst})
+    leaf = plan.leaves[0]
+    remote_bytes: dict[int, int] = {}
+    for piece in plan.assignment.pieces:
+        holders = {
+            PROCESS_OF[d]
+            for d, box in zip(leaf.src.devices, leaf.src.boxes, strict=True)
+            if box[0][0] <= piece.box[0][0] < box[0][1]
+        }
+        if PROCESS_OF[piece.dst] in holders:
+            assert PROCESS_OF[piece.src] == PROCESS_OF[piece.dst], piece
+        else:
+            n = (piece.box[0][1] - piece.box[0][0]) * (piece.box[1][1] - piece.box[1][0])
+            remote_bytes[PROCESS_OF[piece.src]] = remote_bytes.get(PROCESS_OF[piece.src], 0) + n * 4
+    assert len(remote_bytes) == NPROC and max(remote_bytes.values()) == min(
+        remote_bytes.values()
+    ), remote_bytes
+    out = plan({"w": source(full, src)})
+    n = check(out, {"w": full}, {"w": dst})
+    ok("topology", checked=n, remote_bytes_per_process=sorted(remote_bytes.values()))
+
+
+def case_crossed() -> None:
+    """Processes 0 and 1 call two plans in opposite orders: A over processes {0, 1} and B over
+    all four. Nobody may hang: 0 and 1 each see the other blocked in the other plan; 2 and 3,
+    waiting in B, see process 0 fail."""
+    devices = [d for ds in BY_PROCESS for d in ds]
+    full = data((16, 8), 15)
+    a_src = NamedSharding(mesh(BY_PROCESS[0], (2,), ("x",)), P("x"))
+    a_dst = NamedSharding(mesh(BY_PROCESS[1], (2,), ("x",)), P(None, "x"))
+    b_src = NamedSharding(mesh(devices, (8,), ("x",)), P("x"))
+    b_dst = NamedSharding(mesh(devices[::-1], (8,), ("x",)), P("x"))
+    calls = []
+    for name, src, dst in (("A", a_src, a_dst), ("B", b_src, b_dst)):
+        if name == "B" or PID in (0, 1):
+            tree = {"w": source(full, src)}
+            calls.append((name, jr.plan(tree, {"w": dst}), tree))
+    if PID == 1:
+        calls.reverse()
+    start = time.monotonic()
+    try:
+        for _, plan, tree in calls:
+            plan(tree)
+    except jr.ReshardError:
+        print(f"CROSSED raised after {time.monotonic() - start:.2f} s", flush=True)
+        raise
+    raise AssertionError("plans called in different orders ran")
+
+
+SCENARIOS = {
+    "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
+    "4x2": [case_every_process, case_subset, case_topology, case_crossed],
+}
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    for case in SCENARIOS[SCENARIO]:
+        case()
+    print(f"ALL OK in {time.monotonic() - start:.1f} s", flush=True)
+    jax.distributed.shutdown()

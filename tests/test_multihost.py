@@ -1,0 +1,423 @@
+"""Multi-controller jaxreshard: fingerprints, agreement, process topology, real multi-process runs.
+
+The `multiprocess` tests launch local ``jax.distributed`` processes (127.0.0.1, CPU devices, gloo
+collectives) running tests/multihost_worker.py; each process checks its own destination shards
+against NumPy. One launch serves several cases, and each launch is bounded by a timeout.
+The other tests are pure (fingerprints, sender preference) or drive the agreement protocol with
+threads over an in-memory key-value store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxreshard as jr
+from jaxreshard import multihost
+from jaxreshard.layout import Layout
+from jaxreshard.planner import LeafSpec, assign
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multihost_worker.py"
+LAUNCH_TIMEOUT_S = 300  # generous: the machine running the tests may be loaded
+FAIL_GRACE_S = 30  # how long the others may take to exit once one process has failed
+
+
+# ------------------------------------------------------------------------------ fingerprints
+
+
+def _leaves(order: tuple[int, ...] = (0, 1, 2, 3), dst_spec=("x",)) -> list[LeafSpec]:
+    src = Layout.from_mesh((16, 8), (2, 2), ("a", "b"), [10, 11, 12, 13], ("a", "b"))
+    dst = Layout.from_mesh((16, 8), (4,), ("x",), [20 + i for i in order], dst_spec)
+    return [LeafSpec("['w']", src, dst, "float32", "bfloat16", 2)]
+
+
+def _fingerprint(leaves: list[LeafSpec], bucket_bytes: int = 1 << 20) -> str:
+    from jaxreshard.schedule import build_schedule
+
+    assignment = assign(leaves)
+    schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=bucket_bytes)
+    return multihost.fingerprint(leaves, assignment, schedule, bucket_bytes)
+
+
+def test_fingerprint_is_the_same_for_the_same_plan_and_differs_for_any_change():
+    base = _fingerprint(_leaves())
+    assert base == _fingerprint(_leaves())
+    assert base != _fingerprint(_leaves(order=(3, 2, 1, 0)))  # another device order
+    assert base != _fingerprint(_leaves(dst_spec=(None, "x")))  # another spec
+    assert base != _fingerprint(_leaves(), bucket_bytes=1 << 10)  # another option
+    other_dtype = [dataclasses.replace(_leaves()[0], dst_dtype="float32", itemsize=4)]
+    assert base != _fingerprint(other_dtype)
+
+
+def test_fingerprint_does_not_depend_on_hash_seed_or_process():
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from tests.test_multihost import _fingerprint, _leaves
+        print(_fingerprint(_leaves()))
+        """
+    )
+    outs = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(ROOT)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        outs.add(run.stdout.strip())
+    assert outs == {_fingerprint(_leaves())}
+
+
+def test_fingerprint_does_not_depend_on_dict_insertion_order(devices):
+    mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b"))
+    dst = NamedSharding(Mesh(np.array(devices[4:]), ("x",)), P("x"))
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("a", "b")))
+    y = jax.ShapeDtypeStruct((4, 8), jnp.int32, sharding=NamedSharding(mesh, P("b")))
+    one = jr.plan({"x": x, "y": y}, dst)
+    two = jr.plan({"y": y, "x": x}, dst)
+    fps = [
+        multihost.fingerprint(p.leaves, p.assignment, p.schedule, p.bucket_bytes)
+        for p in (one, two)
+    ]
+    assert fps[0] == fps[1]
+
+
+# ---------------------------------------------------------------------------------- topology
+
+
+def test_process_tier_prefers_a_replica_on_the_receivers_process():
+    # Source replicated over two "processes" (devices 0-3 and 4-7), destination sharded over
+    # all eight: every receiver has a replica on its own process and must use it.
+    process_of = {d: d // 4 for d in range(8)}
+    src = Layout.from_mesh((64, 8), (2, 4), ("r", "s"), list(range(8)), ("s",))
+    dst = Layout.from_mesh((64, 8), (8,), ("x",), [7, 0, 6, 1, 5, 2, 4, 3], (None, "x"))
+    leaves = [LeafSpec("w", src, dst, "float32", "float32", 4)]
+    pieces = assign(leaves, tier=multihost.process_tier(process_of)).pieces
+    assert pieces
+    assert all(process_of[p.src] == process_of[p.dst] for p in pieces)
+
+
+def test_process_tier_spreads_what_no_local_replica_holds():
+    # Source on processes 0 and 1 (two replicas), destination on process 2: nothing is local,
+    # so the sending is balanced over both remote replicas.
+    process_of = {d: d // 4 for d in range(12)}
+    src = Layout.from_mesh((64, 8), (2, 4), ("r", "s"), list(range(8)), ("s",))
+    dst = Layout.from_mesh((64, 8), (4,), ("x",), [8, 9, 10, 11], (None, "x"))
+    leaves = [LeafSpec("w", src, dst, "float32", "float32", 4)]
+    pieces = assign(leaves, tier=multihost.process_tier(process_of)).pieces
+    sent = {0: 0, 1: 0}
+    for p in pieces:
+        sent[process_of[p.src]] += (p.box[0][1] - p.box[0][0]) * (p.box[1][1] - p.box[1][0]) * 4
+    assert sent[0] == sent[1] == 64 * 8 * 4 // 2
+
+
+def test_involved_processes_are_the_owners_of_source_and_destination_devices():
+    process_of = {d: d // 2 for d in range(8)}
+    leaves = [
+        LeafSpec(
+            "w",
+            Layout.from_mesh((4,), (2,), ("x",), [0, 1], ("x",)),
+            Layout.from_mesh((4,), (2,), ("x",), [4, 6], ("x",)),
+            "float32",
+            "float32",
+            4,
+        )
+    ]
+    assert multihost.involved_processes(leaves, process_of) == (0, 2, 3)
+
+
+# ------------------------------------------------------------- agreement over a fake KV store
+
+
+class FakeClient:
+    """The key-value calls of ``jax.distributed``'s client, in memory, thread-safe."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, str | bytes] = {}
+        self.lock = threading.Lock()
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        with self.lock:
+            assert allow_overwrite or key not in self.store, key
+            self.store[key] = value
+
+    key_value_set_bytes = key_value_set
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        with self.lock:
+            return [(k, v) for k, v in self.store.items() if k.startswith(prefix)]
+
+    def key_value_try_get(self, key: str) -> str:
+        with self.lock:
+            if key not in self.store:
+                raise KeyError(key)  # the runtime raises NOT_FOUND
+            return self.store[key]
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        deadline = time.monotonic() + timeout_in_ms / 1000
+        while time.monotonic() < deadline:
+            with self.lock:
+                if key in self.store:
+                    return self.store[key]
+            time.sleep(0.001)
+        raise TimeoutError(key)
+
+    def key_value_delete(self, key: str) -> None:
+        with self.lock:
+            self.store.pop(key, None)
+
+
+def _plans(devices, dst_spec_1=None):
+    """The same two-leaf plan as processes 0 and 1 would make it (1 may differ in one spec)."""
+    src_mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b"))
+    dst_mesh = Mesh(np.array(devices[4:]), ("x",))
+    tree = {
+        "emb": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(src_mesh, P("a"))),
+        "w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(src_mesh, P("b"))),
+    }
+    plans = []
+    for spec in (P(None, "x"), dst_spec_1 or P(None, "x")):
+        dst = {"emb": NamedSharding(dst_mesh, P("x")), "w": NamedSharding(dst_mesh, spec)}
+        plans.append(jr.plan(tree, dst))
+    return plans
+
+
+def _agree_all(client, calls, timeout_s=30.0):
+    """Run ``_Agreement(...).run`` for every (process, group, key, n, plan) in threads."""
+    results: dict[int, BaseException | None] = {}
+
+    def one(me, group, key, n, plan):
+        fp = multihost.fingerprint(plan.leaves, plan.assignment, plan.schedule, plan.bucket_bytes)
+        try:
+            multihost._Agreement(client, me, group, key, n, fp, plan).run(timeout_s)
+            results[me] = None
+        except BaseException as e:
+            results[me] = e
+
+    threads = [threading.Thread(target=one, args=call) for call in calls]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s + 10)
+    assert not any(t.is_alive() for t in threads), "an agreement hung"
+    return results, time.monotonic() - start
+
+
+def test_agreement_passes_when_every_process_holds_the_same_plan(devices):
+    plan = _plans(devices)[0]
+    client = FakeClient()
+    results, _ = _agree_all(client, [(p, (0, 1, 2), "g", 0, plan) for p in range(3)])
+    assert results == {0: None, 1: None, 2: None}
+    assert all(v == "idle" for k, v in client.store.items() if "/waiting/" in k)
+
+
+def test_agreement_mismatch_names_the_first_differing_leaf_on_every_process(devices):
+    plans = _plans(devices, dst_spec_1=P("x"))
+    results, took = _agree_all(FakeClient(), [(p, (0, 1), "g", 0, plans[p]) for p in (0, 1)])
+    assert took < 5
+    for me, other in ((0, 1), (1, 0)):
+        err = results[me]
+        assert isinstance(err, jr.ReshardError), err
+        message = str(err)
+        assert "First differing leaf: ['w']" in message, message
+        assert f"process {other}:" in message and "spec=P('x',)" in message, message
+        assert "How to fix" in message
+
+
+def test_agreement_times_out_when_a_peer_never_arrives(devices):
+    plan = _plans(devices)[0]
+    results, took = _agree_all(FakeClient(), [(0, (0, 1), "g", 0, plan)], timeout_s=0.3)
+    assert isinstance(results[0], jr.ReshardError)
+    assert "waited" in str(results[0]) and "[1]" in str(results[0])
+    assert took < 5
+
+
+def test_agreement_detects_processes_waiting_in_different_plans(devices):
+    # Process 0 waits in a plan over {0, 1}; process 1 in a plan over {0, 1, 2}; process 2
+    # waits with 1 for process 0. Nobody hangs: 0 and 1 see the crossing, 2 sees 0 fail.
+    plans = _plans(devices)
+    calls = [
+        (0, (0, 1), "a", 0, plans[0]),
+        (1, (0, 1, 2), "b", 0, plans[1]),
+        (2, (0, 1, 2), "b", 0, plans[1]),
+    ]
+    results, took = _agree_all(FakeClient(), calls)
+    assert took < 5
+    assert all(isinstance(e, jr.ReshardError) for e in results.values()), results
+    assert "waiting for each other in different plans" in str(results[0])
+    assert "process 0" in str(results[2])
+
+
+# ------------------------------------------------------------------- multi-process launches
+
+
+@dataclasses.dataclass
+class Launch:
+    returncodes: list[int]
+    outputs: list[str]
+
+    def case_ok(self, name: str) -> None:
+        for pid, out in enumerate(self.outputs):
+            assert f"CASE {name} OK" in out, f"process {pid}:\n{out[-4000:]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, processes: int, devices: int) -> Launch:
+    """Run tests/multihost_worker.py as ``processes`` local jax.distributed processes."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(Path(tmp) / f"{i}.log", "w+") for i in range(processes)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKER),
+                    scenario,
+                    str(i),
+                    str(processes),
+                    str(port),
+                    str(devices),
+                ],
+                stdout=logs[i],
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+            for i in range(processes)
+        ]
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        first_failure = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+                first_failure = now
+            # A failed process leaves its peers waiting in collectives: stop them soon after.
+            if now > deadline or (first_failure is not None and now > first_failure + FAIL_GRACE_S):
+                break
+            time.sleep(0.1)
+        timed_out = any(p.poll() is None for p in procs)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append("".join(line for line in log if not line.startswith("[Gloo]")))
+            log.close()
+    if timed_out:
+        pytest.fail(
+            f"{scenario}: processes still running (hung?) after {LAUNCH_TIMEOUT_S} s, or "
+            f"{FAIL_GRACE_S} s after another one failed\n"
+            + "\n".join(f"--- process {i}\n{o[-3000:]}" for i, o in enumerate(outputs))
+        )
+    return Launch([p.returncode for p in procs], outputs)
+
+
+@pytest.fixture(scope="module")
+def run_2x4() -> Launch:
+    return launch("2x4", 2, 4)
+
+
+@pytest.fixture(scope="module")
+def run_4x2() -> Launch:
+    return launch("4x2", 4, 2)
+
+
+@pytest.mark.multiprocess
+def test_trainer_on_process_0_sampler_on_process_1_with_bf16_cast_and_replicas(run_2x4):
+    run_2x4.case_ok("split")
+
+
+@pytest.mark.multiprocess
+def test_meshes_spanning_both_processes_in_different_orders(run_2x4):
+    run_2x4.case_ok("spanning")
+
+
+@pytest.mark.multiprocess
+def test_reshard_with_placeholders_plans_and_agrees_once(run_2x4):
+    run_2x4.case_ok("reshard_cached")
+
+
+@pytest.mark.multiprocess
+def test_mismatched_plans_raise_on_every_process_naming_the_leaf(run_2x4):
+    for pid, (rc, out) in enumerate(zip(run_2x4.returncodes, run_2x4.outputs, strict=True)):
+        assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"
+        assert "jaxreshard.errors.ReshardError" in out, out[-3000:]
+        assert "First differing leaf: ['layers']['w_in']" in out, out[-3000:]
+        assert "spec=P(None, 'tp')" in out and "spec=P('tp', None)" in out, out[-3000:]
+        seconds = float(re.search(r"MISMATCH raised after ([\d.]+) s", out).group(1))
+        assert seconds < 10, seconds
+
+
+@pytest.mark.multiprocess
+def test_layout_needing_pieces_from_every_process(run_4x2):
+    run_4x2.case_ok("every_process")
+
+
+@pytest.mark.multiprocess
+def test_processes_outside_a_plan_are_not_involved(run_4x2):
+    run_4x2.case_ok("subset")
+
+
+@pytest.mark.multiprocess
+def test_senders_on_the_receivers_process_first_then_spread(run_4x2):
+    run_4x2.case_ok("topology")
+
+
+@pytest.mark.multiprocess
+def test_plans_called_in_different_orders_raise_instead_of_hanging(run_4x2):
+    for pid, (rc, out) in enumerate(zip(run_4x2.returncodes, run_4x2.outputs, strict=True)):
+        assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"
+        assert "jaxreshard.errors.ReshardError" in out, out[-3000:]
+        seconds = float(re.search(r"CROSSED raised after ([\d.]+) s", out).group(1))
+        assert seconds < 10, seconds
+    assert "waiting for each other in different plans" in run_4x2.outputs[0]
+
+
+EXAMPLE_ARGS = ["--local", "2", "--devices", "2", "--steps", "2", "--width", "64"]
+
+
+@pytest.mark.multiprocess
+def test_multihost_example_runs_as_local_processes():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multihost_refit.py"), *EXAMPLE_ARGS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "process 1 (sampler): step 1 refit" in run.stdout, run.stdout[-3000:]
