@@ -135,7 +135,7 @@ class Executor:
         """
         assert self._mesh is not None
         spare: dict[int, dict[int, jax.Array]] = {d: {} for d in self._union_local}
-        unpacked: list[jax.Array] = []
+        pending: list[jax.Array] = []
         for b, bucket in enumerate(self.schedule.buckets):
             words = [n // self._word.itemsize for n in bucket.slot_bytes]
             chunks: dict[int, list[jax.Array]] = {}
@@ -151,7 +151,8 @@ class Executor:
                     packed[t] if t in packed else self._spare(spare[device], device, n)
                     for t, n in enumerate(words)
                 ]
-            jax.block_until_ready(unpacked)  # bounds staging: the previous bucket is done
+            # Bound staging: the previous bucket has arrived and been unpacked, on senders too.
+            jax.block_until_ready(pending)
             moved = self._transfer_program(b)(
                 *[
                     jax.make_array_from_single_device_arrays(
@@ -165,7 +166,7 @@ class Executor:
             del chunks
             received = [_shards(x) for x in moved]
             del moved
-            unpacked = []
+            pending = [x for r in received for x in r.values()]
             for device in self._union_local:
                 slots = self._received_slots(bucket, device)
                 if slots:
@@ -176,7 +177,7 @@ class Executor:
                     )
                     for i, arr in zip(leaf_ids, outs, strict=True):
                         dst[i][device] = arr
-                    unpacked.extend(outs)
+                    pending.extend(outs)
                 keep = self._spare_sizes(b + 1, device)
                 spare[device] = {n: received[t][device] for t, n in enumerate(words) if n in keep}
             del received
