@@ -508,7 +508,8 @@ def _array_problem(
     # A process holding no shard of a source contributes nothing to it: a ShapeDtypeStruct
     # describing it will do (multi-controller JAX cannot build such arrays on every process).
     if placeholder_ok and isinstance(x, jax.ShapeDtypeStruct):
-        pass
+        if x.sharding is None:
+            return "a ShapeDtypeStruct standing for a source needs its planned sharding="
     elif not isinstance(x, jax.Array):
         return f"expected a jax.Array, got {type(x).__name__}"
     elif x.is_deleted():
