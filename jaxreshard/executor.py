@@ -20,6 +20,7 @@ the previous one is unpacked, so at most one send and one receive buffer exist p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jaxreshard.layout import Box, box_shape, shift
 from jaxreshard.planner import Assignment, LeafSpec
-from jaxreshard.schedule import Bucket, Message, Schedule
+from jaxreshard.schedule import Bucket, Schedule
 
 AXIS = "jaxreshard"
 """Name of the 1-D mesh axis spanning every device of a transfer."""
@@ -141,12 +142,11 @@ class Executor:
             chunks: dict[int, list[jax.Array]] = {}
             for device in self._union_local:
                 sent = self._sent_slots(bucket, device)
+                packed = {}
                 if sent:
-                    src_in, dst_in = self._pack_inputs(bucket, device)
-                    args = [src[i][device] for i in src_in] + [dst[i][device] for i in dst_in]
-                    packed = dict(zip(sent, self._pack_program(b, device)(*args), strict=True))
-                else:
-                    packed = {}
+                    step = self._pack_step(b, device)
+                    args = [(dst if d else src)[i][device] for i, d in step.inputs]
+                    packed = dict(zip(sent, step.program(step.starts, *args), strict=True))
                 chunks[device] = [
                     packed[t] if t in packed else self._spare(spare[device], device, n)
                     for t, n in enumerate(words)
@@ -170,12 +170,13 @@ class Executor:
             for device in self._union_local:
                 slots = self._received_slots(bucket, device)
                 if slots:
-                    leaf_ids = self._unpack_leaves(bucket, device)
-                    outs = self._unpack_program(b, device)(
+                    step = self._unpack_step(b, device)
+                    outs = step.program(
+                        step.starts,
                         *[received[t][device] for t in slots],
-                        *[dst[i][device] for i in leaf_ids],
+                        *[dst[i][device] for i in step.inputs],
                     )
-                    for i, arr in zip(leaf_ids, outs, strict=True):
+                    for i, arr in zip(step.inputs, outs, strict=True):
                         dst[i][device] = arr
                     pending.extend(outs)
                 keep = self._spare_sizes(b + 1, device)
@@ -260,7 +261,7 @@ class Executor:
                     bits = to_bits(old)
                     for box in self._copies.get((device, i), ()):
                         src_box = shift(box, _origin(leaf.src.box_of[device]))
-                        part = read_bits(given[i], src_box, dtype)
+                        part = read_bits(given[i], _origin(src_box), box_shape(src_box), dtype)
                         if box == dst_box:
                             bits = part
                         else:
@@ -273,86 +274,122 @@ class Executor:
 
         return self._cached(("init", device), build)
 
-    def _pack_inputs(self, bucket: Bucket, device: int) -> tuple[list[int], list[int]]:
-        segments = [s for m in bucket.sends(device) for s in m.segments]
-        src_in = sorted({s.leaf for s in segments if not s.from_dst})
-        dst_in = sorted({s.leaf for s in segments if s.from_dst})
-        return src_in, dst_in
+    # Pack and unpack programs are keyed by their structure (shapes, dtypes, chunk offsets),
+    # not by bucket: where a tensor is split over many buckets, or layers repeat, the buckets
+    # differ only in where their boxes start, which is passed at run time. A plan then compiles
+    # a few programs per device however many buckets it has.
 
-    def _pack_program(self, b: int, device: int) -> Any:
-        def build() -> Any:
+    def _pack_step(self, b: int, device: int) -> _Step:
+        def build() -> _Step:
             bucket = self.schedule.buckets[b]
-            src_in, dst_in = self._pack_inputs(bucket, device)
-            messages = sorted(bucket.sends(device), key=lambda m: m.slot)
-            word = self._word
-
-            def pack(*args: jax.Array) -> tuple[jax.Array, ...]:
-                from_src = dict(zip(src_in, args[: len(src_in)], strict=True))
-                from_dst = dict(zip(dst_in, args[len(src_in) :], strict=True))
-                chunks = []
-                for m in messages:
-                    parts = []
-                    for seg in m.segments:
-                        leaf = self.leaves[seg.leaf]
-                        if seg.from_dst:
-                            shard, held = from_dst[seg.leaf], leaf.dst.box_of[device]
-                        else:
-                            shard, held = from_src[seg.leaf], leaf.src.box_of[device]
-                        part = read_bits(shard, shift(seg.box, _origin(held)), leaf.dst_dtype)
-                        parts.append(bits_to_words(part, word))
-                    pad = (bucket.slot_bytes[m.slot] - m.nbytes) // word.itemsize
-                    if pad:
-                        parts.append(jnp.zeros((pad,), word))
-                    chunks.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-                return tuple(chunks)
-
-            return self._jit(pack, device, ())
-
-        return self._cached(("pack", b, device), build)
-
-    def _unpack_leaves(self, bucket: Bucket, device: int) -> list[int]:
-        return sorted({s.leaf for m in bucket.recvs(device) for s in m.segments})
-
-    def _unpack_program(self, b: int, device: int) -> Any:
-        def build() -> Any:
-            bucket = self.schedule.buckets[b]
-            leaf_ids = self._unpack_leaves(bucket, device)
-            messages: list[Message] = sorted(bucket.recvs(device), key=lambda m: m.slot)
-            word = self._word
-
-            def unpack(*args: jax.Array) -> tuple[jax.Array, ...]:
-                chunks = args[: len(messages)]
-                out = {i: to_bits(x) for i, x in zip(leaf_ids, args[len(messages) :], strict=True)}
-                for m, chunk in zip(messages, chunks, strict=True):
-                    for seg in m.segments:
-                        leaf = self.leaves[seg.leaf]
-                        dtype = jnp.dtype(leaf.dst_dtype)
-                        n = word.itemsize
-                        raw = lax.slice(
-                            chunk, (seg.offset // n,), ((seg.offset + seg.nbytes) // n,)
-                        )
-                        part = words_to_bits(raw, dtype, box_shape(seg.box))
-                        box = shift(seg.box, _origin(leaf.dst.box_of[device]))
-                        out[seg.leaf] = _write(out[seg.leaf], part, box)
-                return tuple(
-                    from_bits(out[i], jnp.dtype(self.leaves[i].dst_dtype)) for i in leaf_ids
+            word = self._word.itemsize
+            inputs: dict[tuple[int, bool], int] = {}
+            structure, starts = [], []
+            for m in sorted(bucket.sends(device), key=lambda m: m.slot):
+                segments = []
+                for seg in m.segments:
+                    index = inputs.setdefault((seg.leaf, seg.from_dst), len(inputs))
+                    leaf = self.leaves[seg.leaf]
+                    held = (leaf.dst if seg.from_dst else leaf.src).box_of[device]
+                    starts.extend(_origin(shift(seg.box, _origin(held))))
+                    segments.append((index, box_shape(seg.box)))
+                structure.append((bucket.slot_bytes[m.slot] // word, tuple(segments)))
+            avals = []
+            for leaf_id, from_dst in inputs:
+                leaf = self.leaves[leaf_id]
+                layout, dtype = (
+                    (leaf.dst, leaf.dst_dtype) if from_dst else (leaf.src, leaf.src_dtype)
                 )
+                avals.append((layout.shard_shape, dtype, leaf.dst_dtype))
+            key = ("pack", device, tuple(structure), tuple(avals), self._word.name)
+            program = self._cached(key, lambda: self._build_pack(device, structure, avals))
+            return _Step(program, tuple(inputs), self._index_array(starts, device))
 
-            n_chunks = len(messages)
-            return self._jit(unpack, device, tuple(range(n_chunks, n_chunks + len(leaf_ids))))
+        return self._cached(("pack step", b, device), build)
 
-        return self._cached(("unpack", b, device), build)
+    def _build_pack(self, device: int, structure: list, avals: list) -> Any:
+        word = self._word
+
+        def pack(starts: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
+            chunks, k = [], 0
+            for words, segments in structure:
+                parts, used = [], 0
+                for index, shape in segments:
+                    _, _, dtype = avals[index]
+                    at = [starts[k + j] for j in range(len(shape))]
+                    k += len(shape)
+                    part = bits_to_words(read_bits(shards[index], at, shape, dtype), word)
+                    parts.append(part)
+                    used += part.shape[0]
+                if used < words:
+                    parts.append(jnp.zeros((words - used,), word))
+                chunks.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+            return tuple(chunks)
+
+        return self._jit(pack, device, ())
+
+    def _unpack_step(self, b: int, device: int) -> _Step:
+        def build() -> _Step:
+            bucket = self.schedule.buckets[b]
+            word = self._word.itemsize
+            leaves: dict[int, int] = {}
+            structure, starts = [], []
+            for m in sorted(bucket.recvs(device), key=lambda m: m.slot):
+                segments = []
+                for seg in m.segments:
+                    index = leaves.setdefault(seg.leaf, len(leaves))
+                    held = self.leaves[seg.leaf].dst.box_of[device]
+                    starts.extend(_origin(shift(seg.box, _origin(held))))
+                    segments.append((index, box_shape(seg.box), seg.offset // word))
+                structure.append((bucket.slot_bytes[m.slot] // word, tuple(segments)))
+            avals = tuple(
+                (self.leaves[i].dst.shard_shape, self.leaves[i].dst_dtype) for i in leaves
+            )
+            key = ("unpack", device, tuple(structure), avals, self._word.name)
+            program = self._cached(key, lambda: self._build_unpack(device, structure, avals))
+            return _Step(program, tuple(leaves), self._index_array(starts, device))
+
+        return self._cached(("unpack step", b, device), build)
+
+    def _build_unpack(self, device: int, structure: list, avals: tuple) -> Any:
+        word = self._word
+        n_chunks = len(structure)
+
+        def unpack(starts: jax.Array, *args: jax.Array) -> tuple[jax.Array, ...]:
+            chunks, shards = args[:n_chunks], args[n_chunks:]
+            out = [to_bits(x) for x in shards]
+            k = 0
+            for (_, segments), chunk in zip(structure, chunks, strict=True):
+                for index, shape, offset in segments:
+                    dtype = jnp.dtype(avals[index][1])
+                    size = math.prod(shape) * bits_dtype(dtype).itemsize // word.itemsize
+                    size *= 2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1
+                    raw = lax.slice(chunk, (offset,), (offset + size,))
+                    at = [starts[k + j] for j in range(len(shape))]
+                    k += len(shape)
+                    out[index] = _write(out[index], words_to_bits(raw, dtype, shape), at)
+            return tuple(
+                from_bits(x, jnp.dtype(dtype)) for x, (_, dtype) in zip(out, avals, strict=True)
+            )
+
+        donated = tuple(range(1 + n_chunks, 1 + n_chunks + len(avals)))
+        return self._jit(unpack, device, donated)
+
+    def _index_array(self, starts: list[int], device: int) -> jax.Array:
+        """Box starts of a step, kept on its device for the life of the plan."""
+        return jax.device_put(np.asarray(starts, np.int32), self._device[device])
 
     def _transfer_program(self, b: int) -> Any:
-        def build() -> Any:
-            bucket = self.schedule.buckets[b]
-            perms = [
-                [(self._position[s], self._position[d]) for s, d in perm] for perm in bucket.perms()
-            ]
+        bucket = self.schedule.buckets[b]
+        perms = tuple(
+            tuple((self._position[s], self._position[d]) for s, d in perm)
+            for perm in bucket.perms()
+        )
 
+        def build() -> Any:
             def transfer(*chunks: jax.Array) -> tuple[jax.Array, ...]:
                 return tuple(
-                    lax.ppermute(chunk, AXIS, perm)
+                    lax.ppermute(chunk, AXIS, list(perm))
                     for chunk, perm in zip(chunks, perms, strict=True)
                 )
 
@@ -360,7 +397,7 @@ class Executor:
             mapped = jax.shard_map(transfer, mesh=self._mesh, in_specs=spec, out_specs=spec)
             return jax.jit(mapped)
 
-        return self._cached(("transfer", b), build)
+        return self._cached(("transfer", bucket.slot_bytes, perms), build)
 
     def compiled_transfer_text(self, b: int) -> str:
         """Optimized HLO of bucket ``b``'s transfer program (compiles it if needed)."""
@@ -378,6 +415,20 @@ class Executor:
     def _jit(self, fn: Any, device: int, donate: tuple[int, ...]) -> Any:
         sharding = SingleDeviceSharding(self._device[device])
         return jax.jit(fn, out_shardings=sharding, donate_argnums=donate)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A compiled pack or unpack program with what one bucket feeds it on one device.
+
+    ``inputs`` are ``(leaf, from_dst)`` pairs for pack and leaf indices for unpack; ``starts``
+    are the boxes' start indices (on the device), the only thing that differs between buckets
+    sharing ``program``.
+    """
+
+    program: Any
+    inputs: tuple[Any, ...]
+    starts: jax.Array
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -402,18 +453,11 @@ def _origin(box: Box) -> tuple[int, ...]:
     return tuple(start for start, _ in box)
 
 
-def _slice(x: jax.Array, box: Box) -> jax.Array:
-    """``x[box]`` with static bounds; trailing dimensions beyond the box are kept whole."""
-    if box_shape(box) == tuple(x.shape[: len(box)]):
-        return x
-    starts = _origin(box) + (0,) * (x.ndim - len(box))
-    stops = tuple(stop for _, stop in box) + tuple(x.shape[len(box) :])
-    return lax.slice(x, starts, stops)
-
-
-def _write(x: jax.Array, part: jax.Array, box: Box) -> jax.Array:
-    """``x`` with ``part`` written at ``box`` (in place when ``x`` is donated)."""
-    return lax.dynamic_update_slice(x, part, _origin(box) + (0,) * (x.ndim - len(box)))
+def _write(x: jax.Array, part: jax.Array, at: Box | Sequence[Any]) -> jax.Array:
+    """``x`` with ``part`` written from ``at`` (a box, or its start indices; in place when
+    ``x`` is donated)."""
+    starts = _origin(at) if at and isinstance(at[0], tuple) else tuple(at)
+    return lax.dynamic_update_slice(x, part, (*starts, *(0,) * (x.ndim - len(starts))))
 
 
 # Every byte is moved as unsigned integers of the element's width: XLA's CPU backend computes
@@ -468,11 +512,14 @@ def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
     return lax.bitcast_convert_type(bits, dtype)
 
 
-def read_bits(shard: jax.Array, box: Box, dtype: Any) -> jax.Array:
-    """The bits of ``shard[box]`` cast to ``dtype`` (the cast runs only when dtypes differ)."""
+def read_bits(shard: jax.Array, at: Sequence[Any], shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The bits of the ``shape`` block of ``shard`` starting at ``at``, cast to ``dtype`` (the
+    cast runs only when dtypes differ). ``at`` may hold traced indices."""
     if jnp.dtype(shard.dtype) != jnp.dtype(dtype):
-        return to_bits(_slice(shard, box).astype(dtype))
-    return _slice(to_bits(shard), box)
+        return to_bits(lax.dynamic_slice(shard, tuple(at), shape).astype(dtype))
+    bits = to_bits(shard)
+    extra = bits.shape[len(shape) :]
+    return lax.dynamic_slice(bits, (*at, *(0,) * len(extra)), (*shape, *extra))
 
 
 def bits_to_words(bits: jax.Array, word: np.dtype) -> jax.Array:
