@@ -20,6 +20,7 @@ the previous one is unpacked, so at most one send and one receive buffer exist p
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections import defaultdict
@@ -276,11 +277,35 @@ class Executor:
 
     # Pack and unpack programs are keyed by their structure (shapes, dtypes, chunk offsets),
     # not by bucket: where a tensor is split over many buckets, or layers repeat, the buckets
-    # differ only in where their boxes start, which is passed at run time. A plan then compiles
-    # a few programs per device however many buckets it has.
+    # differ only in where their boxes start, which is then passed at run time. A plan compiles
+    # a few programs per device however many buckets it has. A structure that only one bucket
+    # has gets its starts baked in (index arithmetic on device costs compile time per box).
+
+    def _step(self, kind: str, b: int, device: int, layout: Any) -> _Step:
+        key, inputs, starts, build = layout(b, device)
+        if self._structure_count(kind, device, layout)[key] > 1:
+            program = self._cached(key, lambda: build(None))
+        else:
+            program = self._cached((*key, tuple(starts)), lambda: build(tuple(starts)))
+        return _Step(program, inputs, self._index_array(starts, device))
+
+    def _structure_count(self, kind: str, device: int, layout: Any) -> collections.Counter:
+        def count() -> collections.Counter:
+            keys = collections.Counter()
+            for b, bucket in enumerate(self.schedule.buckets):
+                if (bucket.sends if kind == "pack" else bucket.recvs)(device):
+                    keys[layout(b, device)[0]] += 1
+            return keys
+
+        return self._cached(("count", kind, device), count)
 
     def _pack_step(self, b: int, device: int) -> _Step:
-        def build() -> _Step:
+        return self._cached(
+            ("pack step", b, device), lambda: self._step("pack", b, device, self._pack_layout)
+        )
+
+    def _pack_layout(self, b: int, device: int) -> tuple[Any, tuple, list[int], Any]:
+        def build() -> tuple[Any, tuple, list[int], Any]:
             bucket = self.schedule.buckets[b]
             word = self._word.itemsize
             inputs: dict[tuple[int, bool], int] = {}
@@ -302,12 +327,17 @@ class Executor:
                 )
                 avals.append((layout.shard_shape, dtype, leaf.dst_dtype))
             key = ("pack", device, tuple(structure), tuple(avals), self._word.name)
-            program = self._cached(key, lambda: self._build_pack(device, structure, avals))
-            return _Step(program, tuple(inputs), self._index_array(starts, device))
 
-        return self._cached(("pack step", b, device), build)
+            def program(static: tuple[int, ...] | None) -> Any:
+                return self._build_pack(device, structure, avals, static)
 
-    def _build_pack(self, device: int, structure: list, avals: list) -> Any:
+            return key, tuple(inputs), starts, program
+
+        return self._cached(("pack layout", b, device), build)
+
+    def _build_pack(
+        self, device: int, structure: list, avals: list, static: tuple[int, ...] | None
+    ) -> Any:
         word = self._word
 
         def pack(starts: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
@@ -316,7 +346,7 @@ class Executor:
                 parts, used = [], 0
                 for index, shape in segments:
                     _, _, dtype = avals[index]
-                    at = [starts[k + j] for j in range(len(shape))]
+                    at = _starts(starts, static, k, len(shape))
                     k += len(shape)
                     part = bits_to_words(read_bits(shards[index], at, shape, dtype), word)
                     parts.append(part)
@@ -329,7 +359,13 @@ class Executor:
         return self._jit(pack, device, ())
 
     def _unpack_step(self, b: int, device: int) -> _Step:
-        def build() -> _Step:
+        return self._cached(
+            ("unpack step", b, device),
+            lambda: self._step("unpack", b, device, self._unpack_layout),
+        )
+
+    def _unpack_layout(self, b: int, device: int) -> tuple[Any, tuple, list[int], Any]:
+        def build() -> tuple[Any, tuple, list[int], Any]:
             bucket = self.schedule.buckets[b]
             word = self._word.itemsize
             leaves: dict[int, int] = {}
@@ -346,12 +382,17 @@ class Executor:
                 (self.leaves[i].dst.shard_shape, self.leaves[i].dst_dtype) for i in leaves
             )
             key = ("unpack", device, tuple(structure), avals, self._word.name)
-            program = self._cached(key, lambda: self._build_unpack(device, structure, avals))
-            return _Step(program, tuple(leaves), self._index_array(starts, device))
 
-        return self._cached(("unpack step", b, device), build)
+            def program(static: tuple[int, ...] | None) -> Any:
+                return self._build_unpack(device, structure, avals, static)
 
-    def _build_unpack(self, device: int, structure: list, avals: tuple) -> Any:
+            return key, tuple(leaves), starts, program
+
+        return self._cached(("unpack layout", b, device), build)
+
+    def _build_unpack(
+        self, device: int, structure: list, avals: tuple, static: tuple[int, ...] | None
+    ) -> Any:
         word = self._word
         n_chunks = len(structure)
 
@@ -365,7 +406,7 @@ class Executor:
                     size = math.prod(shape) * bits_dtype(dtype).itemsize // word.itemsize
                     size *= 2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1
                     raw = lax.slice(chunk, (offset,), (offset + size,))
-                    at = [starts[k + j] for j in range(len(shape))]
+                    at = _starts(starts, static, k, len(shape))
                     k += len(shape)
                     out[index] = _write(out[index], words_to_bits(raw, dtype, shape), at)
             return tuple(
@@ -451,6 +492,13 @@ def _shards(x: jax.Array | jax.ShapeDtypeStruct) -> dict[int, jax.Array]:
 
 def _origin(box: Box) -> tuple[int, ...]:
     return tuple(start for start, _ in box)
+
+
+def _starts(starts: jax.Array, static: tuple[int, ...] | None, k: int, n: int) -> list[Any]:
+    """Start indices ``k .. k + n`` of a step: baked-in ints, or read from ``starts``."""
+    if static is not None:
+        return list(static[k : k + n])
+    return [starts[k + j] for j in range(n)]
 
 
 def _write(x: jax.Array, part: jax.Array, at: Box | Sequence[Any]) -> jax.Array:
