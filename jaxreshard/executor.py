@@ -147,7 +147,7 @@ class Executor:
                 if sent:
                     step = self._pack_step(b, device)
                     args = [(dst if d else src)[i][device] for i, d in step.inputs]
-                    packed = dict(zip(sent, step.program(step.starts, *args), strict=True))
+                    packed = dict(zip(sent, step.program(*step.starts, *args), strict=True))
                 chunks[device] = [
                     packed[t] if t in packed else self._spare(spare[device], device, n)
                     for t, n in enumerate(words)
@@ -173,7 +173,7 @@ class Executor:
                 if slots:
                     step = self._unpack_step(b, device)
                     outs = step.program(
-                        step.starts,
+                        *step.starts,
                         *[received[t][device] for t in slots],
                         *[dst[i][device] for i in step.inputs],
                     )
@@ -285,9 +285,9 @@ class Executor:
         key, inputs, starts, build = layout(b, device)
         if self._structure_count(kind, device, layout)[key] > 1:
             program = self._cached(key, lambda: build(None))
-        else:
-            program = self._cached((*key, tuple(starts)), lambda: build(tuple(starts)))
-        return _Step(program, inputs, self._index_array(starts, device))
+            return _Step(program, inputs, (self._index_array(starts, device),))
+        program = self._cached((*key, tuple(starts)), lambda: build(tuple(starts)))
+        return _Step(program, inputs, ())
 
     def _structure_count(self, kind: str, device: int, layout: Any) -> collections.Counter:
         def count() -> collections.Counter:
@@ -340,7 +340,8 @@ class Executor:
     ) -> Any:
         word = self._word
 
-        def pack(starts: jax.Array, *shards: jax.Array) -> tuple[jax.Array, ...]:
+        def pack(*args: jax.Array) -> tuple[jax.Array, ...]:
+            starts, shards = (None, args) if static is not None else (args[0], args[1:])
             chunks, k = [], 0
             for words, segments in structure:
                 parts, used = [], 0
@@ -396,7 +397,8 @@ class Executor:
         word = self._word
         n_chunks = len(structure)
 
-        def unpack(starts: jax.Array, *args: jax.Array) -> tuple[jax.Array, ...]:
+        def unpack(*args: jax.Array) -> tuple[jax.Array, ...]:
+            starts, args = (None, args) if static is not None else (args[0], args[1:])
             chunks, shards = args[:n_chunks], args[n_chunks:]
             out = [to_bits(x) for x in shards]
             k = 0
@@ -413,11 +415,13 @@ class Executor:
                 from_bits(x, jnp.dtype(dtype)) for x, (_, dtype) in zip(out, avals, strict=True)
             )
 
-        donated = tuple(range(1 + n_chunks, 1 + n_chunks + len(avals)))
+        first = n_chunks + (static is None)
+        donated = tuple(range(first, first + len(avals)))
         return self._jit(unpack, device, donated)
 
     def _index_array(self, starts: list[int], device: int) -> jax.Array:
-        """Box starts of a step, kept on its device for the life of the plan."""
+        """Box starts of a step shared by several buckets: a few int32s uploaded once per plan
+        and kept on the device (plan metadata, not array data)."""
         return jax.device_put(np.asarray(starts, np.int32), self._device[device])
 
     def _transfer_program(self, b: int) -> Any:
@@ -469,7 +473,7 @@ class _Step:
 
     program: Any
     inputs: tuple[Any, ...]
-    starts: jax.Array
+    starts: tuple[jax.Array, ...]  # () when the starts are baked into the program
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -494,7 +498,7 @@ def _origin(box: Box) -> tuple[int, ...]:
     return tuple(start for start, _ in box)
 
 
-def _starts(starts: jax.Array, static: tuple[int, ...] | None, k: int, n: int) -> list[Any]:
+def _starts(starts: jax.Array | None, static: tuple[int, ...] | None, k: int, n: int) -> list[Any]:
     """Start indices ``k .. k + n`` of a step: baked-in ints, or read from ``starts``."""
     if static is not None:
         return list(static[k : k + n])
