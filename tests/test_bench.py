@@ -59,7 +59,7 @@ def by_strategy(record: dict) -> dict:
 def test_tiny_cast_and_big_leaf(tmp_path):
     report = run_bench(
         tmp_path,
-        *("--scenario", "cast", "--scenario", "big_leaf"),
+        *("--scenario", "cast", "--scenario", "big_leaf", "--in-process"),
         *("--size-mib", "0.5", "--layers", "1", "--big-leaf-mib", "0.25", "--pairs", "2"),
     )
     assert report["config"]["devices"] >= 8 and report["config"]["pairs"] == 2
