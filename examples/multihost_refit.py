@@ -69,18 +69,9 @@ def _launch_local(args: argparse.Namespace) -> int:
         subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)], env=env)
         for i in range(args.local)
     ]
-    deadline = time.monotonic() + 600
-    try:
-        # One failed process leaves the others waiting in a collective: stop them all then.
-        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-            if any(proc.poll() for proc in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    from jaxreshard.multihost import wait_local_processes  # after XLA_FLAGS is settled
+
+    wait_local_processes(procs, timeout_s=600)
     return max(abs(proc.returncode) for proc in procs)
 
 

@@ -52,6 +52,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxreshard.multihost import wait_local_processes
+
 MiB = 1 << 20
 BASELINE = "broadcast"
 
@@ -83,18 +85,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
         for i in range(args.processes)
     ]
-    try:
-        deadline = time.monotonic() + args.timeout
-        while any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.poll()]
-            if failed or time.monotonic() > deadline:
-                break  # the others would wait for it in a collective or barrier: stop them
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    wait_local_processes(procs, timeout_s=args.timeout)
     outs = []
     for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
         log.seek(0)

@@ -346,6 +346,25 @@ class _Agreement:
         return ReshardError("\n".join(lines))
 
 
+def wait_local_processes(procs: Sequence[Any], timeout_s: float) -> None:
+    """Wait for locally launched processes (``subprocess.Popen``) of one job.
+
+    Once one fails, or ``timeout_s`` passes, the others are killed: they would otherwise wait
+    forever for it in a collective or the plan agreement. Used by the local demo and benchmark.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _try_get(client: Any, key: str) -> str | None:
     try:
         return client.key_value_try_get(key)
