@@ -69,7 +69,7 @@ def _launch_local(args: argparse.Namespace) -> int:
         subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)], env=env)
         for i in range(args.local)
     ]
-    from jaxreshard.multihost import wait_local_processes  # after XLA_FLAGS is settled
+    from jaxreshard.run.multihost import wait_local_processes  # after XLA_FLAGS is settled
 
     wait_local_processes(procs, timeout_s=600)
     return max(abs(proc.returncode) for proc in procs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -15,13 +16,12 @@ from jax.sharding import NamedSharding, Sharding
 from jax.tree_util import keystr
 
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
-from jaxreshard.executor import Executor, wire_itemsize
-from jaxreshard.layout import Layout, LayoutError
-from jaxreshard.multihost import agree, process_tier
-from jaxreshard.planner import Assignment, LeafSpec, Tier, assign
-from jaxreshard.schedule import PlanStats, Schedule, build_schedule, plan_stats
-from jaxreshard.topology import Topology
-from jaxreshard.topology import assign as topology_assign
+from jaxreshard.plan.layout import Layout, LayoutError
+from jaxreshard.plan.route import Assignment, LeafSpec, route
+from jaxreshard.plan.schedule import PlanStats, Schedule, build_schedule, plan_stats
+from jaxreshard.plan.topology import Topology
+from jaxreshard.run.multihost import PlanIdentity, agree, fingerprint
+from jaxreshard.run.runtime import Executor, wire_itemsize
 
 MiB = 1 << 20
 
@@ -65,7 +65,7 @@ class Plan:
         assignment: Assignment,
         schedule: Schedule,
         bucket_bytes: int,
-        topology: Topology | None = None,
+        topology: Topology,
     ) -> None:
         self.treedef = treedef
         self.paths = tuple(paths)
@@ -76,8 +76,9 @@ class Plan:
         self.schedule = schedule
         self.bucket_bytes = bucket_bytes
         self.topology = topology
-        crosses = topology.crosses if topology is not None else None
-        self.stats: PlanStats = plan_stats(self.leaves, assignment, schedule, crosses=crosses)
+        self.stats: PlanStats = plan_stats(
+            self.leaves, assignment, schedule, crosses=topology.crosses
+        )
         self._executor: Executor | None = None
         self._lock = threading.Lock()
         self._agreed = False
@@ -112,10 +113,29 @@ class Plan:
         src = self._check_src(src_tree)
         old = self._check_donate(donate, src) if donate is not None else None
         if not self._agreed:  # once per plan: a mismatch must fail here, not in a collective
-            agree(self)
+            agree(self.identity)
             self._agreed = True
         out = self.executor.run(src, old)
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    @functools.cached_property
+    def identity(self) -> PlanIdentity:
+        """The plan as the multi-process agreement compares it (a hash of the pure plan data,
+        and one description per leaf for mismatch messages)."""
+        return PlanIdentity(
+            fingerprint(self.leaves, self.assignment, self.schedule, self.bucket_bytes),
+            self.leaves,
+            tuple(self._describe_leaf(i) for i in range(len(self.leaves))),
+            self.bucket_bytes,
+        )
+
+    def _describe_leaf(self, i: int) -> str:
+        leaf = self.leaves[i]
+        src = self.src_avals[i][2]
+        return (
+            f"{leaf.src_dtype}{list(leaf.shape)} {_describe_devices(src, leaf.src.devices)} -> "
+            f"{leaf.dst_dtype} {_describe_devices(self.dst_shardings[i], leaf.dst.devices)}"
+        )
 
     # --------------------------------------------------------------------------- checking
 
@@ -241,7 +261,6 @@ def plan(
     *,
     bucket_bytes: int | None = None,
     dtype: Any = None,
-    tier: Tier | None = None,
     topology: Topology | None = None,
 ) -> Plan:
     """Plan moving ``src_tree`` into the layouts ``dst_shardings``.
@@ -255,9 +274,6 @@ def plan(
         `default_bucket_bytes` of the destination's backend.
       dtype: destination dtype: one dtype, or a tree (prefix) of dtypes with None meaning
         "keep". The cast runs on the senders, so narrowing halves the bytes sent.
-      tier: optional ``tier(src_id, dst_id) -> int`` closeness; among replicas of a part only
-        the closest are used as senders. By default, senders on the receiver's own process
-        are preferred.
       topology: optional `Topology` (fast domains, bandwidths) of the devices. With it,
         senders in the receiver's domain are preferred, cross-domain sends are balanced, bytes
         needed by several devices of a domain cross into it once and are relayed inside it
@@ -289,8 +305,9 @@ def plan(
     4. Processes that own none of the plan's devices need not call it (calling it does nothing
        and returns arrays with no addressable shards).
 
-    With several processes and no ``tier``, a part with replicas is sent from one on the
-    receiver's own process when there is one; other parts are balanced over all replicas.
+    Without a ``topology``, `Topology.from_devices` describes the devices (one domain per
+    process): a part with replicas is sent from one on the receiver's own process when there is
+    one; other parts are balanced over all replicas.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
@@ -325,18 +342,17 @@ def plan(
         bucket_bytes = default_bucket_bytes(platform)
     if int(bucket_bytes) < 1:
         raise ReshardError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
+    fan_out = topology is not None  # relays only where the caller described the domains
     if topology is None:
-        assignment = assign(leaves, tier=tier if tier is not None else _process_tier(dsts, avals))
-        schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=int(bucket_bytes))
-    else:
-        assignment = topology_assign(leaves, topology, tier=tier)
-        schedule = build_schedule(
-            leaves,
-            assignment.pieces,
-            bucket_bytes=int(bucket_bytes),
-            link_class=topology.link_class,
-            class_latency_bytes=topology.class_latency_bytes(),
-        )
+        topology = Topology.from_devices(_plan_devices(dsts, avals))
+    assignment = route(leaves, topology, fan_out=fan_out)
+    schedule = build_schedule(
+        leaves,
+        assignment.pieces,
+        bucket_bytes=int(bucket_bytes),
+        link_class=topology.link_class,
+        class_latency_bytes=topology.class_latency_bytes(),
+    )
     return Plan(
         treedef, paths, avals, dsts, leaves, assignment, schedule, int(bucket_bytes), topology
     )
@@ -567,11 +583,22 @@ def _structure_error(
     )
 
 
-def _process_tier(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> Tier | None:
-    """Prefer senders on the receiver's own process (host) when there are several processes."""
-    if jax.process_count() == 1:
-        return None
-    return process_tier({d.id: d.process_index for d in jax.devices()})
+def _plan_devices(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> list[Any]:
+    """Every device of the plan's source and destination shardings, by id."""
+    devices = {d.id: d for s in dsts for d in s.device_set}
+    for _, _, sharding in avals:
+        devices.update({d.id: d for d in sharding.device_set})
+    return [devices[i] for i in sorted(devices)]
+
+
+def _describe_devices(sharding: Any, devices: Sequence[int]) -> str:
+    ids = list(devices)
+    shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} devices)" if len(ids) > 16 else "")
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "axis_names"):
+        axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+        return f"NamedSharding(mesh={axes}, devices=[{shown}], spec={sharding.spec})"
+    return f"{type(sharding).__name__}(devices=[{shown}])"
 
 
 def _b(n: int) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxreshard.layout import Box, box_shape, shift
-from jaxreshard.planner import Assignment, LeafSpec
-from jaxreshard.schedule import Schedule
+from jaxreshard.plan.layout import Box, box_shape, shift
+from jaxreshard.plan.route import Assignment, LeafSpec
+from jaxreshard.plan.schedule import Schedule
 
 
 def _slices(box: Box) -> tuple[slice, ...]:

@@ -29,9 +29,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
-from jaxreshard import multihost
-from jaxreshard.layout import Layout
-from jaxreshard.planner import LeafSpec, assign
+from jaxreshard.plan.layout import Layout
+from jaxreshard.plan.route import LeafSpec, route
+from jaxreshard.plan.topology import Topology
+from jaxreshard.run import multihost
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_worker.py"
@@ -49,9 +50,9 @@ def _leaves(order: tuple[int, ...] = (0, 1, 2, 3), dst_spec=("x",)) -> list[Leaf
 
 
 def _fingerprint(leaves: list[LeafSpec], bucket_bytes: int = 1 << 20) -> str:
-    from jaxreshard.schedule import build_schedule
+    from jaxreshard.plan.schedule import build_schedule
 
-    assignment = assign(leaves)
+    assignment = route(leaves, Topology.from_groups([range(10, 14), range(20, 24)]))
     schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=bucket_bytes)
     return multihost.fingerprint(leaves, assignment, schedule, bucket_bytes)
 
@@ -107,26 +108,28 @@ def test_fingerprint_does_not_depend_on_dict_insertion_order(devices):
 # ---------------------------------------------------------------------------------- topology
 
 
-def test_process_tier_prefers_a_replica_on_the_receivers_process():
+def test_a_replica_on_the_receivers_process_is_preferred():
     # Source replicated over two "processes" (devices 0-3 and 4-7), destination sharded over
     # all eight: every receiver has a replica on its own process and must use it.
     process_of = {d: d // 4 for d in range(8)}
     src = Layout.from_mesh((64, 8), (2, 4), ("r", "s"), list(range(8)), ("s",))
     dst = Layout.from_mesh((64, 8), (8,), ("x",), [7, 0, 6, 1, 5, 2, 4, 3], (None, "x"))
     leaves = [LeafSpec("w", src, dst, "float32", "float32", 4)]
-    pieces = assign(leaves, tier=multihost.process_tier(process_of)).pieces
+    hosts = Topology.from_groups([[d for d in process_of if process_of[d] == p] for p in (0, 1, 2)])
+    pieces = route(leaves, hosts, fan_out=False).pieces
     assert pieces
     assert all(process_of[p.src] == process_of[p.dst] for p in pieces)
 
 
-def test_process_tier_spreads_what_no_local_replica_holds():
+def test_what_no_local_replica_holds_is_spread_over_the_remote_ones():
     # Source on processes 0 and 1 (two replicas), destination on process 2: nothing is local,
     # so the sending is balanced over both remote replicas.
     process_of = {d: d // 4 for d in range(12)}
     src = Layout.from_mesh((64, 8), (2, 4), ("r", "s"), list(range(8)), ("s",))
     dst = Layout.from_mesh((64, 8), (4,), ("x",), [8, 9, 10, 11], (None, "x"))
     leaves = [LeafSpec("w", src, dst, "float32", "float32", 4)]
-    pieces = assign(leaves, tier=multihost.process_tier(process_of)).pieces
+    hosts = Topology.from_groups([[d for d in process_of if process_of[d] == p] for p in (0, 1, 2)])
+    pieces = route(leaves, hosts, fan_out=False).pieces
     sent = {0: 0, 1: 0}
     for p in pieces:
         sent[process_of[p.src]] += (p.box[0][1] - p.box[0][0]) * (p.box[1][1] - p.box[1][0]) * 4

@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import assert_reference_exact
 
-from jaxreshard.layout import Layout, box_size
-from jaxreshard.planner import LeafSpec, assign
-from jaxreshard.schedule import build_schedule, colour_rounds, plan_stats
+from jaxreshard.plan.layout import Layout, box_size
+from jaxreshard.plan.route import LeafSpec, route
+from jaxreshard.plan.schedule import build_schedule, colour_rounds, plan_stats
+from jaxreshard.plan.topology import Topology
 
 
 def leaf(shape, src, dst, dtype="float32", path="x"):
@@ -27,9 +28,19 @@ def leaf(shape, src, dst, dtype="float32", path="x"):
     return LeafSpec(path, src_layout, dst_layout, dtype, dtype, np.dtype(dtype).itemsize)
 
 
-def check_plan(leaves, bucket_bytes=1 << 20, tier=None):
+def flat(leaves):
+    """One fast domain holding every device the leaves use (what one host looks like)."""
+    ids = sorted({d for lf in leaves for d in (*lf.src.devices, *lf.dst.devices)})
+    return Topology.from_groups([ids])
+
+
+def assign(leaves, topology=None):
+    return route(leaves, topology or flat(leaves), fan_out=False)
+
+
+def check_plan(leaves, bucket_bytes=1 << 20, topology=None):
     """Plan, schedule, run the NumPy model, and check every invariant; returns the stats."""
-    assignment = assign(leaves, tier=tier)
+    assignment = assign(leaves, topology)
     schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=bucket_bytes)
     stats = plan_stats(leaves, assignment, schedule)
     assert_reference_exact(leaves, assignment, schedule)
@@ -99,9 +110,10 @@ def test_balance_spans_leaves():
     assert stats.max_device_send_bytes == 32 * 8 * 4
 
 
-def test_tier_prefers_close_replicas():
+def test_replicas_in_the_receivers_domain_are_preferred():
     lf = leaf((16, 16), ((2,), ("dp",), (0, 4), ()), ((2,), ("tp",), (5, 6), (None, "tp")))
-    _, assignment, _ = check_plan([lf], tier=lambda s, d: 0 if s // 4 == d // 4 else 1)
+    hosts = Topology.from_groups([range(4), range(4, 8)])
+    _, assignment, _ = check_plan([lf], topology=hosts)
     assert {p.src for p in assignment.pieces} == {4}
 
 

@@ -13,13 +13,13 @@ import sys
 import numpy as np
 import pytest
 
-from jaxreshard import costmodel
-from jaxreshard import simulate as sim
-from jaxreshard.layout import Layout
-from jaxreshard.planner import LeafSpec
-from jaxreshard.schedule import PlannedBucket, RoundPlan, build_schedule
-from jaxreshard.topology import Topology
-from jaxreshard.topology import assign as topology_assign
+from jaxreshard.plan.layout import Layout
+from jaxreshard.plan.route import LeafSpec
+from jaxreshard.plan.route import route as topology_assign
+from jaxreshard.plan.schedule import PlannedBucket, RoundPlan, build_schedule
+from jaxreshard.plan.topology import Topology
+from jaxreshard.tools import costmodel
+from jaxreshard.tools import simulate as sim
 
 
 def topo(latency=0.0):

@@ -21,12 +21,12 @@ from jax.sharding import PartitionSpec as P
 from reference import assert_reference_exact
 
 import jaxreshard as jr
-from jaxreshard.costmodel import lower_bound
-from jaxreshard.layout import Layout, box_size
-from jaxreshard.planner import LeafSpec, Piece, _min_max_quotas, assign
-from jaxreshard.schedule import build_schedule, plan_rounds, plan_stats
-from jaxreshard.topology import PROFILES, Topology
-from jaxreshard.topology import assign as topology_assign
+from jaxreshard.plan.layout import Layout, box_size
+from jaxreshard.plan.route import LeafSpec, Piece, _min_max_quotas
+from jaxreshard.plan.route import route as topology_assign
+from jaxreshard.plan.schedule import build_schedule, plan_rounds, plan_stats
+from jaxreshard.plan.topology import PROFILES, Topology
+from jaxreshard.tools.costmodel import lower_bound
 
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
 
@@ -220,7 +220,7 @@ def test_min_max_quotas_when_the_largest_group_alone_is_not_feasible():
     b = leaf((10,), ((1,), ("x",), (1,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
     c = leaf((10,), ((2,), ("x",), (0, 1), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
     d = leaf((1,), ((2,), ("x",), (2, 3), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
-    pieces = assign([a, b, c, d]).pieces
+    pieces = topology_assign([a, b, c, d], Topology.from_groups([range(6)]), fan_out=False).pieces
     assert sum(box_size(p.box) for p in pieces) == 31
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from jaxreshard.layout import Box, box_shape, box_size, split_flat_sized, strides
-from jaxreshard.planner import Assignment, LeafSpec, Piece
+from jaxreshard.plan.layout import Box, box_shape, box_size, split_flat_sized, strides
+from jaxreshard.plan.route import Assignment, LeafSpec, Piece
 
 ALIGN = 16
 """Chunk sizes are multiples of the widest element (complex128), so no chunk cuts an element."""

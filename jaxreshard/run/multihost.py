@@ -1,4 +1,4 @@
-"""Multi-controller JAX: plan fingerprints, plan agreement and process topology.
+"""Multi-controller JAX: plan fingerprints and plan agreement.
 
 Under ``jax.distributed`` every process runs its own copy of the program. jaxreshard's transfers
 are collectives over the devices of several processes, so every process whose devices take part
@@ -18,8 +18,6 @@ This module makes that failure loud instead of silent:
   devices), raises `ReshardError` on every process within a poll interval, naming the first leaf
   (by path) whose description differs. A peer that never arrives raises after
   `agreement_timeout_s` seconds.
-- `process_tier` is the default sender preference of multi-process plans: a replica on the
-  receiver's own process first; the balancing of the planner spreads the rest over the others.
 
 Only the key-value store of the distributed runtime is used (no collective, no device memory),
 so the same code serves the CPU backend (gloo) and GPUs (NCCL).
@@ -36,13 +34,10 @@ import time
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxreshard.errors import ReshardError
-from jaxreshard.planner import LeafSpec, Tier
-
-if TYPE_CHECKING:
-    from jaxreshard.api import Plan
+from jaxreshard.plan.route import LeafSpec
 
 FORMAT = "jaxreshard-plan-v1"
 """Version tag hashed into every fingerprint: plans of different library versions never agree."""
@@ -121,23 +116,24 @@ def fingerprint(
     )
 
 
-# ---------------------------------------------------------------------------------- topology
+@dataclasses.dataclass(frozen=True)
+class PlanIdentity:
+    """What the agreement compares, and what a mismatch message shows (pure data).
 
-
-def process_tier(process_of: Mapping[int, int]) -> Tier:
-    """Sender preference by process: 0 for a sender on the receiver's process, 1 otherwise.
-
-    The planner keeps only the lowest tier among the replicas of a part, so a replica on the
-    receiver's own host is used whenever one exists (host-local links are the fast ones); parts
-    with no local replica are balanced over all remote replicas by the planner's min-max flow.
-    Device ids missing from ``process_of`` count as remote.
+    Attributes:
+      fingerprint: `fingerprint` of the whole plan.
+      leaves: the plan's leaves (paths, layouts, dtypes).
+      descriptions: one human-readable line per leaf (shapes, shardings), for messages.
+      bucket_bytes: the plan's bucket size (named when only the schedules differ).
     """
 
-    def tier(src: int, dst: int) -> int:
-        p = process_of.get(src)
-        return 0 if p is not None and p == process_of.get(dst) else 1
+    fingerprint: str
+    leaves: tuple[LeafSpec, ...]
+    descriptions: tuple[str, ...]
+    bucket_bytes: int
 
-    return tier
+
+# ------------------------------------------------------------------------------- processes
 
 
 def involved_processes(
@@ -167,7 +163,7 @@ class _State:
 _STATE = _State()
 
 
-def agree(plan: Plan, *, timeout_s: float | None = None, client: Any = None) -> None:
+def agree(plan: PlanIdentity, *, timeout_s: float | None = None, client: Any = None) -> None:
     """Confirm that every process involved in ``plan`` holds the same plan; blocks until then.
 
     Called by `Plan.__call__` before its first transfer. A no-op in a single process, on a
@@ -193,7 +189,7 @@ def agree(plan: Plan, *, timeout_s: float | None = None, client: Any = None) -> 
     group = involved_processes(plan.leaves, process_of)
     if me not in group or len(group) == 1:
         return
-    fp = fingerprint(plan.leaves, plan.assignment, plan.schedule, plan.bucket_bytes)
+    fp = plan.fingerprint
     with _STATE.lock:
         if fp in _STATE.agreed:
             return
@@ -215,7 +211,14 @@ class _Agreement:
     """
 
     def __init__(
-        self, client: Any, me: int, group: tuple[int, ...], key: str, n: int, fp: str, plan: Plan
+        self,
+        client: Any,
+        me: int,
+        group: tuple[int, ...],
+        key: str,
+        n: int,
+        fp: str,
+        plan: PlanIdentity,
     ) -> None:
         self.client, self.me, self.group, self.n, self.fp, self.plan = (
             client,
@@ -372,31 +375,12 @@ def _try_get(client: Any, key: str) -> str | None:
         return None
 
 
-def _leaves_entries(plan: Plan) -> list[list[str]]:
+def _leaves_entries(plan: PlanIdentity) -> list[list[str]]:
     return [
-        [leaf_digest(leaf), leaf.path, _describe_leaf(plan, i)]
-        for i, leaf in enumerate(plan.leaves)
+        [leaf_digest(leaf), leaf.path, text]
+        for leaf, text in zip(plan.leaves, plan.descriptions, strict=True)
     ]
 
 
-def _leaves_blob(plan: Plan) -> bytes:
+def _leaves_blob(plan: PlanIdentity) -> bytes:
     return zlib.compress(json.dumps(_leaves_entries(plan)).encode())
-
-
-def _describe_leaf(plan: Plan, i: int) -> str:
-    leaf = plan.leaves[i]
-    src = plan.src_avals[i][2]
-    return (
-        f"{leaf.src_dtype}{list(leaf.shape)} {_describe(src, leaf.src.devices)} -> "
-        f"{leaf.dst_dtype} {_describe(plan.dst_shardings[i], leaf.dst.devices)}"
-    )
-
-
-def _describe(sharding: Any, devices: Sequence[int]) -> str:
-    ids = list(devices)
-    shown = ", ".join(map(str, ids[:16])) + (f", ... ({len(ids)} devices)" if len(ids) > 16 else "")
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and hasattr(mesh, "axis_names"):
-        axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-        return f"NamedSharding(mesh={axes}, devices=[{shown}], spec={sharding.spec})"
-    return f"{type(sharding).__name__}(devices=[{shown}])"

@@ -33,9 +33,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxreshard.layout import Box, box_shape, shift
-from jaxreshard.planner import Assignment, LeafSpec
-from jaxreshard.schedule import Bucket, Schedule
+from jaxreshard.plan.layout import Box, box_shape, shift
+from jaxreshard.plan.route import Assignment, LeafSpec
+from jaxreshard.plan.schedule import Bucket, Schedule
 
 AXIS = "jaxreshard"
 """Name of the 1-D mesh axis spanning every device of a transfer."""

@@ -25,10 +25,10 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from jaxreshard.layout import box_size
-from jaxreshard.planner import LeafSpec
-from jaxreshard.schedule import RoundPlan, Schedule
-from jaxreshard.topology import Topology
+from jaxreshard.plan.layout import box_size
+from jaxreshard.plan.route import LeafSpec
+from jaxreshard.plan.schedule import RoundPlan, Schedule
+from jaxreshard.plan.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)

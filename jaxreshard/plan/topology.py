@@ -1,24 +1,13 @@
-"""Which devices share a fast domain, how fast their links are, and plans that use it.
+"""Which devices share a fast domain and how fast their links are.
 
 A *fast domain* is a set of devices joined by a fast fabric (an NVLink island of 8 H100s, a
 GB200 NVL72 rack of 72 GPUs, a TPU slice); between domains bytes cross a slower network (one
 400 Gb/s NIC per GPU on the clusters modeled here). A `Topology` records, for integer device
 ids, the domain and host of each device and the per-device bandwidth inside and across domains.
-It is pure data (hashable, comparable), built from JAX devices (`Topology.from_devices`), from
-groups declared by hand (`Topology.from_groups`, e.g. to treat 4 + 4 of the 8 CPU test devices
-as two domains), or from a named cluster profile for virtual clusters (`Topology.profile`).
-
-`assign` plans with it:
-
-- *topology-aware sources*: among the replicas that hold a part, one in the receiver's own
-  domain is used when there is one; what must cross domains is balanced over all replicas so
-  the busiest sender's cross-domain link carries as little as possible;
-- *hierarchical fan-out*: when several destination devices of one domain need the same bytes
-  (data-parallel replicas of the destination) and no device of that domain holds them, the bytes
-  cross the slow network once for the domain, split evenly over those devices (stage 0), and
-  each forwards its part to the others inside the domain (stage 1 relay `Piece`s, read from its
-  destination shard). Every destination device still receives exactly the bytes it lacks, so
-  ``bytes_sent == bytes_lower_bound`` holds; only the route changes.
+It is pure data (hashable, comparable), built from JAX devices (`Topology.from_devices`, the
+default of every plan), from groups declared by hand (`Topology.from_groups`, e.g. to treat
+4 + 4 of the 8 CPU test devices as two domains), or from a named cluster profile for virtual
+clusters (`Topology.profile`). `jaxreshard.plan.route` plans with it.
 """
 
 from __future__ import annotations
@@ -26,20 +15,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from jaxreshard.errors import ReshardError
-from jaxreshard.layout import Box, box_size, split_flat
-from jaxreshard.planner import (
-    Assignment,
-    LeafSpec,
-    LocalCopy,
-    Piece,
-    Tier,
-    _choose_senders,
-    _Demand,
-)
 
 GB = 1e9
 """Bandwidths are in bytes per second; vendors quote GB/s with GB = 10**9 bytes."""
@@ -286,122 +265,3 @@ class Topology:
 
 def _device_id(d: Any) -> int:
     return int(d.id) if hasattr(d, "id") else int(d)
-
-
-# --------------------------------------------------------------------------------- planning
-
-
-def assign(
-    leaves: Sequence[LeafSpec],
-    topology: Topology,
-    *,
-    fan_out: bool = True,
-    tier: Tier | None = None,
-) -> Assignment:
-    """Local copies and sent pieces for ``leaves``, routed by ``topology``.
-
-    Args:
-      leaves: the leaves to move.
-      topology: domains and hosts of every device the leaves use.
-      fan_out: relay bytes needed by several devices of a domain inside that domain (stage 1
-        pieces) so that they cross domains once per domain; False sends every destination
-        device its bytes directly (one stage, like `planner.assign` with ``topology.tier``).
-      tier: optional closeness overriding ``topology.tier`` for choosing among replicas.
-
-    Returns:
-      An `Assignment` whose pieces deliver to every destination device exactly the bytes it
-      lacks, each once (stage-1 relays deliver bytes their sender received in stage 0). Pure
-      and deterministic.
-
-    Raises:
-      ReshardError: if the topology does not place a device of the leaves.
-    """
-    topology.check_covers(
-        {d for leaf in leaves for layout in (leaf.src, leaf.dst) for d in layout.devices}
-    )
-    closeness = topology.tier if tier is None else tier
-    domain = topology.domain_of
-    local: list[LocalCopy] = []
-    near: list[_Demand] = []  # served from a replica in the receiver's own domain
-    far: list[_Demand] = []  # must cross domains
-    # Fan-out groups: the devices of one domain that all lack the same regions (one replica
-    # group of a destination box, the same for every leaf laid out alike) -> those regions.
-    groups: dict[tuple[int, tuple[int, ...]], list[_Region]] = defaultdict(list)
-    for index, leaf in enumerate(leaves):
-        for dst_box, holders in leaf.dst.replicas.items():
-            if box_size(dst_box) == 0:
-                continue
-            for _, replicas, common in leaf.src.overlapping(dst_box):
-                held_in = {domain[s] for s in replicas}
-                wanting: dict[int, list[int]] = defaultdict(list)
-                for d in holders:
-                    if d in replicas:
-                        local.append(LocalCopy(index, d, common))
-                    else:
-                        wanting[domain[d]].append(d)
-                nbytes = box_size(common) * leaf.itemsize
-                for g, ds in sorted(wanting.items()):
-                    if fan_out and len(ds) > 1 and g not in held_in:
-                        groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
-                        continue
-                    for d in ds:
-                        senders = _closest(replicas, d, closeness)
-                        demand = _Demand(index, d, common, senders, nbytes)
-                        (near if g in held_in else far).append(demand)
-    relays: list[Piece] = []
-    for (_, ds), regions in sorted(groups.items()):
-        regions.sort()  # by source replicas first: each receiver then has few senders
-        parts = _split_evenly(regions, len(ds), [leaves[r.leaf].itemsize for r in regions])
-        for d, part in zip(ds, parts, strict=True):
-            for r in part:
-                senders = _closest(r.replicas, d, closeness)
-                far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
-                relays.extend(Piece(r.leaf, d, other, r.box, stage=1) for other in ds if other != d)
-    near_pieces = _choose_senders(near)
-    if relays:
-        # Sends inside a domain need nothing from stage 0; riding in stage 1 they share fast
-        # rounds with the relays instead of taking fast rounds of their own beside the slow
-        # cross-domain ones (a round lasts as long as its slowest message).
-        near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
-    pieces = _choose_senders(far) + near_pieces + relays
-    pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
-    return Assignment(tuple(local), tuple(pieces))
-
-
-def _closest(replicas: tuple[int, ...], dst: int, tier: Tier) -> tuple[int, ...]:
-    best = min(tier(s, dst) for s in replicas)
-    return tuple(s for s in replicas if tier(s, dst) == best)
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class _Region:
-    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``."""
-
-    replicas: tuple[int, ...]
-    leaf: int
-    box: Box
-    nbytes: int
-
-
-def _split_evenly(
-    regions: Sequence[_Region], k: int, itemsizes: Sequence[int]
-) -> list[list[_Region]]:
-    """Lay the regions end to end and cut them into ``k`` runs of equal bytes (to one element);
-    a region cut in the middle becomes a few boxes (`split_flat`, row-major)."""
-    total = sum(r.nbytes for r in regions)
-    bounds = [j * total // k for j in range(k + 1)]
-    parts: list[list[_Region]] = [[] for _ in range(k)]
-    offset = 0
-    for r, item in zip(regions, itemsizes, strict=True):
-        for j in range(k):
-            lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + r.nbytes)
-            if lo >= hi:
-                continue
-            first, last = (lo - offset) // item, (hi - offset) // item
-            if (first, last) == (0, r.nbytes // item):
-                parts[j].append(r)
-                continue
-            for box in split_flat(r.box, first, last):
-                parts[j].append(_Region(r.replicas, r.leaf, box, box_size(box) * item))
-        offset += r.nbytes
-    return parts

@@ -3,9 +3,18 @@
 Pure Python on integer device ids: no JAX devices, no data. For every leaf and destination
 device, the destination box is cut along the source layout's grid. A part the device already
 holds in the source layout is a `LocalCopy`; every other part is a `Piece` sent once, from one
-of the devices that hold it. Where several replicas hold a part, the sending is balanced so the
-busiest sender carries as little as possible (a min-max load problem solved exactly by bisection
-over a small max-flow, then rounded to whole rows).
+of the devices that hold it, chosen with the plan's `Topology` (`route`):
+
+- *closest sources*: among the replicas that hold a part, one in the receiver's own domain
+  (host, NVLink island, rack) is used when there is one; what must cross domains is balanced
+  over all replicas. Either way the busiest sender carries as little as possible: a min-max
+  load problem solved exactly by bisection over a small max-flow, then rounded to whole rows;
+- *hierarchical fan-out* (``fan_out=True``): when several destination devices of one domain need
+  the same bytes (data-parallel replicas of the destination) and no device of that domain holds
+  them, the bytes cross into the domain once, split evenly over those devices (stage 0), and
+  each forwards its part to the others inside the domain (stage 1 relay `Piece`s, read from
+  its destination shard). Every destination device still receives exactly the bytes it lacks,
+  so ``bytes_sent == bytes_lower_bound`` holds; only the route changes.
 """
 
 from __future__ import annotations
@@ -15,10 +24,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from jaxreshard.layout import Box, Layout, box_size, split_rows
-
-Tier = Callable[[int, int], int]
-"""``tier(src_device, dst_device) -> int``: lower is closer (same host, same domain, ...)."""
+from jaxreshard.plan.layout import Box, Layout, box_size, split_flat, split_rows
+from jaxreshard.plan.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,37 +98,6 @@ class _Demand:
     box: Box
     candidates: tuple[int, ...]
     nbytes: int
-
-
-def assign(leaves: Sequence[LeafSpec], *, tier: Tier | None = None) -> Assignment:
-    """Cut every destination shard into local copies and sent pieces, choosing balanced senders.
-
-    Args:
-      leaves: the leaves to move.
-      tier: optional closeness of a sender to a receiver. Among the replicas holding a part,
-        only those of the lowest tier are considered (e.g. prefer the receiver's own host).
-
-    Returns:
-      An `Assignment` whose pieces carry exactly the bytes the destinations lack (the lower
-      bound), each once. Deterministic: the same inputs give the same assignment everywhere.
-    """
-    local: list[LocalCopy] = []
-    demands: list[_Demand] = []
-    for index, leaf in enumerate(leaves):
-        for device, dst_box in zip(leaf.dst.devices, leaf.dst.boxes, strict=True):
-            if box_size(dst_box) == 0:
-                continue
-            for _, replicas, common in leaf.src.overlapping(dst_box):
-                if device in replicas:
-                    local.append(LocalCopy(index, device, common))
-                    continue
-                candidates = replicas
-                if tier is not None:
-                    best = min(tier(s, device) for s in replicas)
-                    candidates = tuple(s for s in replicas if tier(s, device) == best)
-                nbytes = box_size(common) * leaf.itemsize
-                demands.append(_Demand(index, device, common, candidates, nbytes))
-    return Assignment(tuple(local), tuple(_choose_senders(demands)))
 
 
 def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
@@ -325,3 +301,117 @@ class _FlowGraph:
                     return pushed
             it[u] += 1
         return 0
+
+
+# ---------------------------------------------------------------------------------- routing
+
+
+def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = True) -> Assignment:
+    """Local copies and sent pieces for ``leaves``, routed by ``topology``.
+
+    Args:
+      leaves: the leaves to move.
+      topology: domains and hosts of every device the leaves use.
+      fan_out: relay bytes needed by several devices of a domain inside that domain (stage 1
+        pieces) so that they cross domains once per domain; False sends every destination
+        device its bytes directly (one stage).
+
+    Returns:
+      An `Assignment` whose pieces deliver to every destination device exactly the bytes it
+      lacks, each once (stage-1 relays deliver bytes their sender received in stage 0). Pure
+      and deterministic.
+
+    Raises:
+      ReshardError: if the topology does not place a device of the leaves.
+    """
+    topology.check_covers(
+        {d for leaf in leaves for layout in (leaf.src, leaf.dst) for d in layout.devices}
+    )
+    closeness = topology.tier
+    domain = topology.domain_of
+    local: list[LocalCopy] = []
+    near: list[_Demand] = []  # served from a replica in the receiver's own domain
+    far: list[_Demand] = []  # must cross domains
+    # Fan-out groups: the devices of one domain that all lack the same regions (one replica
+    # group of a destination box, the same for every leaf laid out alike) -> those regions.
+    groups: dict[tuple[int, tuple[int, ...]], list[_Region]] = defaultdict(list)
+    for index, leaf in enumerate(leaves):
+        for dst_box, holders in leaf.dst.replicas.items():
+            if box_size(dst_box) == 0:
+                continue
+            for _, replicas, common in leaf.src.overlapping(dst_box):
+                held_in = {domain[s] for s in replicas}
+                wanting: dict[int, list[int]] = defaultdict(list)
+                for d in holders:
+                    if d in replicas:
+                        local.append(LocalCopy(index, d, common))
+                    else:
+                        wanting[domain[d]].append(d)
+                nbytes = box_size(common) * leaf.itemsize
+                for g, ds in sorted(wanting.items()):
+                    if fan_out and len(ds) > 1 and g not in held_in:
+                        groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
+                        continue
+                    for d in ds:
+                        senders = _closest(replicas, d, closeness)
+                        demand = _Demand(index, d, common, senders, nbytes)
+                        (near if g in held_in else far).append(demand)
+    relays: list[Piece] = []
+    for (_, ds), regions in sorted(groups.items()):
+        regions.sort()  # by source replicas first: each receiver then has few senders
+        parts = _split_evenly(regions, len(ds), [leaves[r.leaf].itemsize for r in regions])
+        for d, part in zip(ds, parts, strict=True):
+            for r in part:
+                senders = _closest(r.replicas, d, closeness)
+                far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
+                relays.extend(Piece(r.leaf, d, other, r.box, stage=1) for other in ds if other != d)
+    near_pieces = _choose_senders(near)
+    if relays:
+        # Sends inside a domain need nothing from stage 0; riding in stage 1 they share fast
+        # rounds with the relays instead of taking fast rounds of their own beside the slow
+        # cross-domain ones (a round lasts as long as its slowest message).
+        near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
+    pieces = _choose_senders(far) + near_pieces + relays
+    pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
+    return Assignment(tuple(local), tuple(pieces))
+
+
+def _closest(
+    replicas: tuple[int, ...], dst: int, tier: Callable[[int, int], int]
+) -> tuple[int, ...]:
+    best = min(tier(s, dst) for s in replicas)
+    return tuple(s for s in replicas if tier(s, dst) == best)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Region:
+    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``."""
+
+    replicas: tuple[int, ...]
+    leaf: int
+    box: Box
+    nbytes: int
+
+
+def _split_evenly(
+    regions: Sequence[_Region], k: int, itemsizes: Sequence[int]
+) -> list[list[_Region]]:
+    """Lay the regions end to end and cut them into ``k`` runs of equal bytes (to one element);
+    a region cut in the middle becomes a few boxes (`split_flat`, row-major)."""
+    total = sum(r.nbytes for r in regions)
+    bounds = [j * total // k for j in range(k + 1)]
+    parts: list[list[_Region]] = [[] for _ in range(k)]
+    offset = 0
+    for r, item in zip(regions, itemsizes, strict=True):
+        for j in range(k):
+            lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + r.nbytes)
+            if lo >= hi:
+                continue
+            first, last = (lo - offset) // item, (hi - offset) // item
+            if (first, last) == (0, r.nbytes // item):
+                parts[j].append(r)
+                continue
+            for box in split_flat(r.box, first, last):
+                parts[j].append(_Region(r.replicas, r.leaf, box, box_size(box) * item))
+        offset += r.nbytes
+    return parts
