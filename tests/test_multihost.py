@@ -212,9 +212,11 @@ def _agree_all(client, calls, timeout_s=30.0):
     results: dict[int, BaseException | None] = {}
 
     def one(me, group, key, n, plan):
-        fp = multihost.fingerprint(plan.leaves, plan.assignment, plan.schedule, plan.bucket_bytes)
+        identity = plan.identity
         try:
-            multihost._Agreement(client, me, group, key, n, fp, plan).run(timeout_s)
+            multihost._Agreement(client, me, group, key, n, identity.fingerprint, identity).run(
+                timeout_s
+            )
             results[me] = None
         except BaseException as e:
             results[me] = e

@@ -160,13 +160,17 @@ class Topology:
     ) -> Topology:
         """The topology JAX reports: a device's domain is its ``slice_index`` when it has one
         (TPU slices; multi-node NVLink GPUs), else its ``process_index`` (one host, one domain);
-        its host is its ``process_index``. Bandwidths are not discoverable and default to the
-        `h100` profile's; pass the right ones for other hardware.
+        its host is its ``process_index``. CPU devices always take their process as domain
+        (under ``jax.distributed`` they may report one ``slice_index`` for every host, but only
+        the devices of one process share memory). Bandwidths are not discoverable and default
+        to the `h100` profile's; pass the right ones for other hardware.
         """
         devices = list(devices)
         hosts = tuple(int(d.process_index) for d in devices)
         domains = tuple(
-            int(s) if (s := getattr(d, "slice_index", None)) is not None else h
+            int(s)
+            if d.platform != "cpu" and (s := getattr(d, "slice_index", None)) is not None
+            else h
             for d, h in zip(devices, hosts, strict=True)
         )
         return cls(
