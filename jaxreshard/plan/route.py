@@ -188,8 +188,10 @@ def _split(demand: _Demand, left: dict[int, int]) -> list[tuple[int, Box]]:
         if n:
             take[sender] = n
             remaining -= n
-    if remaining:
-        take[order[0]] = take.get(order[0], 0) + remaining
+    while remaining:  # rows lost to rounding: one at a time to whoever has most quota left
+        sender = max(order, key=lambda s: (left[s] - take.get(s, 0) * row_bytes, -s))
+        take[sender] = take.get(sender, 0) + 1
+        remaining -= 1
     senders = sorted(take)
     row_elems = box_size(box) // rows
     boxes = split_rows(box, [take[s] * row_elems for s in senders])
