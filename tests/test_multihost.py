@@ -67,6 +67,32 @@ def test_fingerprint_is_the_same_for_the_same_plan_and_differs_for_any_change():
     assert base != _fingerprint(other_dtype)
 
 
+def test_fingerprint_covers_the_routing_and_the_schedule():
+    """Plans of the same leaves and options that differ only in who sends what (another
+    topology, or one piece from another replica), or only in the schedule, get different
+    fingerprints: processes that would issue different transfers must not agree."""
+    from jaxreshard.plan.schedule import build_schedule
+
+    # Replicated on 10 and 20: one domain balances over both, two domains read from 20 only.
+    src = Layout.from_mesh((16, 8), (2,), ("dp",), [10, 20], ())
+    dst = Layout.from_mesh((16, 8), (2,), ("x",), [21, 22], ("x",))
+    leaves = [LeafSpec("['w']", src, dst, "float32", "float32", 4)]
+    flat = route(leaves, Topology.from_groups([[10, 20, 21, 22]]), fan_out=False)
+    split = route(leaves, Topology.from_groups([[10], [20, 21, 22]]), fan_out=False)
+    assert {p.src for p in flat.pieces} == {10, 20} and {p.src for p in split.pieces} == {20}
+    schedule = build_schedule(leaves, flat.pieces, bucket_bytes=1 << 20)
+    base = multihost.fingerprint(leaves, flat, schedule, 1 << 20)
+    assert base == multihost.fingerprint(leaves, flat, schedule, 1 << 20)
+    assert base != multihost.fingerprint(leaves, split, schedule, 1 << 20)
+    first, *rest = flat.pieces
+    other = 20 if first.src == 10 else 10  # the same bytes from the other replica
+    moved = dataclasses.replace(flat, pieces=(dataclasses.replace(first, src=other), *rest))
+    assert base != multihost.fingerprint(leaves, moved, schedule, 1 << 20)
+    small = build_schedule(leaves, flat.pieces, bucket_bytes=64)
+    assert small != schedule
+    assert base != multihost.fingerprint(leaves, flat, small, 1 << 20)
+
+
 def test_fingerprint_does_not_depend_on_hash_seed_or_process():
     script = textwrap.dedent(
         """
