@@ -10,6 +10,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import pytest
 
+# A script (the mutation check, tests/mutants.md), not a test module: never collect it.
+collect_ignore = ["mutants.py"]
+
 
 @pytest.fixture(scope="session")
 def devices() -> list:

@@ -1,0 +1,298 @@
+"""Mutation check: plant known bugs one at a time and check that the named tests catch each.
+
+A test suite that passes proves little until it is seen failing on a bug. Each `Mutant` is a
+small textual patch (exact old -> new strings) on one file of the package. The script copies
+the repository to a temporary directory (without .git, .venv or caches), checks that the
+unmutated copy passes every named test, then for each mutant patches the copy, checks that
+Python imports the patched file from the copy (not the installed package), runs
+``python -m pytest -q <its tests>`` there and restores the file.
+
+A mutant is *caught* when every one of its named tests fails; one that fails only some of
+them is reported as "partly caught", and an import or collection error (pytest status 2-5)
+means the mutant or its test names are broken. The script exits non-zero unless every mutant
+is caught, and first if the unmutated code fails any named test.
+
+Usage (from the repository root, in the project's environment; not collected by pytest)::
+
+    python tests/mutants.py                 # every mutant
+    python tests/mutants.py --only layout   # mutants whose name contains "layout"
+    python tests/mutants.py --list
+
+See tests/mutants.md for the table and how to add mutants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900  # one pytest run; generous for a loaded machine
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """A planted bug: ``patches`` (old, new) applied to ``file``; ``tests`` must catch it.
+
+    Every ``old`` must occur exactly once in the file, so a mutant never silently applies to
+    the wrong place (or to nothing, after the code it targets was rewritten).
+    """
+
+    name: str
+    file: str  # relative to the repository root
+    patches: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    bug: str  # what the patch does, in words
+
+
+ROUTE = "jaxreshard/plan/route.py"
+T_ROUTE = "tests/test_route.py"
+
+PLANNER_MUTANTS = [
+    Mutant(
+        "route-sends-held-replica",
+        ROUTE,
+        (
+            (
+                "                    if d in replicas:\n"
+                "                        local.append(LocalCopy(index, d, common))",
+                "                    if d in replicas and len(replicas) == 1:\n"
+                "                        local.append(LocalCopy(index, d, common))",
+            ),
+            (
+                "                        senders = _closest(replicas, d, closeness)\n",
+                "                        senders = _closest(\n"
+                "                            tuple(s for s in replicas if s != d), d, closeness\n"
+                "                        )\n",
+            ),
+        ),
+        (
+            f"{T_ROUTE}::test_degenerate_cases[replicated-colocated]",
+            "tests/test_properties.py::test_named_cases[replicated-colocated]",
+        ),
+        "a part the receiver holds, but other replicas hold too, is sent from another replica "
+        "(a refit that needs 0 bytes sends some)",
+    ),
+    Mutant(
+        "route-split-swapped-senders",
+        ROUTE,
+        (
+            (
+                "    return list(zip(senders, boxes, strict=True))",
+                "    return list(zip(senders[::-1], boxes, strict=True))",
+            ),
+        ),
+        (f"{T_ROUTE}::test_balance_hits_the_row_optimum[uneven-split]",),
+        "_split hands each sender the rows meant for another",
+    ),
+    Mutant(
+        "route-no-pair-preference",
+        ROUTE,
+        (("(s, demand.dst) in pairs", "(s, demand.dst) in ()"),),
+        (f"{T_ROUTE}::test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf",),
+        "_hand_out never prefers a sender already paired with the receiver (more messages, "
+        "possibly more rounds)",
+    ),
+    Mutant(
+        "route-remainder-to-last-sender",
+        ROUTE,
+        (
+            (
+                "        sender = max(order, key=lambda s: (left[s] - take.get(s, 0) * row_bytes, "
+                "-s))",
+                "        sender = order[-1]",
+            ),
+        ),
+        (f"{T_ROUTE}::test_balance_hits_the_row_optimum[rounding-remainder]",),
+        "_split gives the rows lost to rounding to the sender with the least quota left",
+    ),
+    Mutant(
+        "route-skips-local-copies",
+        ROUTE,
+        (
+            (
+                "                        local.append(LocalCopy(index, d, common))",
+                "                        pass  # the held part is neither copied nor sent",
+            ),
+        ),
+        (
+            f"{T_ROUTE}::test_degenerate_cases[identical-layouts]",
+            "tests/test_properties.py::test_named_cases[identical-layouts]",
+        ),
+        "a part the receiver holds is dropped: neither copied locally nor sent",
+    ),
+    Mutant(
+        "layout-off-by-one",
+        "jaxreshard/plan/layout.py",
+        (
+            (
+                "                box.append((index * step, (index + 1) * step))",
+                "                box.append((index * step, min(n, (index + 1) * step + 1)))",
+            ),
+        ),
+        (f"{T_ROUTE}::test_oracle_boxes_and_from_mesh_agree_with_jax",),
+        "Layout.from_mesh boxes reach one row into the next shard",
+    ),
+]
+
+MULTIHOST_MUTANTS = [
+    Mutant(
+        "fingerprint-without-routing",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "FORMAT, [leaf_digest(leaf) for leaf in leaves], assignment, schedule, "
+                "int(bucket_bytes)",
+                "FORMAT, [leaf_digest(leaf) for leaf in leaves], int(bucket_bytes)",
+            ),
+        ),
+        ("tests/test_multihost.py::test_fingerprint_covers_the_routing_and_the_schedule",),
+        "the plan fingerprint hashes the leaves and options only: processes that routed "
+        "differently (another topology or tier) would agree",
+    ),
+]
+
+EXECUTOR_MUTANTS: list[Mutant] = [
+    # Scheduler and executor mutants (jaxreshard/plan/schedule.py, jaxreshard/plan/lower.py,
+    # jaxreshard/run/runtime.py) go here once their rewrite has landed, each with the test that
+    # must catch it, e.g. a dropped last chunk, a skipped plan agreement, rounds above the
+    # busiest device's degree, staging above the documented bound.
+]
+
+MUTANTS: list[Mutant] = PLANNER_MUTANTS + MULTIHOST_MUTANTS + EXECUTOR_MUTANTS
+
+
+# ------------------------------------------------------------------------------ machinery
+
+IGNORED = (".git", ".venv", ".hypothesis", "__pycache__", ".pytest_cache", ".ruff_cache")
+
+
+def copy_tree(dest: Path) -> Path:
+    """The repository's working tree (what the tests would run on), without .git and caches."""
+    shutil.copytree(
+        ROOT, dest, ignore=shutil.ignore_patterns(*IGNORED, "*.egg-info", "build", "dist")
+    )
+    return dest
+
+
+def environment(tree: Path) -> dict[str, str]:
+    """Imports resolve to the copy first: its root on PYTHONPATH (ahead of the editable
+    install's finder), no bytecode written, so a restored file is never shadowed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports_copy(tree: Path, file: str, needle: str | None) -> None:
+    """Import the module of ``file`` as the tests will, and check it is the copy's file (with
+    the mutation in it, if ``needle`` is given)."""
+    module = file.removesuffix(".py").replace("/", ".")
+    probe = (
+        "import importlib, inspect, sys\n"
+        f"m = importlib.import_module({module!r})\n"
+        "print(m.__file__)\n"
+        "sys.exit(0 if sys.argv[1] == '' or sys.argv[1] in inspect.getsource(m) else 3)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe, needle or ""],
+        cwd=tree,
+        env=environment(tree),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    where = run.stdout.strip().splitlines()[-1:] or ["?"]
+    if run.returncode != 0 or Path(where[0]).resolve() != (tree / file).resolve():
+        raise SystemExit(
+            f"{module} was not imported from the patched copy ({where[0]}; status "
+            f"{run.returncode}):\n{run.stderr[-2000:]}"
+        )
+
+
+def run_tests(tree: Path, tests: Sequence[str]) -> tuple[int, set[str], str]:
+    """``python -m pytest -q tests`` in the copy: (exit status, the named tests that failed,
+    the first lines that say why)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests]
+    run = subprocess.run(
+        cmd, cwd=tree, env=environment(tree), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    lines = run.stdout.splitlines()
+    failed = {t for t in tests for ln in lines if ln.startswith(f"FAILED {t}")}
+    why = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    why += [ln for ln in lines if ln.startswith("E   ")][:2]
+    why = [ln if len(ln) < 160 else ln[:157] + "..." for ln in why or lines[-3:]]
+    return run.returncode, failed, "\n      ".join(why)
+
+
+def apply(tree: Path, mutant: Mutant) -> str:
+    """Patch the copy; returns the original text (to restore)."""
+    path = tree / mutant.file
+    original = text = path.read_text()
+    for old, new in mutant.patches:
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(
+                f"mutant {mutant.name}: the text to replace occurs {count} times in "
+                f"{mutant.file} (expected once); update the mutant:\n{old}"
+            )
+        text = text.replace(old, new)
+    path.write_text(text)
+    return original
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="name substring")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or any(s in m.name for s in args.only)]
+    if args.list or not chosen:
+        for m in MUTANTS:
+            print(f"{m.name:34} {m.file:32} {' '.join(m.tests)}")
+        return 0 if args.list else 2
+    with tempfile.TemporaryDirectory(prefix="jaxreshard-mutants-") as tmp:
+        tree = copy_tree(Path(tmp) / "repo")
+        check_imports_copy(tree, chosen[0].file, None)
+        named = sorted({t for m in chosen for t in m.tests})
+        start = time.monotonic()
+        status, _, why = run_tests(tree, named)
+        took = time.monotonic() - start
+        print(f"unmutated: {len(named)} named tests, pytest status {status} ({took:.0f} s)")
+        if status != 0:
+            print(f"  the unmutated code fails its named tests:\n      {why}")
+            return 1
+        results = []
+        for m in chosen:
+            original = apply(tree, m)
+            try:
+                check_imports_copy(tree, m.file, m.patches[0][1])
+                start = time.monotonic()
+                status, failed, why = run_tests(tree, m.tests)
+            finally:
+                (tree / m.file).write_text(original)
+            if status == 1:
+                verdict = "caught" if len(failed) == len(m.tests) else "PARTLY caught"
+            else:
+                verdict = "SURVIVED" if status == 0 else f"BROKEN (pytest status {status})"
+            results.append((m, verdict))
+            print(f"{m.name:34} {verdict:10} ({time.monotonic() - start:.0f} s)  {m.bug}")
+            print(f"      {why}")
+    bad = [m.name for m, verdict in results if verdict != "caught"]
+    print(
+        f"{len(results) - len(bad)} of {len(results)} mutants caught"
+        + (f"; not: {bad}" if bad else "")
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
