@@ -17,11 +17,13 @@ from jax.tree_util import keystr
 
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
 from jaxreshard.plan.layout import Layout, LayoutError
+from jaxreshard.plan.lower import Lowered, lower, with_lowered
 from jaxreshard.plan.route import Assignment, LeafSpec, route
-from jaxreshard.plan.schedule import PlanStats, Schedule, build_schedule, plan_stats
+from jaxreshard.plan.schedule import PlanStats, Schedule, build_plan_schedule, plan_stats
 from jaxreshard.plan.topology import Topology
+from jaxreshard.run.codec import wire_itemsize
 from jaxreshard.run.multihost import PlanIdentity, agree, fingerprint
-from jaxreshard.run.runtime import Executor, wire_itemsize
+from jaxreshard.run.runtime import Runtime
 
 MiB = 1 << 20
 
@@ -49,10 +51,15 @@ class Plan:
     programs are compiled on the first call and reused by every later call.
 
     Attributes:
-      stats: byte and round counts (`PlanStats`).
-      schedule: the rounds and buckets (pure data).
+      stats: byte, round and program counts (`PlanStats`).
+      lowered: every program of every step (pure data, `jaxreshard.plan.lower`).
+      schedule: the units, rounds and buckets (pure data).
       assignment: the local copies and sent pieces (pure data).
       leaves: one `LeafSpec` per leaf, in tree-flattening order.
+
+    The plan keeps its staging buffers between calls (at most ``stats.staging_bytes`` per
+    device), so that a refit loop allocates nothing after its first call; `free_staging`
+    returns them.
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class Plan:
         leaves: Sequence[LeafSpec],
         assignment: Assignment,
         schedule: Schedule,
+        lowered: Lowered,
         bucket_bytes: int,
         topology: Topology,
     ) -> None:
@@ -74,23 +82,24 @@ class Plan:
         self.leaves = tuple(leaves)
         self.assignment = assignment
         self.schedule = schedule
+        self.lowered = lowered
         self.bucket_bytes = bucket_bytes
         self.topology = topology
-        self.stats: PlanStats = plan_stats(
-            self.leaves, assignment, schedule, crosses=topology.crosses
+        self.stats: PlanStats = with_lowered(
+            plan_stats(self.leaves, assignment, schedule, crosses=topology.crosses), lowered
         )
-        self._executor: Executor | None = None
+        self._runtime: Runtime | None = None
         self._lock = threading.Lock()
         self._agreed = False
 
     @property
-    def executor(self) -> Executor:
+    def runtime(self) -> Runtime:
+        """The compiled programs and staging pool of this plan (made on first use)."""
         with self._lock:
-            if self._executor is None:
-                self._executor = Executor(
-                    self.leaves, self.assignment, self.schedule, self.dst_shardings
-                )
-            return self._executor
+            if self._runtime is None:
+                shardings = [sharding for _, _, sharding in self.src_avals]
+                self._runtime = Runtime(self.leaves, self.lowered, shardings, self.dst_shardings)
+            return self._runtime
 
     def __call__(self, src_tree: Any, *, donate: Any = None) -> Any:
         """Reshard ``src_tree`` into the destination layout.
@@ -110,12 +119,33 @@ class Plan:
           ReshardError: before any data moves, if an argument does not match the plan, or (first
             call, several processes) if the processes do not hold the same plan.
         """
+        return self._call(src_tree, donate, None)
+
+    def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
+        """Like calling the plan, but every phase is awaited before the next starts and timed.
+
+        Returns the result and seconds per phase: ``alloc`` (fresh destinations, without
+        ``donate``), ``pool`` (staging buffers made), ``pack``, ``transfer``, ``unpack``. The
+        phases do not overlap here as they do in a plain call, so the sum is longer than a
+        call: use it to see where time goes, not to time the call.
+        """
+        phases: dict[str, float] = {}
+        out = self._call(src_tree, donate, phases)
+        return out, phases
+
+    def free_staging(self) -> None:
+        """Return the staging buffers the plan keeps between calls (the next call makes them
+        again, which costs page faults on CPU and allocator time on accelerators)."""
+        if self._runtime is not None:
+            self._runtime.release()
+
+    def _call(self, src_tree: Any, donate: Any, profile: dict[str, float] | None) -> Any:
         src = self._check_src(src_tree)
         old = self._check_donate(donate, src) if donate is not None else None
         if not self._agreed:  # once per plan: a mismatch must fail here, not in a collective
             agree(self.identity)
             self._agreed = True
-        out = self.executor.run(src, old)
+        out = self.runtime.run(src, old, profile)
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     @functools.cached_property
@@ -204,7 +234,7 @@ class Plan:
         For inspection: each holds one ``collective-permute`` per round and no all-gather,
         all-reduce or all-to-all.
         """
-        return [self.executor.compiled_transfer_text(b) for b in range(len(self.schedule.buckets))]
+        return self.runtime.transfer_texts()
 
     def describe(self) -> str:
         """A human-readable summary: bytes against the lower bound, rounds, buckets, per device.
@@ -346,15 +376,25 @@ def plan(
     if topology is None:
         topology = Topology.from_devices(_plan_devices(dsts, avals))
     assignment = route(leaves, topology, fan_out=fan_out)
-    schedule = build_schedule(
+    schedule = build_plan_schedule(
         leaves,
-        assignment.pieces,
+        assignment,
         bucket_bytes=int(bucket_bytes),
         link_class=topology.link_class,
         class_latency_bytes=topology.class_latency_bytes(),
     )
+    lowered = lower(leaves, schedule, bucket_bytes=int(bucket_bytes))
     return Plan(
-        treedef, paths, avals, dsts, leaves, assignment, schedule, int(bucket_bytes), topology
+        treedef,
+        paths,
+        avals,
+        dsts,
+        leaves,
+        assignment,
+        schedule,
+        lowered,
+        int(bucket_bytes),
+        topology,
     )
 
 

@@ -1,8 +1,10 @@
-"""What runs: collective-permutes only, compiled once, bounded staging, no full replica."""
+"""What runs: collective-permutes only, compiled once and not per layer, no host transfers,
+bounded staging, no full replica."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ FORBIDDEN = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter")
 
 
 class CompileCounter:
-    """Counts XLA compilations through jax.monitoring while active."""
+    """Counts XLA compilations (``backend_compile`` events of `jax.monitoring`) while active."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -49,20 +51,35 @@ def tree(n_leaves: int, rows: int = 64):
     return host, src
 
 
+def entry_ops(hlo: str) -> list[str]:
+    """The opcodes of the ENTRY computation of an optimized HLO module."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    ops = []
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s*[^=]*?\s([a-z][a-z0-9-]*)\(", line)
+        if m:
+            ops.append(m.group(1))
+    return ops
+
+
 @pytest.mark.parametrize("dst", [DST, COLOCATED_DST], ids=["disjoint", "colocated"])
-def test_transfer_holds_collective_permutes_and_no_gathers(dst):
+def test_transfer_programs_hold_collective_permutes_and_nothing_else(dst):
+    """Each distinct transfer program is one collective-permute per round: no gather, no
+    copy of a staging buffer (the receive buffers are donated), no slicing."""
     _, src = tree(3)
     plan = jr.plan(src, sharding(*dst), bucket_bytes=4096)
+    programs = list(dict.fromkeys(s.transfer for s in plan.lowered.steps if s.transfer))
     texts = plan.compiled_transfers()
-    assert len(texts) == plan.stats.buckets > 1
-    rounds = 0
-    for text in texts:
-        ops = [line for line in text.splitlines() if "collective-permute" in line and "=" in line]
-        rounds += sum(
-            " collective-permute(" in op or "collective-permute-start(" in op for op in ops
-        )
+    assert len(texts) == len(programs) and plan.stats.buckets > 1
+    for program, text in zip(programs, texts, strict=True):
+        ops = entry_ops(text)
+        permutes = [op for op in ops if op.startswith("collective-permute")]
+        assert len([op for op in permutes if op != "collective-permute-done"]) == len(program.slots)
+        assert set(ops) <= {"parameter", "tuple", "collective-permute", *permutes}, ops
         for bad in FORBIDDEN:
             assert bad not in text, bad
+    rounds = sum(len(s.transfer.slots) for s in plan.lowered.steps if s.transfer)
     assert rounds == plan.stats.rounds
 
 
@@ -81,49 +98,130 @@ def test_a_refit_loop_plans_and_compiles_only_on_its_first_call():
     assert_exact(out["w0"], host["w0"].astype(jnp.bfloat16), dst)
 
 
-def test_programs_grow_with_buckets_not_with_leaves():
-    dst = sharding(*DST)
-    counts = {}
-    for n in (1, 32):
-        _, src = tree(n, rows=64 // n * 2 if n > 1 else 64)
-        plan = jr.plan(src, dst, bucket_bytes=1 << 20)
-        with COMPILES as c:
-            jax.block_until_ready(plan(src))
-        counts[n] = (c.count, plan.stats.buckets)
-    assert counts[1][1] == counts[32][1] == 1
-    # The same programs either way; only spare-chunk zeros (cached by JAX across plans, at most
-    # one per device) may be compiled for one tree and found in the cache for the other.
-    assert abs(counts[32][0] - counts[1][0]) <= 8
-
-
-def test_staging_is_bounded_by_the_bucket():
-    _, src = tree(2, rows=256)
-    plan = jr.plan(src, sharding(*DST), bucket_bytes=8192)
-    assert plan.stats.staging_bytes <= 2 * 8192
-    for b, bucket in enumerate(plan.schedule.buckets):
-        assert bucket.buffer_bytes <= 8192
-        compiled = (
-            plan.executor._transfer_program(b)
-            .lower(
-                jax.ShapeDtypeStruct(
-                    (len(plan.executor._position) * bucket.buffer_bytes,),
-                    jnp.uint8,
-                    sharding=jax.sharding.NamedSharding(
-                        plan.executor._mesh, jax.sharding.PartitionSpec("jaxreshard")
-                    ),
-                )
+def llama_like(layers: int, d: int = 64, mlp: int = 176):
+    """An unscanned Llama-like tree: per layer q, k, v, o, gate, up, down and two norms."""
+    trainer = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
+    sampler = (tuple(range(4, 8)), (2, 2), ("dp", "tp"))
+    src, dst = {}, {}
+    for i in range(layers):
+        for name, shape, s_spec, d_spec in (
+            ("q", (d, d), ("fsdp", "tp"), (None, "tp")),
+            ("k", (d, d), ("fsdp", "tp"), (None, "tp")),
+            ("v", (d, d), ("fsdp", "tp"), (None, "tp")),
+            ("o", (d, d), ("tp", "fsdp"), ("tp", None)),
+            ("gate", (d, mlp), ("fsdp", "tp"), (None, "tp")),
+            ("up", (d, mlp), ("fsdp", "tp"), (None, "tp")),
+            ("down", (mlp, d), ("tp", "fsdp"), ("tp", None)),
+            ("ln1", (d,), ("fsdp",), ()),
+            ("ln2", (d,), ("fsdp",), ()),
+        ):
+            key = f"layer{i}.{name}"
+            src[key] = jax.ShapeDtypeStruct(
+                shape, jnp.float32, sharding=sharding(*trainer, *s_spec)
             )
-            .compile()
-        )
-        memory = compiled.memory_analysis()
-        if memory is not None:  # per device: one send and one receive buffer, little else
-            assert memory.temp_size_in_bytes <= bucket.buffer_bytes
+            dst[key] = sharding(*sampler, *d_spec)
+    return src, dst
 
 
-PEAK_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, threading, time
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+def test_programs_and_compiles_do_not_grow_with_repeated_layers():
+    """The first call of a 12-layer tree compiles exactly what a 3-layer tree compiles:
+    repeated layers share their pack, transfer and unpack programs."""
+    counts = {}
+    for layers in (3, 12):
+        spec, dst = llama_like(layers)
+        src = {
+            k: jax.jit(lambda s=s: jnp.ones(s.shape, s.dtype), out_shardings=s.sharding)()
+            for k, s in spec.items()
+        }
+        plan = jr.plan(spec, dst, dtype=jnp.bfloat16, bucket_bytes=8192)
+        with COMPILES as c:
+            out = plan(src)
+            out = plan(src, donate=out)
+            jax.block_until_ready(out)
+        counts[layers] = (c.count, plan.stats.programs, plan.stats.buckets)
+    assert counts[12][2] > 3 * counts[3][2] // 2  # the larger tree has more buckets ...
+    assert counts[12][:2] == counts[3][:2], counts  # ... and the same programs
+
+
+def test_a_refit_runs_under_transfer_guard_disallow():
+    """No host transfer in any call, the first included: every buffer is made on device."""
+    host = random_array((64, 32), "float32")
+    colocated = {
+        "a": jax.device_put(host, sharding(*SRC)),
+        "b": jax.device_put(host[:32], sharding(tuple(range(8)), (8,), ("x",), "x")),
+    }
+    dst = {"a": sharding(*DST), "b": sharding(*COLOCATED_DST)}
+    plan = jr.plan(colocated, dst, dtype=jnp.bfloat16, bucket_bytes=512)
+    assert plan.stats.buckets > 1 and plan.stats.bytes_local > 0
+    with jax.transfer_guard("disallow"):
+        out = plan(colocated)
+        out = plan(colocated, donate=out)
+        jax.block_until_ready(out)
+    assert_exact(out["a"], host.astype(jnp.bfloat16), dst["a"])
+    assert_exact(out["b"], host[:32].astype(jnp.bfloat16), dst["b"])
+
+
+def test_staging_held_by_the_runtime_is_what_the_plan_reports():
+    """The pool the runtime keeps never exceeds ``stats.staging_bytes`` on any device, which
+    stays within two buckets."""
+    _, src = tree(6, rows=256)
+    src["big"] = jax.device_put(random_array((512, 64), "float32"), sharding(*SRC))
+    plan = jr.plan(src, sharding(*DST), bucket_bytes=8192)
+    assert 0 < plan.stats.staging_bytes <= 2 * 8192
+    out = plan(src)
+    for _ in range(2):
+        out = plan(src, donate=out)
+        held = plan.runtime.pool_bytes()
+        assert max(held.values()) <= plan.stats.staging_bytes, held
+    plan.free_staging()
+    assert not any(plan.runtime.pool_bytes().values())
+    out = plan(src, donate=out)  # and it makes them again
+    assert max(plan.runtime.pool_bytes().values()) <= plan.stats.staging_bytes
+
+
+def run_script(tmp_path, source: str, *args: str, timeout: int = 600) -> str:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+X64_SCRIPT = """
+    import sys
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp, numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from arrays import assert_exact, random_array, sharding
+    import jaxreshard as jr
+
+    src = sharding(tuple(range(4)), (2, 2), ("fsdp", "tp"), "fsdp", "tp")
+    dst = sharding(tuple(range(4, 8)), (4,), ("tp",), None, "tp")
+    for dtype in ["float64", "int64", "uint64", "complex64", "complex128", "float32", "int8"]:
+        host = random_array((48, 8), dtype, seed=3)
+        x = jax.device_put(host, src)
+        plan = jr.plan(x, dst, bucket_bytes=48)  # pieces cut across chunks and buckets
+        assert plan.stats.buckets > 1
+        assert_exact(plan(x), host, dst)
+        print(dtype, "ok")
+"""
+
+
+def test_every_dtype_moves_bit_for_bit_under_x64(tmp_path):
+    out = run_script(tmp_path, X64_SCRIPT, os.path.dirname(__file__))
+    assert out.count(" ok") == 7, out
+
+
+PEAK_SCRIPT = """
+    import ctypes, gc, os, re, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxreshard as jr
@@ -135,47 +233,32 @@ PEAK_SCRIPT = textwrap.dedent(
     rows = size // (4 * 1024)
     x = jax.jit(lambda: jnp.ones((rows, 1024), jnp.float32), out_shardings=src_s)()
     plan = jr.plan(x, dst_s)
-    out = plan(x)  # warm up: compile, and hold a destination to donate
-    jax.block_until_ready(out)
+    out = jax.block_until_ready(plan(x))  # compile, and a destination to donate
+    out = jax.block_until_ready(plan(x, donate=out))
+    plan.free_staging()  # measure a first call at this shape: the staging is made anew
 
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def status(key):
+        with open("/proc/self/status") as f:
+            return int(re.search(key + r":\\s+(\\d+) kB", f.read()).group(1)) * 1024
 
-    base, peak, done = rss(), [0], [False]
-    def sample():
-        while not done[0]:
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.001)
-    t = threading.Thread(target=sample)
-    t.start()
-    out = plan(x, donate=out)
-    jax.block_until_ready(out)
-    done[0] = True
-    t.join()
-    print(max(peak[0], rss()) - base, plan.stats.staging_bytes)
-    """
-)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    base = status("VmRSS")
+    out = jax.block_until_ready(plan(x, donate=out))
+    print(status("VmHWM") - base, plan.stats.staging_bytes, len(plan.lowered.union))
+"""
 
 
 @pytest.mark.slow
-def test_a_1gib_leaf_moves_without_a_full_extra_replica(tmp_path):
-    """Between disjoint 4-device meshes, a 1 GiB refit peaks far below 1 GiB of extra memory.
-
-    All 8 simulated devices share this process's memory, so the bound covers every device's
-    staging together: with the default 16 MiB buckets, at most 8 x 2 x 16 MiB = 256 MiB.
-    """
-    script = tmp_path / "peak.py"
-    script.write_text(PEAK_SCRIPT)
-    size = 1 << 30
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    result = subprocess.run(
-        [sys.executable, str(script), str(size)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    extra, _staging = map(int, result.stdout.split()[-2:])
-    assert extra < size // 3, f"peak extra memory {extra / 2**20:.0f} MiB"
+def test_a_1gib_leaf_moves_with_no_more_transient_memory_than_its_staging(tmp_path):
+    """Between disjoint 4-device meshes, a 1 GiB refit (donated destination, staging made
+    anew) peaks at most at every device's staging together, plus a little, measured with the
+    allocator trimmed and the kernel's peak reset first. All 8 simulated devices share this
+    process's memory, so their staging adds up here."""
+    out = run_script(tmp_path, PEAK_SCRIPT, str(1 << 30))
+    extra, staging, devices = map(int, out.split()[-3:])
+    bound = devices * staging + (48 << 20)  # + XLA's and Python's own small allocations
+    assert extra <= bound, f"peak extra {extra / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    assert extra < (1 << 30) // 3  # far below a full replica

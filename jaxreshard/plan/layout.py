@@ -152,6 +152,30 @@ def split_flat_sized(
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh by integer device ids: what a program runs over (pure data).
+
+    Attributes:
+      devices: device ids in row-major mesh order.
+      shape: the mesh shape.
+      axes: the axis names.
+    """
+
+    devices: tuple[int, ...]
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if math.prod(self.shape) != len(self.devices) or len(self.shape) != len(self.axes):
+            raise LayoutError(f"mesh shape {self.shape} / axes {self.axes} do not fit the devices")
+
+    @classmethod
+    def line(cls, devices: Sequence[int], axis: str) -> MeshSpec:
+        """A 1-D mesh over ``devices`` (in that order) with one axis."""
+        return cls(tuple(devices), (len(devices),), (axis,))
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """Which box of a global array each device holds.
 
@@ -159,6 +183,8 @@ class Layout:
       shape: the global shape.
       devices: integer device ids, in the sharding's device order.
       boxes: ``boxes[i]`` is the box held by ``devices[i]``. Replicas hold equal boxes.
+      mesh: the mesh of a ``NamedSharding`` layout (None for other shardings).
+      spec: the normalised ``PartitionSpec`` over ``mesh`` (None without a mesh).
 
     Hashable and comparable, so plans built from layouts can be cached and checked across
     processes. Building one allocates nothing on any device.
@@ -167,6 +193,8 @@ class Layout:
     shape: tuple[int, ...]
     devices: tuple[int, ...]
     boxes: tuple[Box, ...]
+    mesh: MeshSpec | None = None
+    spec: AxisSpec | None = None
 
     def __post_init__(self) -> None:
         if len(self.devices) != len(self.boxes):
@@ -263,7 +291,8 @@ class Layout:
                 step = n // ways
                 box.append((index * step, (index + 1) * step))
             boxes.append(tuple(box))
-        return cls(shape, tuple(int(i) for i in device_ids), tuple(boxes))
+        ids = tuple(int(i) for i in device_ids)
+        return cls(shape, ids, tuple(boxes), MeshSpec(ids, mesh_shape, tuple(axis_names)), axes)
 
     @classmethod
     def from_sharding(cls, sharding: Any, shape: Sequence[int]) -> Layout:

@@ -15,11 +15,12 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from jaxreshard.plan.layout import Box, box_shape, box_size, split_flat_sized, strides
-from jaxreshard.plan.route import Assignment, LeafSpec, Piece
+from jaxreshard.plan.layout import Box, box_shape, box_size, split_flat_sized, split_rows, strides
+from jaxreshard.plan.route import Assignment, LeafSpec, LocalCopy, Piece
 
 ALIGN = 16
 """Chunk sizes are multiples of the widest element (complex128), so no chunk cuts an element."""
@@ -66,6 +67,7 @@ class Bucket:
 
     slot_bytes: tuple[int, ...]
     messages: tuple[Message, ...]
+    unit: int = 0
 
     @property
     def slots(self) -> int:
@@ -93,11 +95,40 @@ class Bucket:
 
 
 @dataclasses.dataclass(frozen=True)
+class Unit:
+    """Leaves scheduled together, apart from the others: a run of consecutive leaves, or one
+    slab of a leaf too large for a bucket.
+
+    Units are what makes compiled programs reusable: two units with the same leaf shapes,
+    layouts and dtypes get the same rounds and message layouts, so the executor runs them with
+    the same programs (a model's repeated layers compile once, however many there are).
+
+    Attributes:
+      leaves: the leaves whose bytes (or a slab of them) the unit moves, in tree order.
+      local: the local copies done with the unit (a slab unit: only its leaf's first slab).
+      pieces: what the unit sends (every stage).
+      fresh: the leaves whose destination arrays the unit's first step creates when the
+        caller donates none (all of ``leaves``; for a leaf cut into slabs, its first slab).
+    """
+
+    leaves: tuple[int, ...]
+    local: tuple[LocalCopy, ...]
+    pieces: tuple[Piece, ...]
+    fresh: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
-    """All buckets in execution order (relay stages after the stages they forward from)."""
+    """All buckets in execution order (relay stages after the stages they forward from).
+
+    ``units`` lists the plan's units; ``buckets[i].unit`` is the unit bucket ``i`` belongs to
+    (a unit's buckets are consecutive). Schedules built for one set of pieces alone
+    (`build_schedule`) have no units.
+    """
 
     chunk_bytes: int
     buckets: tuple[Bucket, ...]
+    units: tuple[Unit, ...] = ()
 
     @property
     def rounds(self) -> int:
@@ -173,6 +204,11 @@ class PlanStats:
       bytes_relayed: payload forwarded by destination devices (hierarchical fan-out).
       bytes_cross_domain: payload carried between fast domains (NVLink / NVL72 domains), when
         the plan was made with a topology; 0 otherwise.
+      programs: distinct compiled programs a call runs (pack, transfer and unpack; the
+        one-off programs that make staging buffers, tables and fresh destinations aside).
+      dispatches: program runs per call when the previous result is donated.
+      host_syncs: times a call waits for the devices (0: it returns once everything is
+        dispatched).
     """
 
     bytes_total: int
@@ -188,6 +224,203 @@ class PlanStats:
     staging_bytes: int
     bytes_relayed: int = 0
     bytes_cross_domain: int = 0
+    programs: int = 0
+    dispatches: int = 0
+    host_syncs: int = 0
+
+
+MAX_UNIT_LEAVES = 64
+"""Most leaves in one unit. A unit's pack and unpack programs hold one copy per piece, so their
+compile time grows with the leaves in a unit; capping it keeps the first call's cost flat in the
+number of layers (repeated units share programs) at the price of more, smaller buckets."""
+
+
+def split_units(
+    leaves: Sequence[LeafSpec],
+    assignment: Assignment,
+    *,
+    bucket_bytes: int,
+    max_leaves: int = MAX_UNIT_LEAVES,
+) -> tuple[Unit, ...]:
+    """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
+
+    Leaves are taken in tree order. A unit ends before a leaf that would take some device's
+    sending or receiving past ``bucket_bytes``, before a leaf on other meshes (programs run per
+    mesh), and at ``max_leaves`` leaves; a full unit gives back its leaves from the last one that
+    repeats its first (`_cut_at`), so that a model's repeated layers fall into units of whole
+    layers, cut the same way every time, which then share their programs. A leaf that alone
+    exceeds a bucket is cut into ``K`` slabs: every piece split into ``K`` near-equal row
+    ranges, slab ``k`` of every piece in unit ``k``, so each slab is balanced over the devices
+    like the whole leaf. Its relays (stage 1) go with its last slab, after every part they
+    forward has arrived.
+    """
+    pieces_of: dict[int, list[Piece]] = defaultdict(list)
+    local_of: dict[int, list[LocalCopy]] = defaultdict(list)
+    for p in assignment.pieces:
+        pieces_of[p.leaf].append(p)
+    for c in assignment.local:
+        local_of[c.leaf].append(c)
+    loads = [_load(leaf, pieces_of[i]) for i, leaf in enumerate(leaves)]
+    units: list[Unit] = []
+    run: list[int] = []
+    for index, leaf in enumerate(leaves):
+        out, into = loads[index]
+        largest = max([*out.values(), *into.values(), 0])
+        if largest > bucket_bytes:
+            if run:
+                units.append(_unit(run, pieces_of, local_of))
+                run = []
+            units.extend(_slabs(index, -(-largest // bucket_bytes), pieces_of, local_of))
+            continue
+        while run and not (
+            len(run) < max_leaves
+            and _meshes(leaves[run[0]]) == _meshes(leaf)
+            and _fits([*run, index], loads, bucket_bytes)
+        ):
+            cut = _cut_at(run, leaves)
+            units.append(_unit(run[:cut], pieces_of, local_of))
+            run = run[cut:]
+        run.append(index)
+    if run:
+        units.append(_unit(run, pieces_of, local_of))
+    return tuple(units)
+
+
+Load = tuple[dict[int, int], dict[int, int]]
+
+
+def _load(leaf: LeafSpec, pieces: Sequence[Piece]) -> Load:
+    """Bytes a leaf has each device send and receive."""
+    out: dict[int, int] = defaultdict(int)
+    into: dict[int, int] = defaultdict(int)
+    for p in pieces:
+        n = box_size(p.box) * leaf.itemsize
+        out[p.src] += n
+        into[p.dst] += n
+    return out, into
+
+
+def _fits(run: Sequence[int], loads: Sequence[Load], bucket_bytes: int) -> bool:
+    for side in (0, 1):
+        total: dict[int, int] = defaultdict(int)
+        for i in run:
+            for d, n in loads[i][side].items():
+                total[d] += n
+        if any(n > bucket_bytes for n in total.values()):
+            return False
+    return True
+
+
+def _cut_at(run: Sequence[int], leaves: Sequence[LeafSpec]) -> int:
+    """Where a full unit ends: before the last leaf that repeats the unit's first (a model's
+    layer starts with the same leaf every time), so that units hold whole repeats and the
+    units after them start alike; at the end when nothing repeats."""
+    first = _signature(leaves[run[0]])
+    for k in range(len(run) - 1, 0, -1):
+        if _signature(leaves[run[k]]) == first:
+            return k
+    return len(run)
+
+
+def _signature(leaf: LeafSpec) -> tuple[object, ...]:
+    return leaf.src, leaf.dst, leaf.src_dtype, leaf.dst_dtype
+
+
+def _meshes(leaf: LeafSpec) -> tuple[object, object]:
+    return leaf.src.mesh, leaf.dst.mesh
+
+
+def _unit(
+    run: Sequence[int],
+    pieces_of: Mapping[int, Sequence[Piece]],
+    local_of: Mapping[int, Sequence[LocalCopy]],
+) -> Unit:
+    return Unit(
+        tuple(run),
+        tuple(c for i in run for c in local_of.get(i, ())),
+        tuple(p for i in run for p in pieces_of.get(i, ())),
+        tuple(run),
+    )
+
+
+def _slabs(
+    index: int,
+    k: int,
+    pieces_of: Mapping[int, Sequence[Piece]],
+    local_of: Mapping[int, Sequence[LocalCopy]],
+) -> list[Unit]:
+    """``k`` units each moving one row slab of every piece of leaf ``index``."""
+    parts: list[list[Piece]] = [[] for _ in range(k)]
+    relays: list[Piece] = []
+    for p in pieces_of[index]:
+        if p.from_dst:
+            relays.append(p)
+            continue
+        for j, box in enumerate(_row_slabs(p.box, k)):
+            if box is not None:
+                parts[j].append(dataclasses.replace(p, box=box))
+    parts[-1].extend(relays)
+    local = tuple(local_of.get(index, ()))
+    return [
+        Unit((index,), local if j == 0 else (), tuple(part), (index,) if j == 0 else ())
+        for j, part in enumerate(parts)
+    ]
+
+
+def _row_slabs(box: Box, k: int) -> list[Box | None]:
+    """``box`` cut into ``k`` near-equal runs of rows of its first dimension of extent > 1 (the
+    first ``rows % k`` one row longer); None where a slab gets no row."""
+    dim = next((i for i, (a, b) in enumerate(box) if b - a > 1), None)
+    if dim is None:
+        return [box] + [None] * (k - 1)
+    rows = box[dim][1] - box[dim][0]
+    counts = [rows // k + (j < rows % k) for j in range(k)]
+    row = box_size(box) // rows
+    cut = iter(split_rows(box, [c * row for c in counts]))
+    return [next(cut) if c else None for c in counts]
+
+
+def build_plan_schedule(
+    leaves: Sequence[LeafSpec],
+    assignment: Assignment,
+    *,
+    bucket_bytes: int,
+    link_class: Callable[[int, int], int] | None = None,
+    class_latency_bytes: Mapping[int, int] | None = None,
+    max_leaves: int = MAX_UNIT_LEAVES,
+) -> Schedule:
+    """The schedule of a whole plan: `split_units`, then each unit scheduled on its own by
+    `build_schedule` (same options), its buckets in order.
+
+    One chunk size per link class serves every unit (chosen over all units' streams by
+    `chunk_sizes`), and tails travel in rounds of `ladder_size`: round sizes are the shapes of
+    the staging buffers the runtime reuses, so a plan should have few of them."""
+    units = split_units(leaves, assignment, bucket_bytes=bucket_bytes, max_leaves=max_leaves)
+    sizes: dict[tuple[Any, tuple[int, int]], int] = defaultdict(int)
+    for u, unit in enumerate(units):
+        for p in unit.pieces:
+            sizes[(u, p.stage), (p.src, p.dst)] += box_size(p.box) * leaves[p.leaf].itemsize
+    chunks, _ = chunk_sizes(
+        sizes,
+        bucket_bytes=bucket_bytes,
+        link_class=link_class,
+        class_latency_bytes=class_latency_bytes,
+        ladder=True,
+    )
+    buckets: list[Bucket] = []
+    for u, unit in enumerate(units):
+        if not unit.pieces:
+            continue
+        part = build_schedule(
+            leaves,
+            unit.pieces,
+            bucket_bytes=bucket_bytes,
+            link_class=link_class,
+            class_latency_bytes=class_latency_bytes,
+            chunks=chunks,
+        )
+        buckets.extend(dataclasses.replace(b, unit=u) for b in part.buckets)
+    return Schedule(max(chunks.values(), default=0), tuple(buckets), units)
 
 
 def build_schedule(
@@ -198,6 +431,7 @@ def build_schedule(
     latency_bytes: int | None = None,
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
+    chunks: Mapping[int, int] | None = None,
 ) -> Schedule:
     """Lay pieces into chunked streams, colour the chunks into rounds, group rounds in buckets.
 
@@ -219,6 +453,9 @@ def build_schedule(
       class_latency_bytes: with ``link_class``, the round latency in byte-equivalents of each
         class's links (latency x bandwidth: large for fast links, small for slow ones), used to
         pick each class's chunk size. Classes not in it use ``latency_bytes``.
+      chunks: the chunk size of each link class (0 without ``link_class``), chosen by the
+        caller for several schedules at once (`build_plan_schedule`); the tails then travel in
+        rounds of `ladder_size`. By default each schedule chooses its own.
     """
     pieces = list(pieces)
     plan = plan_rounds(
@@ -228,6 +465,7 @@ def build_schedule(
         latency_bytes=latency_bytes,
         link_class=link_class,
         class_latency_bytes=class_latency_bytes,
+        chunks=chunks,
     )
     chunk_of = dict(plan.class_chunk_bytes)
     by_stage: dict[int, list[Piece]] = defaultdict(list)
@@ -262,6 +500,7 @@ def plan_rounds(
     latency_bytes: int | None = None,
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
+    chunks: Mapping[int, int] | None = None,
 ) -> RoundPlan:
     """The rounds and buckets `build_schedule` makes (same arguments), without cutting pieces
     into message segments: only stream sizes are needed, so this is cheap at any scale."""
@@ -269,31 +508,29 @@ def plan_rounds(
     for p in pieces:
         sizes[p.stage, (p.src, p.dst)] += box_size(p.box) * leaves[p.leaf].itemsize
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
-    latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
-    if link_class is None:
-        chunk = choose_chunk_bytes(sizes, cap=cap, latency_bytes=latency)
-        chunk_of: dict[int, int] = {}
-        classes: dict[tuple[int, int], int] = {}
-    else:
-        classes = {pair: link_class(*pair) for _, pair in sizes}
-        chunk_of = {
-            cls: choose_chunk_bytes(
-                {key: n for key, n in sizes.items() if classes[key[1]] == cls},
-                cap=cap,
-                latency_bytes=(class_latency_bytes or {}).get(cls, latency),
-            )
-            for cls in sorted(set(classes.values()))
-        }
+    if chunks is not None:
+        classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
+        chunk_of = {cls: chunks[cls] for cls in sorted(set(classes.values()))}
         chunk = max(chunk_of.values(), default=cap)
+    else:
+        chunk_of, classes = chunk_sizes(
+            sizes,
+            bucket_bytes=bucket_bytes,
+            latency_bytes=latency_bytes,
+            link_class=link_class,
+            class_latency_bytes=class_latency_bytes,
+        )
+        chunk = max(chunk_of.values(), default=cap)
+    ladder = chunks is not None
     by_stage: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
     for (stage, pair), n in sorted(sizes.items()):
         by_stage[stage][pair] = n
     buckets: list[PlannedBucket] = []
     for stage, streams in sorted(by_stage.items()):
         if link_class is None:
-            rounds = _stage_rounds(streams, chunk)
+            rounds = _stage_rounds(streams, chunk, ladder)
         else:
-            rounds = _class_rounds(streams, chunk_of, classes)
+            rounds = _class_rounds(streams, chunk_of, classes, ladder)
         group: list[Round] = []
         for size, entries in rounds:
             if group and sum(s for s, _ in group) + size > cap:
@@ -302,14 +539,46 @@ def plan_rounds(
             group.append((size, tuple(entries)))
         if group:
             buckets.append(PlannedBucket(stage, tuple(group)))
-    return RoundPlan(chunk, tuple(sorted(chunk_of.items())), tuple(buckets))
+    named = () if link_class is None else tuple(sorted(chunk_of.items()))
+    return RoundPlan(chunk, named, tuple(buckets))
+
+
+def chunk_sizes(
+    sizes: Mapping[tuple[Any, tuple[int, int]], int],
+    *,
+    bucket_bytes: int,
+    latency_bytes: int | None = None,
+    link_class: Callable[[int, int], int] | None = None,
+    class_latency_bytes: Mapping[int, int] | None = None,
+    ladder: bool = False,
+) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
+    """The chunk size of each link class (`choose_chunk_bytes` over the streams of that class;
+    one class, 0, without ``link_class``), and the class of each (sender, receiver) pair.
+
+    ``sizes`` maps ``(stage, (sender, receiver))`` to stream bytes; a stage is any label
+    (the whole-plan schedule labels streams by unit and stage)."""
+    cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+    latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
+    classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
+    chunk_of = {
+        cls: choose_chunk_bytes(
+            {key: n for key, n in sizes.items() if classes[key[1]] == cls},
+            cap=cap,
+            latency_bytes=(class_latency_bytes or {}).get(cls, latency),
+            ladder=ladder,
+        )
+        for cls in sorted(set(classes.values()))
+    }
+    return chunk_of, classes
 
 
 Rounds = list[tuple[int, list[Entry]]]
 """Rounds of one stage as ``(slot_bytes, [((src, dst), chunk_index), ...])``."""
 
 
-def _stage_rounds(streams: Mapping[tuple[int, int], int], chunk: int) -> Rounds:
+def _stage_rounds(
+    streams: Mapping[tuple[int, int], int], chunk: int, ladder: bool = False
+) -> Rounds:
     """Rounds of one stage, from its streams' byte counts.
 
     Full chunks are coloured together into rounds of ``chunk`` bytes. Each stream's last,
@@ -320,26 +589,51 @@ def _stage_rounds(streams: Mapping[tuple[int, int], int], chunk: int) -> Rounds:
     full = {pair: n // chunk for pair, n in streams.items()}
     tails = {pair: n % chunk for pair, n in streams.items() if n % chunk}
     out = [(chunk, entries) for entries in colour_rounds({p: n for p, n in full.items() if n})]
-    return out + _tail_rounds(tails, full)
+    return out + _tail_rounds(tails, full, chunk if ladder else None)
 
 
 def _tail_rounds(
-    tails: Mapping[tuple[int, int], int], full: Mapping[tuple[int, int], int]
+    tails: Mapping[tuple[int, int], int],
+    full: Mapping[tuple[int, int], int],
+    ladder: int | None = None,
 ) -> Rounds:
     """Each stream's tail (chunk index ``full[pair]``), largest first, in rounds sized to their
-    largest tail."""
+    largest tail (with ``ladder``, rounded up by `ladder_size` of that chunk)."""
     order = sorted(tails, key=lambda p: (-tails[p], p))
     out = []
     for entries in colour_rounds({p: 1 for p in order}, order=order):
         located = [(pair, full[pair]) for pair, _ in entries]
-        out.append((_align(max(tails[pair] for pair, _ in entries)), located))
+        largest = max(tails[pair] for pair, _ in entries)
+        out.append((_align(largest) if ladder is None else ladder_size(largest, ladder), located))
     return out
+
+
+LADDER_STEPS = 6
+"""How many halvings of the chunk size `ladder_size` offers below the chunk itself."""
+
+
+def ladder_size(nbytes: int, chunk: int) -> int:
+    """A round size for a tail of ``nbytes``: the smallest of ``chunk, chunk / 2, ...,
+    chunk / 2**LADDER_STEPS`` that holds it, or the tail itself (aligned) below that.
+
+    Round sizes are the shapes of staging buffers, which the runtime keeps and reuses between
+    steps and calls only when they match: a few sizes per plan keep a refit allocation-free,
+    at the price of at most 2x padding on rounds of tails, which is cheaper than a fresh
+    buffer's page faults on CPU and allocator churn on accelerators."""
+    size = chunk
+    for _ in range(LADDER_STEPS):
+        half = _align(size // 2)
+        if half < nbytes or half >= size:
+            return size
+        size = half
+    return size if _align(size // 2) < nbytes else _align(nbytes)
 
 
 def _class_rounds(
     streams: Mapping[tuple[int, int], int],
     chunk_of: Mapping[int, int],
     classes: Mapping[tuple[int, int], int],
+    ladder: bool = False,
 ) -> Rounds:
     """Rounds of one stage whose pairs are on links of several speeds, slowest class first.
 
@@ -370,7 +664,7 @@ def _class_rounds(
         new = colour_rounds({p: n for p, n in left.items() if n})
         rounds = [(chunk, [(p, full[p] - left[p] + k) for p, k in entries]) for entries in new]
         tails = {p: n % chunk for p, n in mine.items() if n % chunk}
-        for size, entries in rounds + _tail_rounds(tails, full):
+        for size, entries in rounds + _tail_rounds(tails, full, chunk if ladder else None):
             r = len(out)
             out.append((size, entries))
             for (s, d), _ in entries:
@@ -428,13 +722,18 @@ def _cut(stream: Sequence[Segment], chunk: int) -> list[tuple[Segment, ...]]:
 
 
 def choose_chunk_bytes(
-    sizes: Mapping[tuple[int, tuple[int, int]], int], *, cap: int, latency_bytes: int
+    sizes: Mapping[tuple[Any, tuple[int, int]], int],
+    *,
+    cap: int,
+    latency_bytes: int,
+    ladder: bool = False,
 ) -> int:
     """The chunk size minimising the modeled time: per round, its size plus a latency.
 
     ``sizes`` maps ``(stage, (sender, receiver))`` to stream bytes. Candidates are even
     divisions of the largest streams (so equal streams split with no padding) and the cap.
-    Every candidate is a multiple of `ALIGN` and at most ``cap``.
+    Every candidate is a multiple of `ALIGN` and at most ``cap``. With ``ladder``, tail rounds
+    are priced at their `ladder_size`, as `build_plan_schedule` makes them.
     """
     if not sizes:
         return cap
@@ -447,7 +746,7 @@ def choose_chunk_bytes(
                 candidates.add(c)
 
     model = _ChunkModel(sizes, latency_bytes)
-    return min(candidates, key=lambda c: (model.time(c), -c))
+    return min(candidates, key=lambda c: (model.time(c, ladder), -c))
 
 
 class _ChunkModel:
@@ -476,14 +775,15 @@ class _ChunkModel:
             np.maximum.at(out, stage_of, degree.astype(np.int64))
         return out
 
-    def time(self, chunk: int) -> int:
+    def time(self, chunk: int, ladder: bool = False) -> int:
         full, rest = np.divmod(self.sizes, chunk)
         n_full = self._busiest(full)
         n_tail = self._busiest((rest > 0).astype(np.int64))
         largest = np.zeros(len(self.stage_index), dtype=np.int64)
         np.maximum.at(largest, self.stage, rest)
+        tail = (lambda m: ladder_size(m, chunk)) if ladder else _align
         return sum(
-            int(f) * (chunk + self.latency) + int(t) * (_align(int(m)) + self.latency)
+            int(f) * (chunk + self.latency) + int(t) * (tail(int(m)) + self.latency)
             for f, t, m in zip(n_full, n_tail, largest, strict=True)
         )
 

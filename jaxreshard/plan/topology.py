@@ -52,6 +52,20 @@ PROFILES: dict[str, Profile] = {
             "guide: 8 ConnectX-7 NICs at 400 Gb/s, one per GPU (50 GB/s each way per GPU)."
         ),
     ),
+    "cpu": Profile(
+        name="cpu",
+        domain_size=8,
+        host_size=8,
+        intra_bandwidth=1.4 * GB,
+        inter_bandwidth=1.0 * GB,
+        round_latency=350e-6,
+        source=(
+            "Measured on this project's 2-core machine: JAX's CPU backend with 8 simulated "
+            "devices, a collective-permute round of 4 pairs into donated buffers takes about "
+            "0.35 ms plus 1.4 GB/s per device (64 KiB to 8 MiB messages). Across processes "
+            "(gloo over loopback) a rough 1 GB/s per device."
+        ),
+    ),
     "gb200-nvl72": Profile(
         name="gb200-nvl72",
         domain_size=72,
@@ -153,19 +167,21 @@ class Topology:
         cls,
         devices: Iterable[Any],
         *,
-        intra_bandwidth: float = PROFILES["h100"].intra_bandwidth,
-        inter_bandwidth: float = PROFILES["h100"].inter_bandwidth,
-        round_latency: float = PROFILES["h100"].round_latency,
+        intra_bandwidth: float | None = None,
+        inter_bandwidth: float | None = None,
+        round_latency: float | None = None,
         name: str = "from-devices",
     ) -> Topology:
         """The topology JAX reports: a device's domain is its ``slice_index`` when it has one
         (TPU slices; multi-node NVLink GPUs), else its ``process_index`` (one host, one domain);
         its host is its ``process_index``. CPU devices always take their process as domain
         (under ``jax.distributed`` they may report one ``slice_index`` for every host, but only
-        the devices of one process share memory). Bandwidths are not discoverable and default
-        to the `h100` profile's; pass the right ones for other hardware.
+        the devices of one process share memory). Bandwidths are not discoverable: they
+        default to the `cpu` profile on CPU devices and to the `h100` profile's otherwise; pass
+        the right ones for other hardware.
         """
         devices = list(devices)
+        default = PROFILES["cpu" if devices and devices[0].platform == "cpu" else "h100"]
         hosts = tuple(int(d.process_index) for d in devices)
         domains = tuple(
             int(s)
@@ -177,9 +193,9 @@ class Topology:
             tuple(int(d.id) for d in devices),
             domains,
             hosts,
-            float(intra_bandwidth),
-            float(inter_bandwidth),
-            float(round_latency),
+            float(default.intra_bandwidth if intra_bandwidth is None else intra_bandwidth),
+            float(default.inter_bandwidth if inter_bandwidth is None else inter_bandwidth),
+            float(default.round_latency if round_latency is None else round_latency),
             name,
         )
 

@@ -1,591 +1,820 @@
-"""Runs a schedule on JAX devices: pack -> collective-permute rounds -> unpack.
+"""Runs a `Lowered` plan on JAX devices: compile each distinct program once, run the steps.
 
-A thin layer over JAX. For every bucket:
+A thin layer over JAX. The pure lowering (`jaxreshard.plan.lower`) says what every program
+does; here each becomes a jitted ``shard_map``:
 
-1. *pack*: each participating device runs a small jitted program that slices its source shards
-   (or, for relays, its destination shards), casts them to the destination dtype and lays their
-   bytes into one staging buffer (of the widest unsigned word every leaf's elements allow);
-2. *transfer*: the per-device buffers are wrapped, zero-copy, into one array over a 1-D mesh of
-   every participating device (`jax.make_array_from_single_device_arrays`), and one compiled
-   ``shard_map`` program moves them with one ``jax.lax.ppermute`` per round (XLA
-   collective-permute; NCCL send/recv on GPU);
-3. *unpack*: each receiver writes the bytes into its destination shards in place (donated).
+- *pack* (`PackProgram`): over a mesh of senders, each device slices its shards, casts, and
+  writes the words into staging buffers it donates (the writes happen in place);
+- *transfer* (`TransferProgram`): over the union mesh, one ``jax.lax.ppermute`` per round (XLA
+  collective-permute; NCCL send/recv on GPU), receiving into donated buffers;
+- *unpack* (`UnpackProgram`): over a mesh of receivers, each device writes the received words
+  (and its local copies) into its destination shards, donated, in place.
 
-Destination shards are first created by a per-device *init* program that copies the part the
-device already holds (or writes into donated buffers of a previous result). Programs are built
-once per plan and cached; only this process's devices run pack/init/unpack, so the same code
-serves multi-controller JAX. Buckets run one after the other: before the next bucket is packed,
-the previous one is unpacked, so at most one send and one receive buffer exist per device.
+Per-device buffers pass between these programs zero-copy: ``addressable_shards`` gives the
+buffers of one program's output, `jax.make_array_from_single_device_arrays` wraps them into
+the next program's input over another mesh.
+
+**Staging.** Buffers come from a pool kept per device for the life of the plan (so a refit
+loop allocates nothing after its first call; fresh buffers page-fault on first touch). Before
+each step the pool frees and allocates by `plan_pool`, the policy the lowering simulates to
+report ``stats.staging_bytes``, so a device never holds more staging than that. There is no
+host sync between steps: the pool is finite, and a buffer handed to the next step's program
+is donated, so that program waits for the last one reading it (JAX orders uses of a buffer).
+Steps therefore overlap where their devices allow (the next step's pack on the senders while
+the receivers unpack) without ever holding more than the pool.
+
+**No host transfers.** Every buffer is made on device by a compiled program (zeros, and the
+tables of box starts as constants), so a call runs under ``jax.transfer_guard("disallow")``.
+
+Multi-controller JAX: each process runs only the programs over meshes that hold one of its
+devices, and wraps only its own buffers.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
-from collections import defaultdict
-from collections.abc import Sequence
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from jaxreshard.plan.layout import Box, box_shape, shift
-from jaxreshard.plan.route import Assignment, LeafSpec
-from jaxreshard.plan.schedule import Bucket, Schedule
+from jaxreshard.plan.layout import MeshSpec
+from jaxreshard.plan.lower import (
+    GROUP_AXIS,
+    Lowered,
+    Operand,
+    PackCall,
+    PackProgram,
+    Roles,
+    Slot,
+    Step,
+    TransferProgram,
+    UnpackCall,
+    UnpackProgram,
+    plan_pool,
+    step_roles,
+)
+from jaxreshard.plan.route import LeafSpec
+from jaxreshard.run.codec import (
+    bits_to_words,
+    from_bits,
+    read_bits,
+    to_bits,
+    words_of,
+    words_to_bits,
+    write_bits,
+)
 
-AXIS = "jaxreshard"
-"""Name of the 1-D mesh axis spanning every device of a transfer."""
+Buffers = dict[int, jax.Array]
+"""Device id -> this process's single-device buffer on it."""
 
 
-class Executor:
-    """Compiled programs of one plan, for the devices of this process.
+class Runtime:
+    """The compiled programs and staging pool of one plan, for this process's devices.
 
-    Construction builds no program and moves no data; programs are compiled on first use and
-    kept for the life of the plan.
+    Construction compiles nothing and moves nothing. The first `run` compiles every distinct
+    program (typed caches: programs are looked up by their value) and builds the on-device
+    tables; later runs only dispatch.
     """
 
     def __init__(
         self,
         leaves: Sequence[LeafSpec],
-        assignment: Assignment,
-        schedule: Schedule,
+        lowered: Lowered,
+        src_shardings: Sequence[Sharding],
         dst_shardings: Sequence[NamedSharding],
     ) -> None:
         self.leaves = tuple(leaves)
-        self.schedule = schedule
+        self.lowered = lowered
+        self.src_shardings = tuple(src_shardings)
         self.dst_shardings = tuple(dst_shardings)
-        self._device = {d.id: d for d in _all_devices(dst_shardings)}
+        self.device = {d.id: d for d in jax.devices()}
+        for s in (*src_shardings, *dst_shardings):
+            self.device.update({d.id: d for d in s.device_set})
         here = jax.process_index()
-        self._local = {i for i, d in self._device.items() if d.process_index == here}
-        dst_leaves: dict[int, list[int]] = defaultdict(list)
-        for index, leaf in enumerate(self.leaves):
-            for device in leaf.dst.devices:
-                dst_leaves[device].append(index)
-        self._dst_leaves = {d: tuple(v) for d, v in dst_leaves.items() if d in self._local}
-        copies: dict[tuple[int, int], list[Box]] = defaultdict(list)
-        for c in assignment.local:
-            copies[c.device, c.leaf].append(c.box)
-        self._copies = dict(copies)
-        union = sorted({i for b in schedule.buckets for m in b.messages for i in (m.src, m.dst)})
-        self._position = {device: i for i, device in enumerate(union)}
-        self._mesh = Mesh(np.array([self._device[i] for i in union]), (AXIS,)) if union else None
-        self._union_local = [i for i in union if i in self._local]
-        self._programs: dict[Any, Any] = {}
-        # Staging buffers hold words as wide as the narrowest element: XLA's CPU backend copies
-        # uint32 words several times faster than the same bytes as uint8.
-        self._word = np.dtype(
-            f"uint{8 * min((bits_dtype(lf.dst_dtype).itemsize for lf in leaves), default=1)}"
-        )
-        self._staging_sharding = (
-            NamedSharding(self._mesh, PartitionSpec(AXIS)) if self._mesh is not None else None
-        )
+        self.local = frozenset(i for i, d in self.device.items() if d.process_index == here)
+        # The arrays' own meshes, so that outputs carry the caller's shardings exactly.
+        self._mesh: dict[MeshSpec, Mesh] = {}
+        for leaf, s in zip(self.leaves, self.src_shardings, strict=True):
+            if leaf.src.mesh is not None and isinstance(s, NamedSharding):
+                self._mesh.setdefault(leaf.src.mesh, s.mesh)
+        for leaf, s in zip(self.leaves, self.dst_shardings, strict=True):
+            self._mesh.setdefault(leaf.dst.mesh, s.mesh)
+        self._packs: dict[Any, Callable[..., Any]] = {}
+        self._unpacks: dict[Any, Callable[..., Any]] = {}
+        self._transfers: dict[TransferProgram, Callable[..., Any]] = {}
+        self._allocs: dict[Any, Callable[..., Any]] = {}
+        self._zeros: dict[tuple[Slot, tuple[int, ...]], Callable[..., Any]] = {}
+        self._steps: list[_StepRun] | None = None
+        self._tables: dict[tuple[MeshSpec, Any], jax.Array] = {}
+        self._pool: dict[int, dict[Slot, list[jax.Array]]] = defaultdict(lambda: defaultdict(list))
+        self.host_syncs = host_syncs(self.device[d].platform for d in lowered.union)
+        self._lock = threading.Lock()
 
-    # ----------------------------------------------------------------------------------- run
+    # --------------------------------------------------------------------------------- run
 
     def run(
-        self, src: Sequence[jax.Array], donate: Sequence[jax.Array] | None = None
+        self,
+        src: Sequence[jax.Array | jax.ShapeDtypeStruct],
+        donate: Sequence[jax.Array] | None = None,
+        profile: dict[str, float] | None = None,
     ) -> list[jax.Array]:
-        """Move ``src`` (one array per leaf) into new destination arrays.
+        """Move ``src`` (one array per leaf) into the destination layout.
 
-        With ``donate`` (previous results of this plan), their buffers receive the data and are
-        consumed. The source arrays are only read.
+        With ``donate`` (a previous result), its buffers receive the data and are consumed.
+        The source arrays are only read. With ``profile`` (a dict), every phase is awaited and
+        its wall time added under its name: a profile, not the fast path.
         """
-        src_shards = [_shards(x) for x in src]
-        fresh = donate if donate is not None else self._allocate()
-        dst = [_shards(x) if x is not None else {} for x in fresh]
-        for device in self._dst_leaves:
-            leaf_ids = self._init_sources(device)
-            if not leaf_ids:
-                continue
-            outs = self._init_program(device)(
-                *[src_shards[i][device] for i in leaf_ids], *[dst[i][device] for i in leaf_ids]
-            )
-            for i, arr in zip(leaf_ids, outs, strict=True):
-                dst[i][device] = arr
-        if self._union_local:  # a process owning no device of the transfer issues none of it
-            self._run_buckets(src_shards, dst)
-        return [self._assemble(i, dst[i]) for i in range(len(self.leaves))]
+        with self._lock:
+            if self._steps is None:
+                self._tables = self._build_tables()
+                self._steps = [self._resolve(step) for step in self.lowered.steps]
+            clock = _Clock(profile)
+            dst = _Destinations(self, donate)
+            srcs = _Sources(self, src)
+            previous: list[jax.Array] = []
+            for step in self._steps:
+                previous = self._run_step(step, srcs, dst, clock, previous)
+            return dst.finish()
 
-    def _assemble(self, i: int, shards: dict[int, jax.Array]) -> jax.Array:
-        leaf, sharding = self.leaves[i], self.dst_shardings[i]
-        if not math.prod(leaf.shape):
-            # JAX gives zero-size jit outputs full-shape shards; an empty array needs no data.
-            dtype = jnp.dtype(leaf.dst_dtype)
-            empty = np.zeros(leaf.dst.shard_shape, dtype)
-            return jax.make_array_from_callback(leaf.shape, sharding, lambda _: empty, dtype=dtype)
-        order = [shards[d] for d in leaf.dst.devices if d in shards]
-        # dtype= because a process holding no destination shard has no buffer to take it from.
+    def _run_step(
+        self,
+        step: _StepRun,
+        src: _Sources,
+        dst: _Destinations,
+        clock: _Clock,
+        previous: list[jax.Array],
+    ) -> list[jax.Array]:
+        """Dispatch one step; returns what it wrote (for the next step's host sync)."""
+        if self.host_syncs and previous and step.transfer is not None:
+            jax.block_until_ready(previous)  # see `host_syncs`
+        if step.fresh and not dst.donated:
+            dst.allocate(step.fresh)
+            clock.mark("alloc", dst.pending())
+        staging = self._take(step)
+        clock.mark("pool", [])
+        sent: dict[tuple[int, int], jax.Array] = {}
+        for call in step.packs:
+            outs = call.fn(*call.table, *call.operands(src, dst), *call.staging(staging))
+            for k, out in enumerate(outs):
+                for d, buf in _buffers(out).items():
+                    sent[d, call.slots[d][k]] = buf
+        clock.mark("pack", list(sent.values()))
+        received: dict[tuple[int, int], jax.Array] = {}
+        if step.transfer is not None:
+            received = step.transfer.run(sent, staging)
+            clock.mark("transfer", list(received.values()))
+        written = []
+        for call in step.unpacks:
+            outs = call.fn(*call.table, *call.chunks(received), *call.arguments(src, dst))
+            call.store(outs, dst)
+            written.extend(outs)
+        clock.mark("unpack", dst.pending())
+        # Back to the pool: the buffers not donated, and what the programs returned in place
+        # of the donated ones. A later step donating one of them waits for its last reader.
+        for d, by_slot in staging.idle.items():
+            for slot, buf in by_slot.items():
+                self._pool[d][slot].append(buf)
+        for (d, _), buf in (*sent.items(), *received.items()):
+            self._pool[d][_slot_of(buf)].append(buf)
+        return [*written, *received.values()]
+
+    # ------------------------------------------------------------------------- staging pool
+
+    def _take(self, step: _StepRun) -> _Staging:
+        """Buffers for ``step`` from the pool, by role (freeing and allocating by
+        `plan_pool`, the policy `lower.staging` simulates)."""
+        missing: dict[Slot, Counter[int]] = defaultdict(Counter)
+        for d, roles in step.roles.items():
+            pool = self._pool[d]
+            have = Counter({slot: len(bufs) for slot, bufs in pool.items() if bufs})
+            free, allocate = plan_pool(have, roles.need(), self.lowered.staging_cap)
+            for slot, n in free.items():
+                del pool[slot][:n]
+            for slot, n in allocate.items():
+                missing[slot][d] += n
+        for slot, counts in missing.items():
+            while counts:
+                for d, buf in self._allocate(slot, tuple(sorted(counts))).items():
+                    self._pool[d][slot].append(buf)
+                counts = Counter({d: n - 1 for d, n in counts.items() if n > 1})
+        staging = _Staging()
+        for d, roles in step.roles.items():
+            pool = self._pool[d]
+            for t, slot in roles.recv:
+                staging.recv[d, t] = pool[slot].pop()
+            for t, slot in roles.send:
+                staging.send[d, t] = pool[slot].pop()
+            for slot in roles.idle:
+                staging.idle[d][slot] = pool[slot].pop()
+        return staging
+
+    def _allocate(self, slot: Slot, devices: tuple[int, ...]) -> Buffers:
+        """One zeroed buffer of ``slot`` on each of ``devices`` (this process's), made on
+        device by a compiled program."""
+        key = (slot, devices)
+        fn = self._zeros.get(key)
+        if fn is None:
+            mesh = Mesh(np.array([self.device[d] for d in devices]), (GROUP_AXIS,))
+            shape, dtype = (len(devices) * slot.words,), np.dtype(slot.word)
+            sharding = NamedSharding(mesh, PartitionSpec(GROUP_AXIS))
+            fn = self._zeros[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return _buffers(fn())
+
+    def release(self) -> None:
+        """Free the staging pool (the next run allocates it again)."""
+        with self._lock:
+            self._pool.clear()
+
+    def pool_bytes(self) -> dict[int, int]:
+        """Staging bytes the pool holds now, per local device."""
+        return {
+            d: sum(s.nbytes * len(b) for s, b in pool.items()) for d, pool in self._pool.items()
+        }
+
+    # ---------------------------------------------------------------------- resolving steps
+
+    def _resolve(self, step: Step) -> _StepRun:
+        """Everything a step needs at run time, looked up once: compiled programs, tables,
+        shardings, and which of them run on this process."""
+        local_union = [d for d in self.lowered.union if d in self.local]
+        roles = {d: r for d, r in step_roles(step, local_union).items()}
+        packs = [self._pack(c) for c in step.packs if self._is_local(c.program.mesh)]
+        unpacks = [self._unpack(c) for c in step.unpacks if self._is_local(c.program.mesh)]
+        transfer = None
+        if step.transfer is not None and local_union:
+            transfer = _TransferRun(self, step, local_union)
+        return _StepRun(step.fresh, roles, packs, transfer, unpacks)
+
+    def _is_local(self, mesh: MeshSpec) -> bool:
+        return any(d in self.local for d in mesh.devices)
+
+    def mesh(self, spec: MeshSpec) -> Mesh:
+        """The JAX mesh of a `MeshSpec` (the arrays' own mesh where there is one)."""
+        mesh = self._mesh.get(spec)
+        if mesh is None:
+            devices = np.array([self.device[d] for d in spec.devices]).reshape(spec.shape)
+            mesh = self._mesh[spec] = Mesh(devices, spec.axes)
+        return mesh
+
+    def _spec(self, operand: Operand, sharding: Sharding, mesh: MeshSpec) -> PartitionSpec:
+        if operand.spec is None:
+            return PartitionSpec(mesh.axes) if operand.shard else PartitionSpec()
+        assert isinstance(sharding, NamedSharding)
+        return sharding.spec
+
+    def _pack(self, call: PackCall) -> _PackRun:
+        program = call.program
+        shardings = [self._sharding(a) for a in call.args]
+        specs = tuple(
+            self._spec(o, s, program.mesh) for o, s in zip(program.operands, shardings, strict=True)
+        )
+        key = (program, specs)
+        fn = self._packs.get(key)
+        if fn is None:
+            fn = self._packs[key] = _build_pack(program, self.mesh(program.mesh), specs)
+        return _PackRun(self, call, fn)
+
+    def _unpack(self, call: UnpackCall) -> _UnpackRun:
+        program = call.program
+        mesh = program.mesh
+        specs = tuple(
+            self._spec(o, self.src_shardings[i], mesh)
+            for o, i in zip(program.sources, call.sources, strict=True)
+        ) + tuple(
+            self._spec(o, self.dst_shardings[i], mesh)
+            for o, i in zip(program.targets, call.targets, strict=True)
+        )
+        key = (program, specs)
+        fn = self._unpacks.get(key)
+        if fn is None:
+            fn = self._unpacks[key] = _build_unpack(program, self.mesh(mesh), specs)
+        return _UnpackRun(self, call, fn)
+
+    def _sharding(self, arg: tuple[int, str]) -> Sharding:
+        leaf, side = arg
+        return self.src_shardings[leaf] if side == "src" else self.dst_shardings[leaf]
+
+    def _build_tables(self) -> dict[tuple[MeshSpec, Any], jax.Array]:
+        """Every table of box starts this process's programs read, on device: one compiled
+        program per mesh makes all of that mesh's tables (they are its constants)."""
+        rows_of: dict[MeshSpec, dict[Any, None]] = defaultdict(dict)
+        for step in self.lowered.steps:
+            for call in (*step.packs, *step.unpacks):
+                if call.program.columns and self._is_local(call.program.mesh):
+                    rows_of[call.program.mesh][call.table] = None
+        tables = {}
+        for spec, rows in rows_of.items():
+            mesh = self.mesh(spec)
+            sharding = NamedSharding(mesh, _split_spec(mesh))
+            constants = [np.asarray(r, dtype=np.int32) for r in rows]
+
+            def make(constants: list[np.ndarray] = constants) -> tuple[jax.Array, ...]:
+                return tuple(jnp.asarray(c) for c in constants)
+
+            made = jax.jit(make, out_shardings=(sharding,) * len(constants))()
+            tables.update({(spec, r): x for r, x in zip(rows, made, strict=True)})
+        return tables
+
+    def table(self, mesh: MeshSpec, rows: Any) -> tuple[jax.Array, ...]:
+        """The on-device table of box starts of a call; () for a program with no starts."""
+        if not rows or not rows[0]:
+            return ()
+        return (self._tables[mesh, rows],)
+
+    def alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
+        """Fresh (zero) destination arrays of ``leaves`` that have a shard on this process."""
+        empty = [i for i in leaves if not np.prod(self.leaves[i].shape)]
+        full = [i for i in leaves if np.prod(self.leaves[i].shape)]
+        made = dict(zip(full, self._alloc(full), strict=True)) if full else {}
+        made.update({i: self._alloc_empty(i) for i in empty})
+        return [made[i] for i in leaves]
+
+    def _alloc_empty(self, leaf: int) -> jax.Array:
+        """A zero-size destination: XLA gives a zero-size array full-shape shards, so each
+        device's (empty) shard is made as a replica of the shard shape, then wrapped."""
+        spec, sharding = self.leaves[leaf], self.dst_shardings[leaf]
+        devices = [d for d in sharding.addressable_devices]
+        key = (spec.dst.shard_shape, spec.dst_dtype, tuple(d.id for d in devices))
+        fn = self._allocs.get(key)
+        if fn is None:
+            line = NamedSharding(Mesh(np.array(devices), (GROUP_AXIS,)), PartitionSpec())
+            shape, dtype = spec.dst.shard_shape, jnp.dtype(spec.dst_dtype)
+            fn = self._allocs[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=line)
+        bufs = _buffers(fn())
         return jax.make_array_from_single_device_arrays(
-            leaf.shape, sharding, order, dtype=jnp.dtype(leaf.dst_dtype)
+            spec.shape, sharding, [bufs[d.id] for d in devices]
         )
 
-    def _run_buckets(
-        self, src: list[dict[int, jax.Array]], dst: list[dict[int, jax.Array]]
-    ) -> None:
-        """Pack, move and unpack every bucket in order.
+    def _alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
+        shardings = tuple(self.dst_shardings[i] for i in leaves)
+        avals = tuple((self.leaves[i].shape, self.leaves[i].dst_dtype) for i in leaves)
+        key = (avals, shardings)
+        fn = self._allocs.get(key)
+        if fn is None:
 
-        Each round's chunk is an array of its own from pack to unpack, so the transfer is one
-        collective-permute per round and nothing else (no slicing or re-assembly copies). A
-        device that sends nothing in a round still passes an array of the round's size, which
-        the collective never reads: a buffer received in the previous bucket, recycled (zeros
-        only when none fits). Before a bucket's transfer starts, the previous bucket's unpack
-        has finished, so a device holds at most one bucket of sent and one of received chunks.
-        """
-        assert self._mesh is not None
-        spare: dict[int, dict[int, jax.Array]] = {d: {} for d in self._union_local}
-        pending: list[jax.Array] = []
-        for b, bucket in enumerate(self.schedule.buckets):
-            words = [n // self._word.itemsize for n in bucket.slot_bytes]
-            chunks: dict[int, list[jax.Array]] = {}
-            for device in self._union_local:
-                sent = self._sent_slots(bucket, device)
-                packed = {}
-                if sent:
-                    step = self._pack_step(b, device)
-                    args = [(dst if d else src)[i][device] for i, d in step.inputs]
-                    packed = dict(zip(sent, step.program(*step.starts, *args), strict=True))
-                chunks[device] = [
-                    packed[t] if t in packed else self._spare(spare[device], device, n)
-                    for t, n in enumerate(words)
-                ]
-            # Bound staging: the previous bucket has arrived and been unpacked, on senders too.
-            jax.block_until_ready(pending)
-            moved = self._transfer_program(b)(
-                *[
-                    jax.make_array_from_single_device_arrays(
-                        (len(self._position) * n,),
-                        self._staging_sharding,
-                        [chunks[d][t] for d in self._union_local],
-                    )
-                    for t, n in enumerate(words)
-                ]
-            )
-            del chunks
-            received = [_shards(x) for x in moved]
-            del moved
-            pending = [x for r in received for x in r.values()]
-            for device in self._union_local:
-                slots = self._received_slots(bucket, device)
-                if slots:
-                    step = self._unpack_step(b, device)
-                    outs = step.program(
-                        *step.starts,
-                        *[received[t][device] for t in slots],
-                        *[dst[i][device] for i in step.inputs],
-                    )
-                    for i, arr in zip(step.inputs, outs, strict=True):
-                        dst[i][device] = arr
-                    pending.extend(outs)
-                keep = self._spare_sizes(b + 1, device)
-                spare[device] = {n: received[t][device] for t, n in enumerate(words) if n in keep}
-            del received
+            def zeros() -> tuple[jax.Array, ...]:
+                return tuple(jnp.zeros(shape, jnp.dtype(dtype)) for shape, dtype in avals)
 
-    def _spare(self, pool: dict[int, jax.Array], device: int, words: int) -> jax.Array:
-        """An array of ``words`` words on ``device`` whose contents do not matter."""
-        if words not in pool:
-            pool[words] = jnp.zeros((words,), self._word, device=self._device[device])
-        return pool[words]
+            fn = self._allocs[key] = jax.jit(zeros, out_shardings=shardings)
+        return list(fn())
 
-    def _sent_slots(self, bucket: Bucket, device: int) -> list[int]:
-        return sorted(m.slot for m in bucket.sends(device))
+    # --------------------------------------------------------------------------- inspection
 
-    def _received_slots(self, bucket: Bucket, device: int) -> list[int]:
-        return sorted(m.slot for m in bucket.recvs(device))
-
-    def _spare_sizes(self, b: int, device: int) -> set[int]:
-        """Word counts of the rounds of bucket ``b`` in which ``device`` sends nothing."""
-        if b >= len(self.schedule.buckets):
-            return set()
-        bucket = self.schedule.buckets[b]
-        sent = set(self._sent_slots(bucket, device))
-        return {n // self._word.itemsize for t, n in enumerate(bucket.slot_bytes) if t not in sent}
-
-    # ------------------------------------------------------------------------------ programs
-
-    def _cached(self, key: Any, build: Any) -> Any:
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = build()
-        return program
-
-    def _init_sources(self, device: int) -> list[int]:
-        return [i for i in self._dst_leaves.get(device, ()) if (device, i) in self._copies]
-
-    def _allocate(self) -> list[jax.Array | None]:
-        """Fresh zero destination arrays, one compiled program per destination device set."""
-        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i, s in enumerate(self.dst_shardings):
-            if not math.prod(self.leaves[i].shape):
-                continue  # zero-size leaves are made in `_assemble`
-            if not s.addressable_devices:
-                continue  # multi-process: another process's destination; nothing to make here
-            groups[tuple(d.id for d in s.mesh.devices.flat)].append(i)
-        out: list[jax.Array | None] = [None] * len(self.leaves)
-        for key, leaf_ids in groups.items():
-
-            def build(leaf_ids: list[int] = leaf_ids) -> Any:
-                leaves = [self.leaves[i] for i in leaf_ids]
-
-                def alloc() -> tuple[jax.Array, ...]:
-                    return tuple(jnp.zeros(lf.shape, jnp.dtype(lf.dst_dtype)) for lf in leaves)
-
-                shardings = tuple(self.dst_shardings[i] for i in leaf_ids)
-                return jax.jit(alloc, out_shardings=shardings)
-
-            arrays = self._cached(("alloc", key), build)()
-            for i, arr in zip(leaf_ids, arrays, strict=True):
-                out[i] = arr
+    def transfer_texts(self) -> list[str]:
+        """Optimized HLO of each distinct transfer program (compiles them)."""
+        out = []
+        for program in dict.fromkeys(
+            s.transfer for s in self.lowered.steps if s.transfer is not None
+        ):
+            fn = self._transfer_fn(program)
+            args = _transfer_avals(program, self._union_sharding(program))
+            out.append(fn.lower(*args).compile().as_text())
         return out
 
-    def _init_program(self, device: int) -> Any:
-        """Writes the parts ``device`` already holds into its (donated) destination buffers.
+    def _union_sharding(self, program: TransferProgram) -> NamedSharding:
+        spec = MeshSpec.line(program.devices, GROUP_AXIS)
+        return NamedSharding(self.mesh(spec), PartitionSpec(GROUP_AXIS))
 
-        One program serves fresh and donated buffers alike, so a refit loop that starts without
-        ``donate=`` and continues with it compiles nothing after its first call. Only leaves
-        with a local part on ``device`` take part; devices with none run no init program.
-        """
+    def _transfer_fn(self, program: TransferProgram) -> Callable[..., Any]:
+        fn = self._transfers.get(program)
+        if fn is None:
+            mesh = self.mesh(MeshSpec.line(program.devices, GROUP_AXIS))
+            fn = self._transfers[program] = _build_transfer(program, mesh)
+        return fn
 
-        def build() -> Any:
-            leaf_ids = self._init_sources(device)
 
-            def init(*args: jax.Array) -> tuple[jax.Array, ...]:
-                given = dict(zip(leaf_ids, args[: len(leaf_ids)], strict=True))
-                outs = []
-                for i, old in zip(leaf_ids, args[len(leaf_ids) :], strict=True):
-                    leaf = self.leaves[i]
-                    dst_box = leaf.dst.box_of[device]
-                    dtype = jnp.dtype(leaf.dst_dtype)
-                    bits = to_bits(old)
-                    for box in self._copies.get((device, i), ()):
-                        src_box = shift(box, _origin(leaf.src.box_of[device]))
-                        part = read_bits(given[i], _origin(src_box), box_shape(src_box), dtype)
-                        if box == dst_box:
-                            bits = part
-                        else:
-                            bits = _write(bits, part, shift(box, _origin(dst_box)))
-                    outs.append(from_bits(bits, dtype))
-                return tuple(outs)
+def host_syncs(platforms: Iterable[str]) -> bool:
+    """Whether a call waits, before each transfer, for the previous step to finish.
 
-            n = len(leaf_ids)
-            return self._jit(init, device, tuple(range(n, 2 * n)))
+    XLA's CPU backend runs the devices' programs on one thread pool, and a collective-permute
+    needs every device's thread to reach it at once: with several steps in flight, the
+    programs queued behind a blocked collective can leave one device's part of it without a
+    thread, and XLA aborts after 40 s (seen here with no waits). So on CPU each step starts
+    once the previous one has finished. Elsewhere nothing waits: the pool bounds the staging,
+    and buffer dependencies order the steps.
+    """
+    return "cpu" in set(platforms)
 
-        return self._cached(("init", device), build)
 
-    # Pack and unpack programs are keyed by their structure (shapes, dtypes, chunk offsets),
-    # not by bucket: where a tensor is split over many buckets, or layers repeat, the buckets
-    # differ only in where their boxes start, which is then passed at run time. A plan compiles
-    # a few programs per device however many buckets it has. A structure that only one bucket
-    # has gets its starts baked in (index arithmetic on device costs compile time per box).
+# --------------------------------------------------------------------------- per-step runs
 
-    def _step(self, kind: str, b: int, device: int, layout: Any) -> _Step:
-        key, inputs, starts, build = layout(b, device)
-        if self._structure_count(kind, device, layout)[key] > 1:
-            program = self._cached(key, lambda: build(None))
-            return _Step(program, inputs, (self._index_array(starts, device),))
-        program = self._cached((*key, tuple(starts)), lambda: build(tuple(starts)))
-        return _Step(program, inputs, ())
 
-    def _structure_count(self, kind: str, device: int, layout: Any) -> collections.Counter:
-        def count() -> collections.Counter:
-            keys = collections.Counter()
-            for b, bucket in enumerate(self.schedule.buckets):
-                if (bucket.sends if kind == "pack" else bucket.recvs)(device):
-                    keys[layout(b, device)[0]] += 1
-            return keys
+@dataclasses.dataclass
+class _StepRun:
+    fresh: tuple[int, ...]
+    roles: dict[int, Roles]
+    packs: list[_PackRun]
+    transfer: _TransferRun | None
+    unpacks: list[_UnpackRun]
 
-        return self._cached(("count", kind, device), count)
 
-    def _pack_step(self, b: int, device: int) -> _Step:
-        return self._cached(
-            ("pack step", b, device), lambda: self._step("pack", b, device, self._pack_layout)
-        )
+@dataclasses.dataclass
+class _Staging:
+    """A step's buffers by role: ``send[device, slot index]``, ``recv[device, slot index]``
+    and ``idle[device][slot]`` (see `lower.Roles`)."""
 
-    def _pack_layout(self, b: int, device: int) -> tuple[Any, tuple, list[int], Any]:
-        def build() -> tuple[Any, tuple, list[int], Any]:
-            bucket = self.schedule.buckets[b]
-            word = self._word.itemsize
-            inputs: dict[tuple[int, bool], int] = {}
-            structure, starts = [], []
-            for m in sorted(bucket.sends(device), key=lambda m: m.slot):
-                segments = []
-                for seg in m.segments:
-                    index = inputs.setdefault((seg.leaf, seg.from_dst), len(inputs))
-                    leaf = self.leaves[seg.leaf]
-                    held = (leaf.dst if seg.from_dst else leaf.src).box_of[device]
-                    starts.extend(_origin(shift(seg.box, _origin(held))))
-                    segments.append((index, box_shape(seg.box)))
-                structure.append((bucket.slot_bytes[m.slot] // word, tuple(segments)))
-            avals = []
-            for leaf_id, from_dst in inputs:
-                leaf = self.leaves[leaf_id]
-                layout, dtype = (
-                    (leaf.dst, leaf.dst_dtype) if from_dst else (leaf.src, leaf.src_dtype)
-                )
-                avals.append((layout.shard_shape, dtype, leaf.dst_dtype))
-            key = ("pack", device, tuple(structure), tuple(avals), self._word.name)
+    send: dict[tuple[int, int], jax.Array] = dataclasses.field(default_factory=dict)
+    recv: dict[tuple[int, int], jax.Array] = dataclasses.field(default_factory=dict)
+    idle: dict[int, dict[Slot, jax.Array]] = dataclasses.field(
+        default_factory=lambda: defaultdict(dict)
+    )
 
-            def program(static: tuple[int, ...] | None) -> Any:
-                return self._build_pack(device, structure, avals, static)
 
-            return key, tuple(inputs), starts, program
+class _PackRun:
+    """One pack call, resolved: its program, table, and how to build its arguments."""
 
-        return self._cached(("pack layout", b, device), build)
+    def __init__(self, runtime: Runtime, call: PackCall, fn: Callable[..., Any]) -> None:
+        program = call.program
+        self.fn = fn
+        self.table = runtime.table(program.mesh, call.table)
+        self.mesh = runtime.mesh(program.mesh)
+        self.devices = [d for d in program.mesh.devices if d in runtime.local]
+        self.slots = {d: s for d, s in zip(program.mesh.devices, call.slots, strict=True)}
+        self.program_slots = program.slots
+        self.args = call.args
+        self.operands_spec = program.operands
+        self.split = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+        self.g = len(program.mesh.devices)
 
-    def _build_pack(
-        self, device: int, structure: list, avals: list, static: tuple[int, ...] | None
-    ) -> Any:
-        word = self._word
+    def operands(self, src: _Sources, dst: _Destinations) -> list[jax.Array]:
+        out = []
+        for (leaf, side), operand in zip(self.args, self.operands_spec, strict=True):
+            holder: _Sources | _Destinations = src if side == "src" else dst
+            if operand.spec is not None:
+                out.append(holder.array(leaf))
+            else:
+                out.append(_wrap(holder.buffers(leaf), self.devices, self.mesh, operand))
+        return out
 
-        def pack(*args: jax.Array) -> tuple[jax.Array, ...]:
-            starts, shards = (None, args) if static is not None else (args[0], args[1:])
-            chunks, k = [], 0
-            for words, segments in structure:
-                parts, used = [], 0
-                for index, shape in segments:
-                    _, _, dtype = avals[index]
-                    at = _starts(starts, static, k, len(shape))
-                    k += len(shape)
-                    part = bits_to_words(read_bits(shards[index], at, shape, dtype), word)
-                    parts.append(part)
-                    used += part.shape[0]
-                if used < words:
-                    parts.append(jnp.zeros((words - used,), word))
-                chunks.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-            return tuple(chunks)
-
-        return self._jit(pack, device, ())
-
-    def _unpack_step(self, b: int, device: int) -> _Step:
-        return self._cached(
-            ("unpack step", b, device),
-            lambda: self._step("unpack", b, device, self._unpack_layout),
-        )
-
-    def _unpack_layout(self, b: int, device: int) -> tuple[Any, tuple, list[int], Any]:
-        def build() -> tuple[Any, tuple, list[int], Any]:
-            bucket = self.schedule.buckets[b]
-            word = self._word.itemsize
-            leaves: dict[int, int] = {}
-            structure, starts = [], []
-            for m in sorted(bucket.recvs(device), key=lambda m: m.slot):
-                segments = []
-                for seg in m.segments:
-                    index = leaves.setdefault(seg.leaf, len(leaves))
-                    held = self.leaves[seg.leaf].dst.box_of[device]
-                    starts.extend(_origin(shift(seg.box, _origin(held))))
-                    segments.append((index, box_shape(seg.box), seg.offset // word))
-                structure.append((bucket.slot_bytes[m.slot] // word, tuple(segments)))
-            avals = tuple(
-                (self.leaves[i].dst.shard_shape, self.leaves[i].dst_dtype) for i in leaves
+    def staging(self, staging: _Staging) -> list[jax.Array]:
+        """The staging buffers the pack writes into (donated), per program slot."""
+        return [
+            jax.make_array_from_single_device_arrays(
+                (self.g * slot.words,),
+                self.split,
+                [staging.send[d, self.slots[d][k]] for d in self.devices],
             )
-            key = ("unpack", device, tuple(structure), avals, self._word.name)
-
-            def program(static: tuple[int, ...] | None) -> Any:
-                return self._build_unpack(device, structure, avals, static)
-
-            return key, tuple(leaves), starts, program
-
-        return self._cached(("unpack layout", b, device), build)
-
-    def _build_unpack(
-        self, device: int, structure: list, avals: tuple, static: tuple[int, ...] | None
-    ) -> Any:
-        word = self._word
-        n_chunks = len(structure)
-
-        def unpack(*args: jax.Array) -> tuple[jax.Array, ...]:
-            starts, args = (None, args) if static is not None else (args[0], args[1:])
-            chunks, shards = args[:n_chunks], args[n_chunks:]
-            out = [to_bits(x) for x in shards]
-            k = 0
-            for (_, segments), chunk in zip(structure, chunks, strict=True):
-                for index, shape, offset in segments:
-                    dtype = jnp.dtype(avals[index][1])
-                    size = math.prod(shape) * bits_dtype(dtype).itemsize // word.itemsize
-                    size *= 2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1
-                    raw = lax.slice(chunk, (offset,), (offset + size,))
-                    at = _starts(starts, static, k, len(shape))
-                    k += len(shape)
-                    out[index] = _write(out[index], words_to_bits(raw, dtype, shape), at)
-            return tuple(
-                from_bits(x, jnp.dtype(dtype)) for x, (_, dtype) in zip(out, avals, strict=True)
-            )
-
-        first = n_chunks + (static is None)
-        donated = tuple(range(first, first + len(avals)))
-        return self._jit(unpack, device, donated)
-
-    def _index_array(self, starts: list[int], device: int) -> jax.Array:
-        """Box starts of a step shared by several buckets: a few int32s uploaded once per plan
-        and kept on the device (plan metadata, not array data)."""
-        return jax.device_put(np.asarray(starts, np.int32), self._device[device])
-
-    def _transfer_program(self, b: int) -> Any:
-        bucket = self.schedule.buckets[b]
-        perms = tuple(
-            tuple((self._position[s], self._position[d]) for s, d in perm)
-            for perm in bucket.perms()
-        )
-
-        def build() -> Any:
-            def transfer(*chunks: jax.Array) -> tuple[jax.Array, ...]:
-                return tuple(
-                    lax.ppermute(chunk, AXIS, list(perm))
-                    for chunk, perm in zip(chunks, perms, strict=True)
-                )
-
-            spec = (PartitionSpec(AXIS),) * len(perms)
-            mapped = jax.shard_map(transfer, mesh=self._mesh, in_specs=spec, out_specs=spec)
-            return jax.jit(mapped)
-
-        return self._cached(("transfer", bucket.slot_bytes, perms), build)
-
-    def compiled_transfer_text(self, b: int) -> str:
-        """Optimized HLO of bucket ``b``'s transfer program (compiles it if needed)."""
-        assert self._mesh is not None
-        args = [
-            jax.ShapeDtypeStruct(
-                (len(self._position) * n // self._word.itemsize,),
-                self._word,
-                sharding=self._staging_sharding,
-            )
-            for n in self.schedule.buckets[b].slot_bytes
+            for k, slot in enumerate(self.program_slots)
         ]
-        return self._transfer_program(b).lower(*args).compile().as_text()
-
-    def _jit(self, fn: Any, device: int, donate: tuple[int, ...]) -> Any:
-        sharding = SingleDeviceSharding(self._device[device])
-        return jax.jit(fn, out_shardings=sharding, donate_argnums=donate)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """A compiled pack or unpack program with what one bucket feeds it on one device.
+class _TransferRun:
+    """The transfer of one step: which buffer each local device passes in each round."""
 
-    ``inputs`` are ``(leaf, from_dst)`` pairs for pack and leaf indices for unpack; ``starts``
-    are the boxes' start indices (on the device), the only thing that differs between buckets
-    sharing ``program``.
+    def __init__(self, runtime: Runtime, step: Step, local: Sequence[int]) -> None:
+        program = step.transfer
+        assert program is not None
+        self.fn = runtime._transfer_fn(program)
+        self.sharding = runtime._union_sharding(program)
+        self.slots = program.slots
+        self.local = list(local)
+        self.n = len(program.devices)
+        senders = step.senders()
+        self.sends = {(d, t) for d in local for t in range(len(program.slots)) if (d, t) in senders}
+
+    def run(
+        self, sent: Mapping[tuple[int, int], jax.Array], staging: _Staging
+    ) -> dict[tuple[int, int], jax.Array]:
+        sends, recvs = [], []
+        for t, slot in enumerate(self.slots):
+            send = [
+                sent[d, t] if (d, t) in self.sends else staging.idle[d][slot] for d in self.local
+            ]
+            recv = [staging.recv[d, t] for d in self.local]
+            shape = (self.n * slot.words,)
+            sends.append(jax.make_array_from_single_device_arrays(shape, self.sharding, send))
+            recvs.append(jax.make_array_from_single_device_arrays(shape, self.sharding, recv))
+        moved = self.fn(*sends, *recvs)
+        out = {}
+        for t, x in enumerate(moved):
+            for d, buf in _buffers(x).items():
+                out[d, t] = buf
+        return out
+
+
+class _UnpackRun:
+    """One unpack call, resolved."""
+
+    def __init__(self, runtime: Runtime, call: UnpackCall, fn: Callable[..., Any]) -> None:
+        program = call.program
+        self.fn = fn
+        self.table = runtime.table(program.mesh, call.table)
+        self.mesh = runtime.mesh(program.mesh)
+        self.devices = [d for d in program.mesh.devices if d in runtime.local]
+        self.slots = {d: s for d, s in zip(program.mesh.devices, call.slots, strict=True)}
+        self.program_slots = program.slots
+        self.sources = call.sources
+        self.targets = call.targets
+        self.source_ops = program.sources
+        self.target_ops = program.targets
+        self.split = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+        self.g = len(program.mesh.devices)
+
+    def chunks(self, received: Mapping[tuple[int, int], jax.Array]) -> list[jax.Array]:
+        out = []
+        for k, slot in enumerate(self.program_slots):
+            bufs = [received[d, self.slots[d][k]] for d in self.devices]
+            out.append(
+                jax.make_array_from_single_device_arrays((self.g * slot.words,), self.split, bufs)
+            )
+        return out
+
+    def arguments(self, src: _Sources, dst: _Destinations) -> list[jax.Array]:
+        out = []
+        for leaf, operand in zip(self.sources, self.source_ops, strict=True):
+            if operand.spec is not None:
+                out.append(src.array(leaf))
+            else:
+                out.append(_wrap(src.buffers(leaf), self.devices, self.mesh, operand))
+        for leaf, operand in zip(self.targets, self.target_ops, strict=True):
+            if operand.spec is not None:
+                out.append(dst.take_array(leaf))
+            else:
+                bufs = dst.take_buffers(leaf, self.devices)
+                out.append(_wrap(bufs, self.devices, self.mesh, operand))
+        return out
+
+    def store(self, outs: Sequence[jax.Array], dst: _Destinations) -> None:
+        for leaf, operand, out in zip(self.targets, self.target_ops, outs, strict=True):
+            if operand.spec is not None:
+                dst.set_array(leaf, out)
+            else:
+                dst.set_buffers(leaf, _buffers(out))
+
+
+# ------------------------------------------------------------------------------ leaf state
+
+
+class _Sources:
+    """The source arrays of a call; per-device buffers looked up once per leaf."""
+
+    def __init__(self, runtime: Runtime, arrays: Sequence[Any]) -> None:
+        self.arrays = arrays
+        self._buffers: dict[int, Buffers] = {}
+
+    def array(self, leaf: int) -> jax.Array:
+        return self.arrays[leaf]
+
+    def buffers(self, leaf: int) -> Buffers:
+        if leaf not in self._buffers:
+            self._buffers[leaf] = _buffers(self.arrays[leaf])
+        return self._buffers[leaf]
+
+
+class _Destinations:
+    """The destination of each leaf while a call runs: a whole array, or this process's
+    per-device buffers (after unpacks over groups of devices that are not the array's mesh).
     """
 
-    program: Any
-    inputs: tuple[Any, ...]
-    starts: tuple[jax.Array, ...]  # () when the starts are baked into the program
+    def __init__(self, runtime: Runtime, donate: Sequence[jax.Array] | None) -> None:
+        self.runtime = runtime
+        self.donated = donate is not None
+        n = len(runtime.leaves)
+        self._arrays: list[jax.Array | None] = list(donate) if donate is not None else [None] * n
+        self._buffers: list[Buffers | None] = [None] * n
+        self._pending: list[jax.Array] = []
+
+    def allocate(self, leaves: Sequence[int]) -> None:
+        mine = [i for i in leaves if self.runtime.dst_shardings[i].addressable_devices]
+        if mine:
+            for i, x in zip(mine, self.runtime.alloc(mine), strict=True):
+                self._arrays[i] = x
+                self._pending.append(x)
+
+    def pending(self) -> list[jax.Array]:
+        """Arrays written since the last call (what a profile waits for)."""
+        out, self._pending = self._pending, []
+        return out
+
+    def array(self, leaf: int) -> jax.Array:
+        if self._arrays[leaf] is None:
+            sharding = self.runtime.dst_shardings[leaf]
+            spec = self.runtime.leaves[leaf]
+            bufs = self._buffers[leaf] or {}
+            self._arrays[leaf] = jax.make_array_from_single_device_arrays(
+                spec.shape,
+                sharding,
+                [bufs[d.id] for d in sharding.addressable_devices],
+                dtype=jnp.dtype(spec.dst_dtype),
+            )
+            self._buffers[leaf] = None
+        return self._arrays[leaf]
+
+    def buffers(self, leaf: int) -> Buffers:
+        if self._buffers[leaf] is None:
+            self._buffers[leaf] = _buffers(self.array(leaf))
+            self._arrays[leaf] = None
+        return self._buffers[leaf]
+
+    def take_array(self, leaf: int) -> jax.Array:
+        """The leaf's whole array, to donate (its state is set again by `set_array`)."""
+        x = self.array(leaf)
+        self._arrays[leaf] = None
+        return x
+
+    def take_buffers(self, leaf: int, devices: Sequence[int]) -> Buffers:
+        """The leaf's buffers on ``devices``, to donate (set again by `set_buffers`)."""
+        bufs = self.buffers(leaf)
+        return {d: bufs.pop(d) for d in devices}
+
+    def set_array(self, leaf: int, x: jax.Array) -> None:
+        self._arrays[leaf], self._buffers[leaf] = x, None
+        self._pending.append(x)
+
+    def set_buffers(self, leaf: int, bufs: Buffers) -> None:
+        current = self._buffers[leaf]
+        if current is None:
+            current = self._buffers[leaf] = {}
+        current.update(bufs)
+        self._pending.extend(bufs.values())
+
+    def finish(self) -> list[jax.Array]:
+        return [self.array(i) for i in range(len(self.runtime.leaves))]
 
 
-# ------------------------------------------------------------------------------------ helpers
+# -------------------------------------------------------------------------------- programs
 
 
-def _all_devices(shardings: Sequence[Any]) -> list[jax.Device]:
-    devices = {d.id: d for d in jax.devices()}
-    for s in shardings:
-        for d in s.device_set:
-            devices[d.id] = d
-    return list(devices.values())
+def _split_spec(mesh: Mesh) -> PartitionSpec:
+    return PartitionSpec(tuple(mesh.axis_names))
 
 
-def _shards(x: jax.Array | jax.ShapeDtypeStruct) -> dict[int, jax.Array]:
-    """This process's per-device buffers of ``x`` (zero-copy views); none for a placeholder."""
-    if not isinstance(x, jax.Array):
-        return {}
+def _build_pack(
+    program: PackProgram, mesh: Mesh, specs: tuple[PartitionSpec, ...]
+) -> Callable[..., Any]:
+    n_ops, n_slots = len(program.operands), len(program.slots)
+    has_table = program.columns > 0
+    split = _split_spec(mesh)
+
+    def pack(*args: jax.Array) -> tuple[jax.Array, ...]:
+        row = args[0][0] if has_table else None
+        args = args[1:] if has_table else args
+        ops, bufs = args[:n_ops], list(args[n_ops:])
+        for r in program.reads:
+            at = _at(row, r.column, len(r.shape))
+            bits = read_bits(ops[r.operand], at, r.shape, r.wire)
+            words = bits_to_words(bits, program.slots[r.slot].word)
+            bufs[r.slot] = lax.dynamic_update_slice(bufs[r.slot], words, (np.int32(r.offset),))
+        return tuple(bufs)
+
+    in_specs = (split,) * has_table + specs + (split,) * n_slots
+    mapped = jax.shard_map(
+        pack, mesh=mesh, in_specs=in_specs, out_specs=(split,) * n_slots, check_vma=False
+    )
+    first = has_table + n_ops
+    return jax.jit(
+        mapped,
+        donate_argnums=tuple(range(first, first + n_slots)),
+        out_shardings=(NamedSharding(mesh, split),) * n_slots,
+    )
+
+
+def writes_in_place(dtype: Any, platform: str) -> bool:
+    """Whether XLA writes boxes into a donated array of ``dtype`` in place and bit for bit.
+
+    On the CPU backend XLA computes a ``dynamic-update-slice`` of bfloat16 or float8 values in
+    float32: it rewrites the whole array (no longer in place) and quietens NaN payloads. Those
+    dtypes (and complex and sub-byte types everywhere) are written as unsigned bits instead,
+    which is exact but costs one pass over the destination shard per program. Every other
+    dtype is written as it is, in place.
+    """
+    dtype = jnp.dtype(dtype)
+    if jax.dtypes.itemsize_bits(dtype) < 8 or jnp.issubdtype(dtype, jnp.complexfloating):
+        return False
+    if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating):
+        return dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+    return True
+
+
+def _build_unpack(
+    program: UnpackProgram, mesh: Mesh, specs: tuple[PartitionSpec, ...]
+) -> Callable[..., Any]:
+    n_slots, n_src = len(program.slots), len(program.sources)
+    n_tgt = len(program.targets)
+    has_table = program.columns > 0
+    split = _split_spec(mesh)
+    platform = mesh.devices.flat[0].platform
+    native = [writes_in_place(o.dtype, platform) for o in program.targets]
+
+    def unpack(*args: jax.Array) -> tuple[jax.Array, ...]:
+        row = args[0][0] if has_table else None
+        args = args[1:] if has_table else args
+        chunks = args[:n_slots]
+        sources = args[n_slots : n_slots + n_src]
+        # Targets written as they are (in place) or as unsigned bits (`writes_in_place`).
+        targets = args[n_slots + n_src :]
+        out = [x if n else to_bits(x) for x, n in zip(targets, native, strict=True)]
+        for w in program.writes:
+            dtype = program.targets[w.target].dtype
+            n = words_of(w.shape, dtype, program.slots[w.slot].word)
+            raw = lax.slice(chunks[w.slot], (w.offset,), (w.offset + n,))
+            part = words_to_bits(raw, dtype, w.shape)
+            if native[w.target]:
+                part = from_bits(part, dtype)
+            out[w.target] = write_bits(out[w.target], part, _at(row, w.column, len(w.shape)))
+        for c in program.copies:
+            dtype = program.targets[c.target].dtype
+            rank = len(c.shape)
+            part = read_bits(sources[c.source], _at(row, c.source_column, rank), c.shape, dtype)
+            if native[c.target]:
+                part = from_bits(part, dtype)
+            out[c.target] = write_bits(out[c.target], part, _at(row, c.target_column, rank))
+        return tuple(
+            x if n else from_bits(x, o.dtype)
+            for x, n, o in zip(out, native, program.targets, strict=True)
+        )
+
+    in_specs = (split,) * has_table + (split,) * n_slots + specs
+    out_specs = specs[n_src:]
+    mapped = jax.shard_map(
+        unpack, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+    first = has_table + n_slots + n_src
+    # Explicit output shardings: for a mesh with axes of size 1, the sharding read back from
+    # the compiled program could spell the spec differently from the caller's.
+    out_shardings = tuple(NamedSharding(mesh, spec) for spec in out_specs)
+    return jax.jit(
+        mapped, donate_argnums=tuple(range(first, first + n_tgt)), out_shardings=out_shardings
+    )
+
+
+def _build_transfer(program: TransferProgram, mesh: Mesh) -> Callable[..., Any]:
+    n = len(program.slots)
+    spec = PartitionSpec(GROUP_AXIS)
+
+    def transfer(*args: jax.Array) -> tuple[jax.Array, ...]:
+        # The second half (receive buffers) is unused: donated only so that XLA writes each
+        # round's result into it instead of into a fresh allocation.
+        return tuple(
+            lax.ppermute(x, GROUP_AXIS, list(perm))
+            for x, perm in zip(args[:n], program.perms, strict=True)
+        )
+
+    mapped = jax.shard_map(
+        transfer, mesh=mesh, in_specs=(spec,) * (2 * n), out_specs=(spec,) * n, check_vma=False
+    )
+    return jax.jit(mapped, donate_argnums=tuple(range(n, 2 * n)), keep_unused=True)
+
+
+def _transfer_avals(program: TransferProgram, sharding: NamedSharding) -> list[Any]:
+    shapes = [
+        jax.ShapeDtypeStruct((len(program.devices) * s.words,), np.dtype(s.word), sharding=sharding)
+        for s in program.slots
+    ]
+    return shapes + shapes
+
+
+def _at(row: jax.Array | None, column: int, rank: int) -> list[jax.Array]:
+    assert row is not None or rank == 0
+    return [row[column + i] for i in range(rank)]
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _buffers(x: jax.Array) -> Buffers:
+    """This process's per-device buffers of ``x`` (zero-copy views)."""
     return {s.device.id: s.data for s in x.addressable_shards}
 
 
-def _origin(box: Box) -> tuple[int, ...]:
-    return tuple(start for start, _ in box)
+def _wrap(bufs: Buffers, devices: Sequence[int], mesh: Mesh, operand: Operand) -> jax.Array:
+    """Per-device buffers as one array over ``mesh``, split on dimension 0 over all its axes
+    (rank 0: replicated; each device reads its own buffer). Zero-copy."""
+    arrays = [bufs[d] for d in devices]
+    if not operand.shard:
+        sharding = NamedSharding(mesh, PartitionSpec())
+        return jax.make_array_from_single_device_arrays((), sharding, arrays)
+    g = int(np.prod(mesh.devices.shape))
+    shape = (g * operand.shard[0], *operand.shard[1:])
+    sharding = NamedSharding(mesh, _split_spec(mesh))
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, arrays, dtype=jnp.dtype(operand.dtype)
+    )
 
 
-def _starts(starts: jax.Array | None, static: tuple[int, ...] | None, k: int, n: int) -> list[Any]:
-    """Start indices ``k .. k + n`` of a step: baked-in ints, or read from ``starts``."""
-    if static is not None:
-        return list(static[k : k + n])
-    return [starts[k + j] for j in range(n)]
+def _slot_of(buf: jax.Array) -> Slot:
+    return Slot(int(buf.shape[0]), np.dtype(buf.dtype).name)
 
 
-def _write(x: jax.Array, part: jax.Array, at: Box | Sequence[Any]) -> jax.Array:
-    """``x`` with ``part`` written from ``at`` (a box, or its start indices; in place when
-    ``x`` is donated)."""
-    starts = _origin(at) if at and isinstance(at[0], tuple) else tuple(at)
-    return lax.dynamic_update_slice(x, part, (*starts, *(0,) * (x.ndim - len(starts))))
+class _Clock:
+    """Adds each phase's wall time to ``profile`` (awaiting its outputs); inert without one."""
 
+    def __init__(self, profile: dict[str, float] | None) -> None:
+        self.profile = profile
+        self.t = time.perf_counter()
 
-# Every byte is moved as unsigned integers of the element's width: XLA's CPU backend computes
-# some ops on 16-bit floats in float32 and would quieten NaN payloads (bit-exactness is a
-# promise). A cast requested by the user is the only floating-point operation.
-
-
-def wire_itemsize(dtype: Any) -> int:
-    """Bytes one element of ``dtype`` takes in a staging buffer (sub-byte types take one)."""
-    return max(1, jnp.dtype(dtype).itemsize)
-
-
-def bits_dtype(dtype: Any) -> np.dtype:
-    """The unsigned type that carries ``dtype``'s bits (complex: per real component)."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return np.dtype(f"uint{dtype.itemsize * 4}")
-    return np.dtype(f"uint{wire_itemsize(dtype) * 8}")
-
-
-def bits_shape(shape: tuple[int, ...], dtype: Any) -> tuple[int, ...]:
-    """Shape of `to_bits` of an array: complex values gain a trailing (real, imag) axis."""
-    complex_ = jnp.issubdtype(jnp.dtype(dtype), jnp.complexfloating)
-    return (*shape, 2) if complex_ else tuple(shape)
-
-
-def to_bits(x: jax.Array) -> jax.Array:
-    """``x``'s bits as unsigned integers (a free bitcast for the common dtypes)."""
-    dtype = jnp.dtype(x.dtype)
-    if dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        x = jnp.stack([lax.real(x), lax.imag(x)], axis=-1)
-        return lax.bitcast_convert_type(x, bits_dtype(dtype))
-    width = jax.dtypes.itemsize_bits(dtype)
-    if width < 8:  # int4, fp4, ...: widen losslessly to one byte
-        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}")).astype(jnp.uint8)
-    return lax.bitcast_convert_type(x, bits_dtype(dtype))
-
-
-def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
-    """Inverse of `to_bits`."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bool_:
-        return bits != 0
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        real = lax.bitcast_convert_type(bits, jnp.finfo(dtype).dtype)
-        return lax.complex(real[..., 0], real[..., 1])
-    width = jax.dtypes.itemsize_bits(dtype)
-    if width < 8:
-        return lax.bitcast_convert_type(bits.astype(jnp.dtype(f"uint{width}")), dtype)
-    return lax.bitcast_convert_type(bits, dtype)
-
-
-def read_bits(shard: jax.Array, at: Sequence[Any], shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """The bits of the ``shape`` block of ``shard`` starting at ``at``, cast to ``dtype`` (the
-    cast runs only when dtypes differ). ``at`` may hold traced indices."""
-    if jnp.dtype(shard.dtype) != jnp.dtype(dtype):
-        return to_bits(lax.dynamic_slice(shard, tuple(at), shape).astype(dtype))
-    bits = to_bits(shard)
-    extra = bits.shape[len(shape) :]
-    return lax.dynamic_slice(bits, (*at, *(0,) * len(extra)), (*shape, *extra))
-
-
-def bits_to_words(bits: jax.Array, word: np.dtype) -> jax.Array:
-    """Unsigned-integer bits as a flat vector of ``word`` (no wider than the bits' type)."""
-    if bits.dtype != word:
-        bits = lax.bitcast_convert_type(bits, word)
-    return bits.reshape(-1)
-
-
-def words_to_bits(raw: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of `bits_to_words` for an array of ``dtype`` and ``shape``."""
-    target = bits_dtype(dtype)
-    full = bits_shape(shape, dtype)
-    if target == raw.dtype:
-        return raw.reshape(full)
-    ratio = target.itemsize // raw.dtype.itemsize
-    return lax.bitcast_convert_type(raw.reshape((*full, ratio)), target)
+    def mark(self, phase: str, outputs: Sequence[jax.Array]) -> None:
+        if self.profile is None:
+            return
+        jax.block_until_ready(outputs)
+        now = time.perf_counter()
+        self.profile[phase] = self.profile.get(phase, 0.0) + now - self.t
+        self.t = now

@@ -1,0 +1,577 @@
+"""From a schedule to the programs that run it: every step of a plan as pure data.
+
+Lowering is the last pure stage. Each bucket of the schedule becomes a `Step` of three kinds of
+program, each a frozen dataclass whose value *is* its structural identity, so that sharing a
+compiled program is a lookup by value:
+
+- `PackProgram`: runs SPMD over a mesh of senders. Each device copies boxes of its source
+  shards (or, for relays, of its destination shards), cast to the destination dtype, into its
+  staging slots (flat buffers of unsigned words, one per round it sends in);
+- `TransferProgram`: one collective-permute per round over the plan's *union* mesh (every
+  device that sends or receives), nothing else;
+- `UnpackProgram`: runs SPMD over a mesh of receivers. Each device copies words of its received
+  slots into boxes of its destination shards, and copies the parts it already holds from its
+  own source shards (local copies).
+
+Devices run one program together when they do the same copies up to where the boxes start
+(every device of a regular ``NamedSharding`` usually does). Box starts are therefore not part
+of a program: each call carries a table of them, one row per device, so the programs of a
+model's repeated layers, and of the slabs of a large leaf, are the same values and compile
+once. A program whose devices form a whole mesh of the plan's arrays takes those arrays as
+they are; any other group of devices runs over a 1-D mesh of its own, onto which the arrays'
+per-device buffers are re-wrapped without copying (``Operand.spec`` is then None).
+
+`staging` simulates the staging-buffer pool the runtime keeps (the same policy, `plan_pool`),
+so the plan reports exactly the staging memory a call holds.
+
+Nothing here imports JAX. tests/reference.py runs a `Lowered` on virtual devices with NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+from jaxreshard.plan.layout import AxisSpec, Box, Layout, MeshSpec, box_shape
+from jaxreshard.plan.route import LeafSpec, LocalCopy
+from jaxreshard.plan.schedule import Bucket, PlanStats, Schedule, Segment
+
+GROUP_AXIS = "jaxreshard"
+"""Axis name of the 1-D meshes of device groups (and of the union mesh of transfers)."""
+
+Starts = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A staging buffer of ``words`` unsigned integers of type ``word`` (e.g. ``"uint32"``)."""
+
+    words: int
+    word: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.words * int(self.word.removeprefix("uint")) // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An array argument of a program, as every device of the program's mesh holds it.
+
+    Attributes:
+      shard: the per-device shard shape.
+      dtype: its dtype name.
+      spec: the array's ``PartitionSpec`` over the program's mesh; None when the per-device
+        buffers are re-wrapped onto the program's mesh, split on dimension 0 over all of its
+        axes (a rank-0 shard is re-wrapped as replicated: every device reads its own buffer).
+    """
+
+    shard: tuple[int, ...]
+    dtype: str
+    spec: AxisSpec | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """Pack: the box of ``shape`` of operand ``operand`` starting at table columns
+    ``column ..``, cast to ``wire``, laid as words from word ``offset`` of slot ``slot``."""
+
+    slot: int
+    operand: int
+    shape: tuple[int, ...]
+    offset: int
+    wire: str
+    column: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """Unpack: words from ``offset`` of slot ``slot`` into the box of ``shape`` of target
+    ``target`` starting at table columns ``column ..``."""
+
+    slot: int
+    target: int
+    shape: tuple[int, ...]
+    offset: int
+    column: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Unpack: a local copy, the box of ``shape`` of source ``source`` (starts at table
+    columns ``source_column ..``), cast to the target's dtype, into target ``target`` (starts
+    at ``target_column ..``)."""
+
+    source: int
+    target: int
+    shape: tuple[int, ...]
+    source_column: int
+    target_column: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PackProgram:
+    """Every device of ``mesh`` fills ``slots`` (donated staging buffers) with ``reads``."""
+
+    mesh: MeshSpec
+    operands: tuple[Operand, ...]
+    slots: tuple[Slot, ...]
+    reads: tuple[Read, ...]
+    columns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UnpackProgram:
+    """Every device of ``mesh`` writes its received ``slots`` into ``targets`` (its destination
+    shards, donated) and does its local ``copies`` from ``sources`` (its source shards)."""
+
+    mesh: MeshSpec
+    slots: tuple[Slot, ...]
+    sources: tuple[Operand, ...]
+    targets: tuple[Operand, ...]
+    writes: tuple[Write, ...]
+    copies: tuple[Copy, ...]
+    columns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferProgram:
+    """One collective-permute per slot over the union mesh ``devices``: slot ``t`` moves from
+    position ``s`` to position ``d`` for every ``(s, d)`` in ``perms[t]``."""
+
+    devices: tuple[int, ...]
+    slots: tuple[Slot, ...]
+    perms: tuple[tuple[tuple[int, int], ...], ...]
+
+
+Arg = tuple[int, str]
+"""``(leaf, side)``: the leaf's source arrays (``"src"``) or destination arrays (``"dst"``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PackCall:
+    """One run of a pack program in a step.
+
+    Attributes:
+      program: what runs.
+      args: the array behind each operand.
+      slots: per device of ``program.mesh`` (in mesh order), the step's slot behind each
+        program slot. Devices lay their messages in a canonical order, not in round order, so
+        devices that send alike in different rounds share one program.
+      table: per device of ``program.mesh`` (in mesh order), its box starts.
+    """
+
+    program: PackProgram
+    args: tuple[Arg, ...]
+    slots: tuple[tuple[int, ...], ...]
+    table: tuple[Starts, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnpackCall:
+    """One run of an unpack program in a step: the leaves behind its sources and targets, and
+    per device of ``program.mesh`` the step's slot behind each program slot and its box starts
+    (as in `PackCall`)."""
+
+    program: UnpackProgram
+    sources: tuple[int, ...]
+    targets: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...]
+    table: tuple[Starts, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One bucket: packs, then the transfer, then unpacks.
+
+    Attributes:
+      unit: the schedule unit the step belongs to.
+      fresh: leaves whose destination arrays are created before this step when the caller
+        donates none (the first step of each unit).
+      slots: the step's staging slots (one per round).
+      packs, transfer, unpacks: the program runs. A step of local copies only has no packs and
+        no transfer.
+    """
+
+    unit: int
+    fresh: tuple[int, ...]
+    slots: tuple[Slot, ...]
+    packs: tuple[PackCall, ...]
+    transfer: TransferProgram | None
+    unpacks: tuple[UnpackCall, ...]
+
+    def senders(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """``(device, step slot) -> (pack call index, program slot)`` for every sent slot."""
+        out = {}
+        for c, call in enumerate(self.packs):
+            for device, slots in zip(call.program.mesh.devices, call.slots, strict=True):
+                for k, slot in enumerate(slots):
+                    out[device, slot] = (c, k)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """Every step of a plan, and the staging it needs.
+
+    Attributes:
+      union: the devices of every transfer (sorted ids); transfer positions index into it.
+      steps: in execution order.
+      staging_cap: the most staging bytes the pool keeps per device (``2 * bucket_bytes``).
+    """
+
+    union: tuple[int, ...]
+    steps: tuple[Step, ...]
+    staging_cap: int
+
+    def programs(self) -> set[PackProgram | TransferProgram | UnpackProgram]:
+        """The distinct programs (each is compiled once)."""
+        out: set[PackProgram | TransferProgram | UnpackProgram] = set()
+        for step in self.steps:
+            out.update(call.program for call in step.packs)
+            out.update(call.program for call in step.unpacks)
+            if step.transfer is not None:
+                out.add(step.transfer)
+        return out
+
+    def dispatches(self) -> int:
+        """Program runs of one call with donated destinations (no allocation)."""
+        return sum(len(s.packs) + len(s.unpacks) + (s.transfer is not None) for s in self.steps)
+
+
+# ----------------------------------------------------------------------------------- lowering
+
+
+def lower(leaves: Sequence[LeafSpec], schedule: Schedule, *, bucket_bytes: int) -> Lowered:
+    """Lower a unit schedule (`schedule.build_plan_schedule`) into steps of programs."""
+    union = tuple(sorted({d for b in schedule.buckets for m in b.messages for d in (m.src, m.dst)}))
+    position = {d: i for i, d in enumerate(union)}
+    by_unit: dict[int, list[Bucket]] = defaultdict(list)
+    for b in schedule.buckets:
+        by_unit[b.unit].append(b)
+    steps: list[Step] = []
+    for u, unit in enumerate(schedule.units):
+        buckets = by_unit.get(u, [])
+        if not buckets and (unit.local or unit.fresh):
+            steps.append(_step(leaves, None, unit.local, u, unit.fresh, position))
+        for i, bucket in enumerate(buckets):
+            local = unit.local if i == 0 else ()
+            steps.append(_step(leaves, bucket, local, u, unit.fresh if i == 0 else (), position))
+    return Lowered(union, tuple(steps), 2 * int(bucket_bytes))
+
+
+def _word_bytes(leaves: Sequence[LeafSpec], segments: Iterable[Segment]) -> int:
+    """The widest unsigned word every element of the bucket is made of (complex: per part)."""
+    sizes = [_bits_itemsize(leaves[s.leaf]) for s in segments]
+    return min(sizes, default=1)
+
+
+def _bits_itemsize(leaf: LeafSpec) -> int:
+    return leaf.itemsize // 2 if leaf.dst_dtype.startswith("complex") else leaf.itemsize
+
+
+def _step(
+    leaves: Sequence[LeafSpec],
+    bucket: Bucket | None,
+    local: Sequence[LocalCopy],
+    unit: int,
+    fresh: tuple[int, ...],
+    position: Mapping[int, int],
+) -> Step:
+    if bucket is None:
+        unpacks = _unpacks(leaves, {}, local, 1)
+        return Step(unit, fresh, (), (), None, unpacks)
+    w = _word_bytes(leaves, (seg for m in bucket.messages for seg in m.segments))
+    word = f"uint{8 * w}"
+    slots = tuple(Slot(n // w, word) for n in bucket.slot_bytes)
+    sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
+    got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
+    for m in bucket.messages:
+        sent[m.src][m.slot] = list(m.segments)
+        got[m.dst][m.slot] = list(m.segments)
+    perms = tuple(
+        tuple(sorted((position[s], position[d]) for s, d in perm)) for perm in bucket.perms()
+    )
+    transfer = TransferProgram(tuple(position), slots, perms)
+    packs = _packs(leaves, sent, slots, w)
+    unpacks = _unpacks(leaves, got, local, w, slots)
+    return Step(unit, fresh, slots, packs, transfer, unpacks)
+
+
+def _groups(signature: Mapping[int, object]) -> list[list[int]]:
+    """Devices with equal signatures, each group sorted, groups in order of their first id."""
+    by: dict[object, list[int]] = defaultdict(list)
+    for device in sorted(signature):
+        by[signature[device]].append(device)
+    return list(by.values())
+
+
+def _mesh_for(
+    group: Sequence[int], meshes: set[MeshSpec | None], name: str
+) -> tuple[MeshSpec, bool]:
+    """The mesh a group's program runs over: the arrays' own mesh when they all live on one
+    and the group is all of it (no re-wrapping), else a 1-D mesh of the group."""
+    if len(meshes) == 1:
+        (mesh,) = meshes
+        if mesh is not None and set(mesh.devices) == set(group):
+            return mesh, True
+    return MeshSpec.line(group, name), False
+
+
+def _operand(leaf: LeafSpec, side: str, native: bool) -> Operand:
+    layout = leaf.src if side == "src" else leaf.dst
+    dtype = leaf.src_dtype if side == "src" else leaf.dst_dtype
+    return Operand(layout.shard_shape, dtype, layout.spec if native else None)
+
+
+def _origin(box: Box) -> tuple[int, ...]:
+    return tuple(start for start, _ in box)
+
+
+def _relative(box: Box, held: Box) -> Starts:
+    return tuple(b - h for (b, _), (h, _) in zip(box, held, strict=True))
+
+
+Message = tuple[int, tuple[Segment, ...]]
+"""``(step slot, segments)``: what one device sends (or receives) in one round."""
+
+
+def _messages(by_slot: Mapping[int, list[Segment]], slots: Sequence[Slot], key) -> list[Message]:
+    """A device's messages in canonical order: by size and structure (``key`` of each
+    segment), then by round, so that devices doing the same copies in different rounds have
+    equal programs."""
+    messages = [(t, tuple(segs)) for t, segs in by_slot.items()]
+    return sorted(messages, key=lambda m: (_slot_key(slots[m[0]]), [key(g) for g in m[1]], m[0]))
+
+
+def _slot_key(slot: Slot) -> tuple[int, str]:
+    return slot.words, slot.word
+
+
+def _packs(
+    leaves: Sequence[LeafSpec],
+    sent: Mapping[int, Mapping[int, list[Segment]]],
+    slots: Sequence[Slot],
+    w: int,
+) -> tuple[PackCall, ...]:
+    def arg(seg: Segment) -> Arg:
+        return seg.leaf, "dst" if seg.from_dst else "src"
+
+    def key(seg: Segment) -> tuple[object, ...]:
+        return arg(seg), box_shape(seg.box), seg.offset
+
+    messages = {d: _messages(by_slot, slots, key) for d, by_slot in sent.items()}
+    signature = {
+        d: tuple((slots[t], tuple(key(g) for g in segs)) for t, segs in ms)
+        for d, ms in messages.items()
+    }
+    calls = []
+    for group in _groups(signature):
+        canonical = messages[group[0]]
+        args = tuple(dict.fromkeys(arg(g) for _, segs in canonical for g in segs))
+        mesh, native = _mesh_for(group, {_layout(leaves, a).mesh for a in args}, GROUP_AXIS)
+        index = {a: i for i, a in enumerate(args)}
+        reads, column = [], 0
+        for k, (_, segs) in enumerate(canonical):
+            for g in segs:
+                shape = box_shape(g.box)
+                wire = leaves[g.leaf].dst_dtype
+                reads.append(Read(k, index[arg(g)], shape, g.offset // w, wire, column))
+                column += len(shape)
+        program = PackProgram(
+            mesh,
+            tuple(_operand(leaves[leaf], side, native) for leaf, side in args),
+            tuple(slots[t] for t, _ in canonical),
+            tuple(reads),
+            column,
+        )
+        table = tuple(
+            tuple(
+                x
+                for _, segs in messages[d]
+                for g in segs
+                for x in _relative(g.box, _layout(leaves, arg(g)).box_of[d])
+            )
+            for d in mesh.devices
+        )
+        per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
+        calls.append(PackCall(program, args, per_device, table))
+    return tuple(calls)
+
+
+def _layout(leaves: Sequence[LeafSpec], arg: Arg) -> Layout:
+    leaf, side = arg
+    return leaves[leaf].src if side == "src" else leaves[leaf].dst
+
+
+def _unpacks(
+    leaves: Sequence[LeafSpec],
+    got: Mapping[int, Mapping[int, list[Segment]]],
+    local: Sequence[LocalCopy],
+    w: int,
+    slots: Sequence[Slot] = (),
+) -> tuple[UnpackCall, ...]:
+    def key(seg: Segment) -> tuple[object, ...]:
+        return seg.leaf, box_shape(seg.box), seg.offset
+
+    copies: dict[int, list[LocalCopy]] = defaultdict(list)
+    for c in sorted(local, key=lambda c: (c.leaf, box_shape(c.box), c.box)):
+        copies[c.device].append(c)
+    devices = set(got) | set(copies)
+    messages = {d: _messages(got.get(d, {}), slots, key) for d in devices}
+    signature = {
+        d: (
+            tuple((slots[t], tuple(key(g) for g in segs)) for t, segs in messages[d]),
+            tuple((c.leaf, box_shape(c.box)) for c in copies.get(d, ())),
+        )
+        for d in devices
+    }
+    calls = []
+    for group in _groups(signature):
+        canonical = messages[group[0]]
+        copies_in = copies.get(group[0], [])
+        targets = tuple(
+            dict.fromkeys(
+                [*(g.leaf for _, segs in canonical for g in segs)] + [c.leaf for c in copies_in]
+            )
+        )
+        sources = tuple(dict.fromkeys(c.leaf for c in copies_in))
+        mesh, native = _mesh_for(group, {leaves[i].dst.mesh for i in targets}, GROUP_AXIS)
+        target_of = {leaf: k for k, leaf in enumerate(targets)}
+        source_of = {leaf: k for k, leaf in enumerate(sources)}
+        writes, column = [], 0
+        for k, (_, segs) in enumerate(canonical):
+            for g in segs:
+                shape = box_shape(g.box)
+                writes.append(Write(k, target_of[g.leaf], shape, g.offset // w, column))
+                column += len(shape)
+        program_copies = []
+        for c in copies_in:
+            shape = box_shape(c.box)
+            program_copies.append(
+                Copy(source_of[c.leaf], target_of[c.leaf], shape, column, column + len(shape))
+            )
+            column += 2 * len(shape)
+        program = UnpackProgram(
+            mesh,
+            tuple(slots[t] for t, _ in canonical),
+            tuple(
+                _operand(leaves[i], "src", native and leaves[i].src.mesh == mesh) for i in sources
+            ),
+            tuple(_operand(leaves[i], "dst", native) for i in targets),
+            tuple(writes),
+            tuple(program_copies),
+            column,
+        )
+        table = tuple(_unpack_row(leaves, d, messages[d], copies.get(d, ())) for d in mesh.devices)
+        per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
+        calls.append(UnpackCall(program, sources, targets, per_device, table))
+    return tuple(calls)
+
+
+def _unpack_row(
+    leaves: Sequence[LeafSpec],
+    device: int,
+    messages: Sequence[Message],
+    copies: Sequence[LocalCopy],
+) -> Starts:
+    row: list[int] = []
+    for _, segs in messages:
+        for g in segs:
+            row.extend(_relative(g.box, leaves[g.leaf].dst.box_of[device]))
+    for c in copies:
+        row.extend(_relative(c.box, leaves[c.leaf].src.box_of[device]))
+        row.extend(_relative(c.box, leaves[c.leaf].dst.box_of[device]))
+    return tuple(row)
+
+
+# ------------------------------------------------------------------------------------ staging
+
+
+Shape = Slot
+"""A staging buffer is identified by its `Slot` (word count and word type)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """The staging buffers one device uses in one step.
+
+    Attributes:
+      recv: ``(slot index, slot)`` of every round: the buffer it receives into (donated to
+        the transfer).
+      send: ``(slot index, slot)`` of every round it sends in: the buffer its pack fills
+        (donated to the pack).
+      idle: the distinct slots of the rounds it sends nothing in: a buffer of that size is
+        passed to the transfer and never read (one per size, shared by its rounds).
+    """
+
+    recv: tuple[tuple[int, Slot], ...]
+    send: tuple[tuple[int, Slot], ...]
+    idle: tuple[Slot, ...]
+
+    def need(self) -> Counter[Slot]:
+        return Counter([*(s for _, s in self.recv), *(s for _, s in self.send), *self.idle])
+
+
+def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
+    """The staging buffers each device of ``union`` uses in ``step`` (none without a
+    transfer)."""
+    if step.transfer is None:
+        return {}
+    senders = step.senders()
+    out = {}
+    for d in union:
+        recv = tuple(enumerate(step.slots))
+        send = tuple((t, s) for t, s in recv if (d, t) in senders)
+        idle = tuple(dict.fromkeys(s for t, s in recv if (d, t) not in senders))
+        out[d] = Roles(recv, send, idle)
+    return out
+
+
+def plan_pool(
+    pool: Counter[Slot], need: Counter[Slot], cap: int
+) -> tuple[Counter[Slot], Counter[Slot]]:
+    """The pool policy: which buffers to free and which to allocate before a step.
+
+    ``pool`` holds buffers kept from earlier steps (and calls). Buffers the step does not use
+    are freed, largest first, while keeping them would take the pool past ``cap`` bytes once
+    the missing ones are allocated. Returns ``(free, allocate)``.
+    """
+    missing = need - pool
+    spare = pool - need
+    held = sum(s.nbytes * n for s, n in pool.items())
+    grow = sum(s.nbytes * n for s, n in missing.items())
+    free: Counter[Slot] = Counter()
+    for slot in sorted(spare, key=lambda s: (-s.nbytes, s.word, s.words)):
+        while spare[slot] and held + grow > cap:
+            spare[slot] -= 1
+            free[slot] += 1
+            held -= slot.nbytes
+    return free, missing
+
+
+def staging(lowered: Lowered) -> dict[int, int]:
+    """Peak staging bytes per device over one call, starting from an empty pool (the first
+    call) and, since the pool is kept, also over a second call starting from the first's."""
+    pools: dict[int, Counter[Slot]] = {d: Counter() for d in lowered.union}
+    peak = dict.fromkeys(lowered.union, 0)
+    for _ in range(2):
+        for step in lowered.steps:
+            for d, roles in step_roles(step, lowered.union).items():
+                free, allocate = plan_pool(pools[d], roles.need(), lowered.staging_cap)
+                pools[d] = pools[d] - free + allocate
+                peak[d] = max(peak[d], sum(s.nbytes * n for s, n in pools[d].items()))
+    return peak
+
+
+def with_lowered(stats: PlanStats, lowered: Lowered) -> PlanStats:
+    """``stats`` with what the lowering knows: staging as the runtime's pool holds it (the
+    peak over two calls, see `staging`), programs and dispatches per call."""
+    return dataclasses.replace(
+        stats,
+        staging_bytes=max(staging(lowered).values(), default=0),
+        programs=len(lowered.programs()),
+        dispatches=lowered.dispatches(),
+        host_syncs=0,
+    )
