@@ -160,11 +160,108 @@ MULTIHOST_MUTANTS = [
     ),
 ]
 
+LOWER = "jaxreshard/plan/lower.py"
+SCHEDULE = "jaxreshard/plan/schedule.py"
+RUNTIME = "jaxreshard/run/runtime.py"
+T_LOWER = "tests/test_lower.py"
+
 EXECUTOR_MUTANTS: list[Mutant] = [
-    # Scheduler and executor mutants (jaxreshard/plan/schedule.py, jaxreshard/plan/lower.py,
-    # jaxreshard/run/runtime.py) go here once their rewrite has landed, each with the test that
-    # must catch it, e.g. a dropped last chunk, a skipped plan agreement, rounds above the
-    # busiest device's degree, staging above the documented bound.
+    Mutant(
+        "lower-read-offset-off-by-one",
+        LOWER,
+        (
+            (
+                "reads.append(Read(k, index[arg(g)], shape, g.offset // w, wire, column))",
+                "reads.append(Read(k, index[arg(g)], shape, g.offset // w + 1, wire, column))",
+            ),
+        ),
+        (f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard[disjoint gpt]",),
+        "pack lays each box one word past where the unpack reads it",
+    ),
+    Mutant(
+        "lower-drops-local-copies",
+        LOWER,
+        (
+            (
+                "    unpacks = _unpacks(leaves, got, local, w, slots)",
+                "    unpacks = _unpacks(leaves, got, (), w, slots)",
+            ),
+        ),
+        (
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
+            "[colocated with local copies]",
+            "tests/test_reshard.py::test_layout_pair[colocated, other mesh and device order]",
+        ),
+        "the local copies of a step with a transfer are never done",
+    ),
+    Mutant(
+        "lower-tables-in-reverse-device-order",
+        LOWER,
+        (
+            (
+                "        calls.append(PackCall(program, args, per_device, table))",
+                "        calls.append(PackCall(program, args, per_device, table[::-1]))",
+            ),
+        ),
+        (
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard[disjoint gpt]",
+            "tests/test_reshard.py::test_layout_pair[disjoint fsdp2xtp2 -> tp4]",
+        ),
+        "each device of a pack reads its boxes at another device's starts",
+    ),
+    Mutant(
+        "schedule-drops-last-chunk",
+        SCHEDULE,
+        (("    return [tuple(c) for c in chunks]", "    return [tuple(c) for c in chunks[:-1]]"),),
+        (
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
+            "[disjoint gpt, small buckets]",
+        ),
+        "the last chunk of every stream is never sent",
+    ),
+    Mutant(
+        "schedule-buckets-past-the-limit",
+        SCHEDULE,
+        (
+            (
+                "            if group and sum(s for s, _ in group) + size > cap:",
+                "            if group and sum(s for s, _ in group) + size > 4 * cap:",
+            ),
+        ),
+        (
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
+            "[disjoint gpt, small buckets]",
+        ),
+        "rounds are grouped into buckets of up to four times bucket_bytes (staging above two "
+        "buckets)",
+    ),
+    Mutant(
+        "lower-staging-forgets-idle-buffers",
+        LOWER,
+        (
+            (
+                "        idle = tuple(dict.fromkeys(s for t, s in recv if (d, t) not in senders))",
+                "        idle = ()",
+            ),
+        ),
+        ("tests/test_compiled.py::test_staging_held_by_the_runtime_is_what_the_plan_reports",),
+        "the staging the plan reports leaves out the buffers passed for rounds a device sends "
+        "nothing in (the runtime holds more than reported)",
+    ),
+    Mutant(
+        "runtime-bfloat16-written-in-place-on-cpu",
+        RUNTIME,
+        (
+            (
+                "        return dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), "
+                "jnp.dtype(jnp.float64))",
+                "        return True",
+            ),
+        ),
+        ("tests/test_reshard.py::test_every_dtype_is_moved_bit_for_bit[bfloat16]",),
+        "bfloat16 destinations written with XLA's CPU dynamic-update-slice (via float32: NaN "
+        "payloads quietened)",
+    ),
 ]
 
 MUTANTS: list[Mutant] = PLANNER_MUTANTS + MULTIHOST_MUTANTS + EXECUTOR_MUTANTS
