@@ -108,6 +108,11 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
     load stays within the optimum, since every new (sender, receiver) pair costs a message and
     possibly a round. If that greedy pass overshoots the optimum anywhere, the plain
     quota-following pass (optimal up to whole rows) is used instead.
+
+    A third candidate, `_rotate`, hands the same region to the replicas in turn (receivers in
+    id order), with no regard to quotas. Where it is as balanced and needs no more (sender,
+    receiver) pairs, it wins the tie: its senders then send alike (every replica the same
+    shapes), which lets the executor run them as one SPMD program (`jaxreshard.plan.lower`).
     """
     totals: dict[tuple[int, ...], int] = defaultdict(int)
     for demand in demands:
@@ -118,8 +123,48 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
         optimum[sender] += nbytes
     plain = _hand_out(demands, dict(quota), None)
     paired = _hand_out(demands, dict(quota), max(optimum.values(), default=0))
-    chosen = paired if _busiest(paired) <= _busiest(plain) else plain
+    options = [_rotate(demands), paired, plain]
+    chosen = min(options, key=lambda sent: (_busiest(sent), _pairs(sent), _shapes(sent)))
     return sorted((s.piece for s in chosen), key=lambda p: (p.src, p.dst, p.leaf, p.box))
+
+
+def _rotate(demands: Sequence[_Demand]) -> list[_Sent]:
+    """Deterministic, symmetric sender choice, blind to quotas.
+
+    Demands with one candidate fix their (sender, receiver) pairs first. Every other demand
+    takes, among its candidates already paired with its receiver (or else among all of them),
+    the next in turn: turns are counted per set of choices, receivers in id order. Where the
+    layouts are regular this gives every sender the same pieces, and replicated small leaves
+    (biases, norms) ride on the pairs the large ones need anyway.
+    """
+    out = []
+    pairs: set[tuple[int, int]] = set()
+    shared = []
+    for d in demands:
+        if len(d.candidates) == 1:
+            out.append(_Sent(Piece(d.leaf, d.candidates[0], d.dst, d.box), d.nbytes))
+            pairs.add((d.candidates[0], d.dst))
+        else:
+            shared.append(d)
+    turn: dict[tuple[int, ...], int] = defaultdict(int)
+    for d in sorted(shared, key=lambda d: (d.candidates, d.leaf, d.box, d.dst)):
+        choices = tuple(s for s in d.candidates if (s, d.dst) in pairs) or d.candidates
+        sender = choices[turn[choices] % len(choices)]
+        turn[choices] += 1
+        out.append(_Sent(Piece(d.leaf, sender, d.dst, d.box), d.nbytes))
+    return out
+
+
+def _pairs(sent: Sequence[_Sent]) -> int:
+    return len({(s.piece.src, s.piece.dst) for s in sent})
+
+
+def _shapes(sent: Sequence[_Sent]) -> int:
+    """How many different lists of piece shapes the senders send (1: all alike)."""
+    shapes: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+    for s in sent:
+        shapes[s.src].append(tuple(b - a for a, b in s.piece.box))
+    return len({tuple(sorted(v)) for v in shapes.values()})
 
 
 def _busiest(sent: Sequence[_Sent]) -> int:

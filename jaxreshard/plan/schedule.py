@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -229,10 +229,13 @@ class PlanStats:
     host_syncs: int = 0
 
 
-MAX_UNIT_LEAVES = 64
-"""Most leaves in one unit. A unit's pack and unpack programs hold one copy per piece, so their
-compile time grows with the leaves in a unit; capping it keeps the first call's cost flat in the
-number of layers (repeated units share programs) at the price of more, smaller buckets."""
+MAX_UNIT_COPIES = 24
+"""Most pieces one device sends, or receives, in one unit. A unit's pack and unpack programs hold
+one copy per piece, and XLA compiles each copy on its own (about 20 ms each on this project's
+CPU), so a unit's first call costs about 40 ms per piece of its busiest device. Capping it keeps
+each program small; repeated units (a model's layers) share their programs, so the first call
+stays flat in the number of layers, at the price of more, smaller buckets for models whose layers
+are tiny."""
 
 
 def split_units(
@@ -240,19 +243,25 @@ def split_units(
     assignment: Assignment,
     *,
     bucket_bytes: int,
-    max_leaves: int = MAX_UNIT_LEAVES,
+    max_copies: int = MAX_UNIT_COPIES,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
-    Leaves are taken in tree order. A unit ends before a leaf that would take some device's
-    sending or receiving past ``bucket_bytes``, before a leaf on other meshes (programs run per
-    mesh), and at ``max_leaves`` leaves; a full unit gives back its leaves from the last one that
-    repeats its first (`_cut_at`), so that a model's repeated layers fall into units of whole
-    layers, cut the same way every time, which then share their programs. A leaf that alone
-    exceeds a bucket is cut into ``K`` slabs: every piece split into ``K`` near-equal row
-    ranges, slab ``k`` of every piece in unit ``k``, so each slab is balanced over the devices
-    like the whole leaf. Its relays (stage 1) go with its last slab, after every part they
-    forward has arrived.
+    A unit never takes some device's sending or receiving past ``bucket_bytes``, never gives a
+    device more than ``max_copies`` pieces to send or receive (`MAX_UNIT_COPIES`), and never
+    mixes meshes (programs run per mesh).
+
+    *Repeats.* A model's layers make the tree periodic: the same leaf shapes, layouts and
+    dtypes every ``p`` leaves. `_period` finds the longest such stretch; inside it units hold
+    whole periods (as many as fit), or, when one period does not fit, every period is cut
+    the same way. Equal units lower to equal programs, so the programs, and the first call's
+    compile time, do not grow with the number of layers. Outside the stretch leaves are cut
+    greedily in tree order.
+
+    *Large leaves.* A leaf that alone exceeds a bucket is cut into ``K`` slabs: every piece
+    split into ``K`` near-equal row ranges, slab ``k`` of every piece in unit ``k``, so each
+    slab is balanced over the devices like the whole leaf. Its relays (stage 1) go with its
+    last slab, after every part they forward has arrived.
     """
     pieces_of: dict[int, list[Piece]] = defaultdict(list)
     local_of: dict[int, list[LocalCopy]] = defaultdict(list)
@@ -261,65 +270,118 @@ def split_units(
     for c in assignment.local:
         local_of[c.leaf].append(c)
     loads = [_load(leaf, pieces_of[i]) for i, leaf in enumerate(leaves)]
-    units: list[Unit] = []
-    run: list[int] = []
-    for index, leaf in enumerate(leaves):
-        out, into = loads[index]
-        largest = max([*out.values(), *into.values(), 0])
-        if largest > bucket_bytes:
-            if run:
-                units.append(_unit(run, pieces_of, local_of))
+    ids: dict[tuple[object, ...], int] = {}
+    signatures = [ids.setdefault(_signature(leaf), len(ids)) for leaf in leaves]
+
+    def cut(indices: range) -> list[tuple[str, list[int], int]]:
+        """Greedy parts of ``indices``: ("run", leaves, 0) or ("slab", [leaf], k)."""
+        parts: list[tuple[str, list[int], int]] = []
+        run: list[int] = []
+        for index in indices:
+            out, into, _, _ = loads[index]
+            largest = max([*out.values(), *into.values(), 0])
+            if largest > bucket_bytes:
+                if run:
+                    parts.append(("run", run, 0))
+                    run = []
+                parts.append(("slab", [index], -(-largest // bucket_bytes)))
+                continue
+            fits = _meshes(leaves[run[0]]) == _meshes(leaves[index]) if run else True
+            if not (fits and _fits([*run, index], loads, bucket_bytes, max_copies)):
+                parts.append(("run", run, 0))
                 run = []
-            units.extend(_slabs(index, -(-largest // bucket_bytes), pieces_of, local_of))
-            continue
-        while run and not (
-            len(run) < max_leaves
-            and _meshes(leaves[run[0]]) == _meshes(leaf)
-            and _fits([*run, index], loads, bucket_bytes)
+            run.append(index)
+        if run:
+            parts.append(("run", run, 0))
+        return parts
+
+    parts: list[tuple[str, list[int], int]] = []
+    start, stretch = 0, _period(signatures)
+    if stretch is not None:
+        a, p, m = stretch
+        parts += cut(range(0, a))
+        whole = 0  # how many periods fit one unit
+        while (
+            whole < m
+            and _fits(range(a, a + (whole + 1) * p), loads, bucket_bytes, max_copies)
+            and len({_meshes(leaves[i]) for i in range(a, a + (whole + 1) * p)}) == 1
         ):
-            cut = _cut_at(run, leaves)
-            units.append(_unit(run[:cut], pieces_of, local_of))
-            run = run[cut:]
-        run.append(index)
-    if run:
-        units.append(_unit(run, pieces_of, local_of))
+            whole += 1
+        if whole:
+            for j in range(0, m, whole):
+                parts.append(("run", list(range(a + j * p, a + min(j + whole, m) * p)), 0))
+        else:  # one period is too large: cut the first, and every other one alike
+            pattern = cut(range(a, a + p))
+            for j in range(m):
+                parts += [(kind, [i + j * p for i in idx], k) for kind, idx, k in pattern]
+        start = a + m * p
+    parts += cut(range(start, len(leaves)))
+    units: list[Unit] = []
+    for kind, indices, k in parts:
+        if kind == "slab":
+            units.extend(_slabs(indices[0], k, pieces_of, local_of))
+        else:
+            units.append(_unit(indices, pieces_of, local_of))
     return tuple(units)
 
 
-Load = tuple[dict[int, int], dict[int, int]]
+MAX_PERIOD = 256
+"""The longest repeat (in leaves) `_period` looks for: a model layer has well under 256."""
+
+
+def _period(signatures: Sequence[int]) -> tuple[int, int, int] | None:
+    """The longest stretch of whole repeats in a sequence of leaf signatures.
+
+    Returns ``(start, period, repeats)``: ``signatures[start : start + repeats * period]`` is
+    ``repeats >= 2`` copies of one block of ``period`` leaves, the stretch covering the most
+    leaves (the shortest period among equals); None when nothing repeats.
+    """
+    n = len(signatures)
+    best: tuple[int, int, int, int] | None = None  # (covered, -period, start, repeats)
+    for p in range(1, min(MAX_PERIOD, n // 2) + 1):
+        i = 0
+        while i + p < n:
+            if signatures[i] != signatures[i + p]:
+                i += 1
+                continue
+            j = i
+            while j + p < n and signatures[j] == signatures[j + p]:
+                j += 1
+            repeats = (j + p - i) // p  # [i, j + p) has period p
+            if repeats >= 2:
+                key = (repeats * p, -p, i, repeats)
+                if best is None or key[:2] > best[:2]:
+                    best = key
+            i = j + 1
+    if best is None:
+        return None
+    _, neg_p, start, repeats = best
+    return start, -neg_p, repeats
+
+
+Load = tuple[dict[int, int], dict[int, int], Counter[int], Counter[int]]
 
 
 def _load(leaf: LeafSpec, pieces: Sequence[Piece]) -> Load:
-    """Bytes a leaf has each device send and receive."""
+    """Bytes a leaf has each device send and receive, and how many pieces."""
     out: dict[int, int] = defaultdict(int)
     into: dict[int, int] = defaultdict(int)
     for p in pieces:
         n = box_size(p.box) * leaf.itemsize
         out[p.src] += n
         into[p.dst] += n
-    return out, into
+    return out, into, Counter(p.src for p in pieces), Counter(p.dst for p in pieces)
 
 
-def _fits(run: Sequence[int], loads: Sequence[Load], bucket_bytes: int) -> bool:
-    for side in (0, 1):
+def _fits(run: Iterable[int], loads: Sequence[Load], bucket_bytes: int, max_copies: int) -> bool:
+    for side, limit in ((0, bucket_bytes), (1, bucket_bytes), (2, max_copies), (3, max_copies)):
         total: dict[int, int] = defaultdict(int)
         for i in run:
             for d, n in loads[i][side].items():
                 total[d] += n
-        if any(n > bucket_bytes for n in total.values()):
+        if any(n > limit for n in total.values()):
             return False
     return True
-
-
-def _cut_at(run: Sequence[int], leaves: Sequence[LeafSpec]) -> int:
-    """Where a full unit ends: before the last leaf that repeats the unit's first (a model's
-    layer starts with the same leaf every time), so that units hold whole repeats and the
-    units after them start alike; at the end when nothing repeats."""
-    first = _signature(leaves[run[0]])
-    for k in range(len(run) - 1, 0, -1):
-        if _signature(leaves[run[k]]) == first:
-            return k
-    return len(run)
 
 
 def _signature(leaf: LeafSpec) -> tuple[object, ...]:
@@ -387,7 +449,7 @@ def build_plan_schedule(
     bucket_bytes: int,
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
-    max_leaves: int = MAX_UNIT_LEAVES,
+    max_copies: int = MAX_UNIT_COPIES,
 ) -> Schedule:
     """The schedule of a whole plan: `split_units`, then each unit scheduled on its own by
     `build_schedule` (same options), its buckets in order.
@@ -395,7 +457,7 @@ def build_plan_schedule(
     One chunk size per link class serves every unit (chosen over all units' streams by
     `chunk_sizes`), and tails travel in rounds of `ladder_size`: round sizes are the shapes of
     the staging buffers the runtime reuses, so a plan should have few of them."""
-    units = split_units(leaves, assignment, bucket_bytes=bucket_bytes, max_leaves=max_leaves)
+    units = split_units(leaves, assignment, bucket_bytes=bucket_bytes, max_copies=max_copies)
     sizes: dict[tuple[Any, tuple[int, int]], int] = defaultdict(int)
     for u, unit in enumerate(units):
         for p in unit.pieces:
