@@ -334,6 +334,10 @@ class Scenario:
     family: str = ""
     kind: str = "timing"
 
+    def describe(self, args: argparse.Namespace) -> str:
+        """``what`` with this run's sizes filled in."""
+        return self.what.format(a=args)
+
 
 def _gpt_default(a: argparse.Namespace) -> Tree:
     return gpt_tree(a.size_mib, a.layers)
@@ -344,76 +348,78 @@ SCENARIOS: dict[str, Scenario] = {
     for s in [
         Scenario(
             "disjoint",
-            "GPT tree (--size-mib, --layers)",
+            "GPT tree of {a.size_mib:g} MiB, {a.layers} blocks",
             disjoint_layouts,
             _gpt_default,
             family="disjoint",
         ),
         Scenario(
             "disjoint_gpt32k",
-            "GPT tree d 1024, 6 layers, vocab 32768 (--gpt-*): a large embedding leaf",
+            "GPT tree d {a.gpt_d}, {a.gpt_layers} layers, vocab {a.gpt_vocab} (a large "
+            "embedding leaf)",
             disjoint_layouts,
             lambda a: gpt32k(a, "all"),
             family="disjoint",
         ),
         Scenario(
             "disjoint_gpt32k_blocks",
-            "the same tree without its embedding (d 1024, 6 layers)",
+            "the same tree without its embedding (d {a.gpt_d}, {a.gpt_layers} layers)",
             disjoint_layouts,
             lambda a: gpt32k(a, "blocks"),
             family="disjoint",
         ),
         Scenario(
             "disjoint_gpt32k_embed",
-            "its (32768, 1024) embedding alone",
+            "its ({a.gpt_vocab}, {a.gpt_d}) embedding alone",
             disjoint_layouts,
             lambda a: gpt32k(a, "embed"),
             family="disjoint",
         ),
         Scenario(
             "colocated",
-            "GPT tree, one device set, two device orders",
+            "GPT tree of {a.size_mib:g} MiB, one device set in two orders",
             colocated_layouts,
             _gpt_default,
             strategies=("jaxreshard", "device_put", "gather_slice", "xla_reshard"),
         ),
         Scenario(
             "many_leaves",
-            "--many-leaves (1024) equal matrices; jaxreshard_8_leaves moves the same bytes "
-            "as 8 matrices (per-leaf overhead)",
+            "{a.many_leaves} equal matrices, {a.size_mib:g} MiB; jaxreshard_8_leaves moves "
+            "the same bytes as 8 matrices (per-leaf overhead)",
             disjoint_layouts,
             lambda a: matrices_tree(a.size_mib, a.many_leaves),
             strategies=("jaxreshard", "jaxreshard_8_leaves", "device_put", "gather_slice"),
         ),
         Scenario(
             "replicated_src",
-            "GPT tree, every source shard held twice",
+            "GPT tree of {a.size_mib:g} MiB, every source shard held twice",
             replicated_src_layouts,
             _gpt_default,
         ),
         Scenario(
             "replicated_dst",
-            "GPT tree, every destination shard held twice",
+            "GPT tree of {a.size_mib:g} MiB, every destination shard held twice",
             replicated_dst_layouts,
             _gpt_default,
         ),
         Scenario(
             "cast",
-            "GPT tree, fp32 -> bf16 on the way (the senders cast: half the bytes)",
+            "GPT tree of {a.size_mib:g} MiB, fp32 -> bf16 on the way (the senders cast)",
             disjoint_layouts,
             _gpt_default,
             dtype=jnp.bfloat16,
         ),
         Scenario(
             "big_leaf",
-            "one fp32 matrix of --big-leaf-mib (1 GiB)",
+            "one fp32 matrix of {a.big_leaf_mib:g} MiB",
             disjoint_layouts,
             lambda a: one_leaf_tree(a.big_leaf_mib),
         ),
         Scenario(
             "first_call",
-            "unscanned Llama-like tree (--first-call-*), bf16 cast: plan + compile + first "
-            "move, a fresh process per layer count",
+            "unscanned Llama-like tree (d {a.first_call_d}, mlp {a.first_call_mlp}, vocab "
+            "{a.first_call_vocab}), bf16 cast: plan + compile + first move, a fresh process "
+            "per layer count",
             first_call_layouts,
             dtype=jnp.bfloat16,
             strategies=("jaxreshard", "device_put"),
@@ -422,7 +428,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "one_device",
             "one device: pack/unpack-shaped kernels at the bench's shard shapes and the "
-            "library's all-local plan, against a memcpy (default only with one device)",
+            "library's all-local plan, against a memcpy (a default only with one device)",
             one_device_layouts,
             _gpt_default,
             strategies=("jaxreshard",),
@@ -509,9 +515,8 @@ class Strategy:
     def __call__(self, src: Any) -> Any:
         raise NotImplementedError
 
-    def done(self, out: Any) -> None:
-        for x in jax.tree_util.tree_leaves(out):
-            x.delete()
+    def done(self, out: Any, src: Any) -> None:
+        _delete(out, keep=src)
 
 
 class JaxReshard(Strategy):
@@ -536,7 +541,7 @@ class JaxReshard(Strategy):
         self.prev = out
         return out
 
-    def done(self, out: Any) -> None:
+    def done(self, out: Any, src: Any) -> None:
         pass  # kept as self.prev, donated to the next call
 
     def describe(self, src: Any) -> None:
@@ -721,6 +726,22 @@ def _slicer(jobs: list[tuple[str, tuple[slice, ...]]], keys: list[str]) -> Calla
         return tuple(by_key[k][idx] for k, idx in jobs)
 
     return cut
+
+
+def _delete(tree: Any, keep: Any = None) -> None:
+    """Free ``tree``'s arrays now, except those sharing a buffer with a leaf of ``keep``: where
+    a leaf's source and destination layouts are equal, `jax.device_put` and ``jit`` hand back
+    the source's buffers (as the same array, or a new one over them)."""
+    kept = {p for x in jax.tree_util.tree_leaves(keep) for p in _pointers(x)}
+    for x in jax.tree_util.tree_leaves(tree):
+        if kept.isdisjoint(_pointers(x)):
+            x.delete()
+
+
+def _pointers(x: jax.Array) -> set[int]:
+    if x.is_deleted():
+        return set()
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -1104,12 +1125,12 @@ class _Bench:
                 r.verified = None
             else:
                 r.verified = bool(_equal(self.references[s.source], out))
-                s.done(out)
+                s.done(out, self.sources[s.source])
             r.untimed_calls = 1
             del out
             self.step(f"first call {s.name}")
-        for ref in self.references.values():
-            jax.tree_util.tree_map(lambda x: x.delete(), ref)
+        for name, ref in self.references.items():
+            _delete(ref, keep=self.sources[name])
         self.references.clear()
 
     def warm_up(self) -> None:
@@ -1123,7 +1144,7 @@ class _Bench:
                     out = self._watched_call(s, src)
                 else:
                     out = _ready(s(src))
-                s.done(out)
+                s.done(out, src)
                 del out
                 self.results[s.name].untimed_calls += 1
                 self.step(f"warm-up {s.name}")
@@ -1154,7 +1175,7 @@ class _Bench:
                 t0 = time.perf_counter()
                 out = _ready(s(src))
                 self.results[s.name].times_s.append(time.perf_counter() - t0)
-                s.done(out)
+                s.done(out, src)
                 del out
                 self.step(f"round {i + 1} {s.name}")
 
@@ -1168,7 +1189,7 @@ class _Bench:
             out, peak, method = peak_rss_during(lambda s=s, src=src: _ready(s(src)))
             r.peak_rss_bytes, r.rss_method = peak, method
             r.transient_bytes = peak - r.new_result_bytes
-            s.done(out)
+            s.done(out, src)
             del out
             self.step(f"memory {s.name}")
             if isinstance(s, JaxReshard):
@@ -1195,7 +1216,8 @@ class _Bench:
             row: dict[str, Any] = {"stage": stage, "bytes": nbytes, "devices": ids, "what": what}
             row["s"] = phases.get(stage)
             if nbytes > 0 and ids:
-                ref = Memcpy([self.devices[i] for i in ids], nbytes)
+                by_id = {d.id: d for d in self.devices}
+                ref = Memcpy([by_id[i] for i in ids], nbytes)
                 row["memcpy_s"] = ref.time(self.args.profile_reps)
                 row["memcpy_bytes"] = ref.nbytes
             stages.append(row)
@@ -1291,7 +1313,7 @@ def run_timing(
         "scenario": scenario.name,
         "kind": "timing",
         "family": scenario.family,
-        "what": scenario.what,
+        "what": scenario.describe(args),
         "layouts": b.layouts.describe(),
         "leaves": len(b.tree.leaves),
         "bytes": b.tree.nbytes_f32,
@@ -1337,11 +1359,15 @@ def run_first_call(
     return {
         "scenario": scenario.name,
         "kind": "first_call",
-        "what": scenario.what,
+        "what": scenario.describe(args),
         "layouts": first_call_layouts(n_devices).describe(),
         "dst_dtype": "bfloat16",
         "rows": rows,
         "failed": failed,
+        "note": "one device: source and destination on the same device, so nothing is sent; "
+        "this times planning and compiling the local-copy (unpack) programs, no pack or transfer"
+        if n_devices == 1
+        else "",
     }
 
 
@@ -1548,7 +1574,7 @@ def run_one_device(
     return {
         "scenario": scenario.name,
         "kind": "one_device",
-        "what": scenario.what,
+        "what": scenario.describe(args),
         "device": str(device),
         "leaves": len(tree.leaves),
         "bytes": tree.nbytes_f32,
@@ -1571,7 +1597,9 @@ def _mib(n: float | None) -> str:
 
 
 def _ms(t: float | None) -> str:
-    return "-" if t is None or math.isnan(t) else f"{t * 1e3:.1f}"
+    if t is None or math.isnan(t):
+        return "-"
+    return f"{t * 1e3:.2f}" if t < 0.01 else f"{t * 1e3:.1f}"
 
 
 def _s(t: float | None) -> str:
@@ -1660,14 +1688,6 @@ def format_scenario(rec: dict[str, Any]) -> str:
         times,
         "llrrrrrrrrrr",
     )
-    lines += [
-        "   output: donated = writes into the previous result; fresh = allocates its result. "
-        "jr/x = jaxreshard time / this",
-        "   strategy's (>1: jaxreshard slower): pairs = median of per-round ratios, medians = "
-        "ratio of the medians (targets use this).",
-        "   1st call: the first call after planning; compile s / compiles: JAX tracing, "
-        "lowering and XLA compiles during it",
-    ]
     memory = [
         [
             r["strategy"],
@@ -1693,13 +1713,6 @@ def format_scenario(rec: dict[str, Any]) -> str:
         memory,
         "lrlrrrl",
     )
-    lines += [
-        "   host how: guard = ran under jax.transfer_guard('disallow') (any host transfer "
-        "raises); watched = NumPy arrays JAX put",
-        "   on devices, counted. peak: resident memory beyond that before the call (trimmed "
-        "heap, VmHWM reset); transient = peak",
-        "   less a fresh result; 1st-shape = jaxreshard's staging pool freed before the call",
-    ]
     for st in rec["stage_profile"]:
         lines += _format_stages(st)
     lines += _format_plans(rec["plans"])
@@ -1739,8 +1752,8 @@ def _format_stages(st: dict[str, Any]) -> list[str]:
         )
     rows.append(["sum", _ms(st["sum_s"]), "", "", "", "", "", "phases awaited one by one"])
     return [
-        f"   stage profile of {st['strategy']} (Plan.profile, median of {st['reps']}; each "
-        "phase awaited, so the sum exceeds a plain call) vs memcpy into a donated buffer",
+        f"   stage profile of {st['strategy']} (Plan.profile, median of {st['reps']}) vs a "
+        "memcpy of each stage's bytes",
         *table(
             ["stage", "ms", "MiB", "GB/s", "memcpy ms", "memcpy GB/s", "x memcpy", "bytes"],
             rows,
@@ -1800,8 +1813,6 @@ def _format_plans(plans: Sequence[dict[str, Any]]) -> list[str]:
             ],
             schedule_rows,
         ),
-        "   counted: jax.block_until_ready calls during one donated call (measured, beside the "
-        "stats' host_syncs)",
     ]
 
 
@@ -1846,6 +1857,8 @@ def format_first_call(rec: dict[str, Any]) -> str:
         "   programs: plan.stats.programs; XLA compiles: backend_compile events during plan + "
         "first call (staging, tables and destinations included)",
     ]
+    if rec.get("note"):
+        lines.append(f"   {rec['note']}")
     lines += [f"   FAILED {f['layers']} layers: {f['error']}" for f in rec["failed"]]
     return "\n".join(lines)
 
@@ -2258,6 +2271,28 @@ def _header(args: argparse.Namespace, devices: Sequence[jax.Device]) -> dict[str
     }
 
 
+LEGEND = """\
+   How to read the tables (every scenario):
+   - measured: wall time of whole calls. Every strategy gets the same untimed calls (its first
+     call, then --warmup more), then --pairs rounds interleaved A B C, C B A, ..., each call on
+     a fresh source (x + 1, donated). output: donated = writes into its previous result (the
+     refit mode); fresh = allocates its result (device_put cannot be given warm buffers).
+   - jr/x: jaxreshard's time / this strategy's (> 1: jaxreshard slower); pairs = median of the
+     per-round ratios, medians = ratio of the medians. Targets use the ratio of the medians.
+   - 1st call: the first call after planning; compile s / compiles: JAX tracing, lowering and
+     XLA compiles during it. = device_put: result equal element for element (ref: the reference).
+   - host how: guard = the call ran under jax.transfer_guard("disallow"), so any host transfer
+     would have raised; watched = NumPy arrays JAX placed on devices, counted (measured).
+   - peak: resident memory beyond that just before the call (heap trimmed, VmHWM reset);
+     transient = peak less a freshly allocated result; 1st-shape = jaxreshard with its staging
+     pool freed before the call (the first call at that shape).
+   - stage profile: Plan.profile phases, each awaited (the sum exceeds a plain call), against a
+     jitted copy of the same bytes into a donated buffer on the same devices in the same run.
+   - plan arithmetic: PlanStats, computed from the layouts, not measured; counted = host syncs
+     (jax.block_until_ready calls) counted during one donated call, beside the stats' figure.
+   - derived: computed from the layouts by the formula shown, not measured."""
+
+
 def _print_header(header: dict[str, Any]) -> None:
     print(
         f"jaxreshard.bench: {header['devices']} of {header['devices_available']} "
@@ -2266,6 +2301,7 @@ def _print_header(header: dict[str, Any]) -> None:
         f"{_mib(header['bucket_bytes'])} MiB, XLA_FLAGS={header['xla_flags']!r}",
         flush=True,
     )
+    print(LEGEND, flush=True)
     if header["platform"] != "cpu":
         print(
             "   not CPU: these code paths have not run on this backend before; memory figures "

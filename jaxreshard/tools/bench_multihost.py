@@ -26,8 +26,11 @@ Method: every strategy runs twice untimed (the first call compiles and agrees on
 is reported as ``first s``; the second compiles what writes into a donated result), and every
 process checks its destination shards against the expected values; then ``--reps`` repetitions
 interleaved ``A B C, C B A, ...``. Every call starts after a barrier on all processes; its time
-is the slowest process's (the refit is done when the last shard has landed). Reported: min /
-median / max seconds, the median of the per-repetition ratios to the baseline, bytes moved, and
+is the slowest process's (the refit is done when the last shard has landed). jaxreshard writes
+into its donated previous result; the baseline allocates fresh arrays every call (the ``output``
+column). Reported: min / median / max seconds, the time over the baseline's as the median of the
+per-repetition ratios and as the ratio of the medians, bytes moved (plan arithmetic and formulas,
+labelled as such: none of them is measured), and
 per process the peak resident memory of a call beyond the resident memory just before it:
 median of three more calls of each, untimed, in rotating order, each after returning free heap
 memory to the system (``malloc_trim``) and resetting the kernel's ``VmHWM``. On the CPU backend
@@ -140,6 +143,11 @@ def _combine(per_process: list[dict[str, Any]], args: argparse.Namespace) -> dic
         for n in names
         if n != BASELINE
     }
+    of_medians = {
+        n: statistics.median(times[n]) / statistics.median(times[BASELINE])
+        for n in names
+        if n != BASELINE
+    }
     return {
         "setup": {
             "processes": args.processes,
@@ -154,7 +162,9 @@ def _combine(per_process: list[dict[str, Any]], args: argparse.Namespace) -> dic
             n: {"min": min(t), "median": statistics.median(t), "max": max(t), "all": t}
             for n, t in times.items()
         },
-        "median_ratio_over_broadcast": ratios,
+        "median_of_ratios_over_broadcast": ratios,
+        "ratio_of_medians_over_broadcast": of_medians,
+        "output": {n: "fresh" if n == BASELINE else "donated" for n in names},
         "first_call_s": {n: max(p["first_call_s"][n] for p in per_process) for n in names},
         "bytes": first["bytes"],
         "plans": first["plans"],
@@ -171,19 +181,30 @@ def _format(r: dict[str, Any]) -> str:
         f"jaxreshard multi-host refit: {s['processes']} processes x {s['devices_per_process']} "
         f"CPU devices (gloo), {_b(s['tree_bytes'])} float32 in {s['leaves']} leaves, trainer "
         f"{s['trainer']}, sampler {s['sampler']}, {s['reps']} interleaved repetitions",
-        f"  {'strategy':<{width}} {'min s':>7} {'median s':>9} {'max s':>7} {'ratio':>6} "
-        f"{'first s':>8}  " + "  ".join(f"{f'peak RSS p{i}':>12}" for i in range(s["processes"])),
+        f"  {'strategy':<{width}} {'output':<8} {'min s':>7} {'median s':>9} {'max s':>7} "
+        f"{'/bc pairs':>9} {'/bc medians':>11} {'first s':>8}  "
+        + "  ".join(f"{f'peak RSS p{i}':>12}" for i in range(s["processes"])),
     ]
     for n, t in r["time_s"].items():
         rss = "  ".join(f"{_b(statistics.median(x)):>12}" for x in r["peak_rss_bytes"][n])
-        ratio = r["median_ratio_over_broadcast"].get(n)
+        pairs = r["median_of_ratios_over_broadcast"].get(n)
+        meds = r["ratio_of_medians_over_broadcast"].get(n)
         lines.append(
-            f"  {n:<{width}} {t['min']:7.3f} {t['median']:9.3f} {t['max']:7.3f} "
-            f"{'' if ratio is None else f'{ratio:.3f}':>6} {r['first_call_s'][n]:8.2f}  {rss}"
+            f"  {n:<{width}} {r['output'][n]:<8} {t['min']:7.3f} {t['median']:9.3f} "
+            f"{t['max']:7.3f} {'-' if pairs is None else f'{pairs:.3f}':>9} "
+            f"{'-' if meds is None else f'{meds:.3f}':>11} {r['first_call_s'][n]:8.2f}  {rss}"
         )
-    lines.append("  ratio: median over repetitions of (strategy time / broadcast time)")
+    lines += [
+        "  /bc: strategy time / broadcast time; pairs = median of per-repetition ratios, "
+        "medians = ratio of the medians",
+        "  output: donated = writes into its previous result; fresh = allocates new arrays",
+        "  bytes (none measured: plan arithmetic and formulas)",
+    ]
     for n, b in r["bytes"].items():
-        lines.append(f"  bytes {n}: " + ", ".join(f"{k} {_b(v)}" for k, v in b.items()))
+        lines.append(
+            f"  {n}: "
+            + "; ".join(f"{k} {'not measured' if v is None else _b(v)}" for k, v in b.items())
+        )
     for n, p in r["plans"].items():
         lines.append(
             f"  plan {n}: {p['rounds']} rounds in {p['buckets']} bucket(s), chunk "
@@ -354,17 +375,25 @@ def _worker(args: argparse.Namespace) -> None:
         },
         "bytes": {
             "jaxreshard": {
-                "sent between devices": next(iter(plans.values())).stats.bytes_sent,
-                "lower bound": next(iter(plans.values())).stats.bytes_lower_bound,
-                "through host memory": 0,
+                "device-to-device payload (plan arithmetic: bytes_sent)": next(
+                    iter(plans.values())
+                ).stats.bytes_sent,
+                "lower bound (plan arithmetic)": next(iter(plans.values())).stats.bytes_lower_bound,
+                # gloo carries the collective-permutes between processes through host TCP
+                # buffers; nothing here counts those copies, so no figure is claimed.
+                "through host memory (device-to-device payload = lower bound; gloo's TCP "
+                "buffers not counted)": None,
             },
             BASELINE: {
                 # device_get on process 0, the broadcast's inputs on every device, its output
                 # fetched back to host on every process, the sampler's shards placed again.
-                "through host memory": tree_bytes * (1 + devices + n + 1),
+                f"through host memory (derived: tree x (1 + {devices} devices + {n} processes "
+                "+ 1))": tree_bytes * (1 + devices + n + 1),
                 # broadcast_one_to_all is a psum over all devices of a tree-sized operand: a
                 # ring all-reduce moves 2 (d - 1) / d of it per device.
-                "all-reduce between devices (ring model)": 2 * (devices - 1) * tree_bytes,
+                "all-reduce between devices (derived: ring model, 2 (d - 1) x tree)": 2
+                * (devices - 1)
+                * tree_bytes,
             },
         },
     }
