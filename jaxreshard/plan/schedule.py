@@ -237,6 +237,11 @@ each program small; repeated units (a model's layers) share their programs, so t
 stays flat in the number of layers, at the price of more, smaller buckets for models whose layers
 are tiny."""
 
+MAX_REPEAT_COPIES = 64
+"""The same limit for the units of a repeated stretch (`_period`): they all share one program,
+so its compile time is paid once for the whole stretch while each unit saves a step (three
+program launches and a host sync) on every call."""
+
 
 def split_units(
     leaves: Sequence[LeafSpec],
@@ -244,6 +249,7 @@ def split_units(
     *,
     bucket_bytes: int,
     max_copies: int = MAX_UNIT_COPIES,
+    max_repeat_copies: int = MAX_REPEAT_COPIES,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
@@ -253,10 +259,11 @@ def split_units(
 
     *Repeats.* A model's layers make the tree periodic: the same leaf shapes, layouts and
     dtypes every ``p`` leaves. `_period` finds the longest such stretch; inside it units hold
-    whole periods (as many as fit), or, when one period does not fit, every period is cut
-    the same way. Equal units lower to equal programs, so the programs, and the first call's
-    compile time, do not grow with the number of layers. Outside the stretch leaves are cut
-    greedily in tree order.
+    whole periods (as many as fit, up to ``max_repeat_copies`` pieces per device, and a number
+    that divides the repeats where one is close), or, when one period does not fit, every
+    period is cut the same way. Equal units lower to equal programs, so the programs, and
+    the first call's compile time, do not grow with the number of layers. Outside the
+    stretch leaves are cut greedily in tree order.
 
     *Large leaves.* A leaf that alone exceeds a bucket is cut into ``K`` slabs: every piece
     split into ``K`` near-equal row ranges, slab ``k`` of every piece in unit ``k``, so each
@@ -303,10 +310,15 @@ def split_units(
         whole = 0  # how many periods fit one unit
         while (
             whole < m
-            and _fits(range(a, a + (whole + 1) * p), loads, bucket_bytes, max_copies)
+            and _fits(range(a, a + (whole + 1) * p), loads, bucket_bytes, max_repeat_copies)
             and len({_meshes(leaves[i]) for i in range(a, a + (whole + 1) * p)}) == 1
         ):
             whole += 1
+        # As many whole periods as divide the repeats (a last, shorter unit would be one more
+        # program to compile), unless that would more than double the steps.
+        divisors = [k for k in range(1, whole + 1) if m % k == 0]
+        if divisors and 2 * divisors[-1] >= whole:
+            whole = divisors[-1]
         if whole:
             for j in range(0, m, whole):
                 parts.append(("run", list(range(a + j * p, a + min(j + whole, m) * p)), 0))

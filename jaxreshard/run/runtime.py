@@ -62,6 +62,7 @@ from jaxreshard.plan.lower import (
     step_roles,
 )
 from jaxreshard.plan.route import LeafSpec
+from jaxreshard.run import views
 from jaxreshard.run.codec import (
     bits_to_words,
     from_bits,
@@ -163,9 +164,7 @@ class Runtime:
         sent: dict[tuple[int, int], jax.Array] = {}
         for call in step.packs:
             outs = call.fn(*call.table, *call.operands(src, dst), *call.staging(staging))
-            for k, out in enumerate(outs):
-                for d, buf in _buffers(out).items():
-                    sent[d, call.slots[d][k]] = buf
+            call.collect(outs, sent)
         clock.mark("pack", list(sent.values()))
         received: dict[tuple[int, int], jax.Array] = {}
         if step.transfer is not None:
@@ -182,8 +181,8 @@ class Runtime:
         for d, by_slot in staging.idle.items():
             for slot, buf in by_slot.items():
                 self._pool[d][slot].append(buf)
-        for (d, _), buf in (*sent.items(), *received.items()):
-            self._pool[d][_slot_of(buf)].append(buf)
+        for (d, t), buf in (*sent.items(), *received.items()):
+            self._pool[d][step.slots[t]].append(buf)
         return [*written, *received.values()]
 
     # ------------------------------------------------------------------------- staging pool
@@ -192,10 +191,12 @@ class Runtime:
         """Buffers for ``step`` from the pool, by role (freeing and allocating by
         `plan_pool`, the policy `lower.staging` simulates)."""
         missing: dict[Slot, Counter[int]] = defaultdict(Counter)
-        for d, roles in step.roles.items():
+        for d, need in step.needs.items():
             pool = self._pool[d]
+            if all(len(pool[slot]) >= n for slot, n in need.items()):
+                continue  # the steady state: the pool already holds it all (and <= the cap)
             have = Counter({slot: len(bufs) for slot, bufs in pool.items() if bufs})
-            free, allocate = plan_pool(have, roles.need(), self.lowered.staging_cap)
+            free, allocate = plan_pool(have, need, self.lowered.staging_cap)
             for slot, n in free.items():
                 del pool[slot][:n]
             for slot, n in allocate.items():
@@ -226,7 +227,7 @@ class Runtime:
             shape, dtype = (len(devices) * slot.words,), np.dtype(slot.word)
             sharding = NamedSharding(mesh, PartitionSpec(GROUP_AXIS))
             fn = self._zeros[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return _buffers(fn())
+        return views.by_device(fn())
 
     def release(self) -> None:
         """Free the staging pool (the next run allocates it again)."""
@@ -251,7 +252,7 @@ class Runtime:
         transfer = None
         if step.transfer is not None and local_union:
             transfer = _TransferRun(self, step, local_union)
-        return _StepRun(step.fresh, roles, packs, transfer, unpacks)
+        return _StepRun(step.fresh, step.slots, roles, packs, transfer, unpacks)
 
     def _is_local(self, mesh: MeshSpec) -> bool:
         return any(d in self.local for d in mesh.devices)
@@ -348,7 +349,7 @@ class Runtime:
             line = NamedSharding(Mesh(np.array(devices), (GROUP_AXIS,)), PartitionSpec())
             shape, dtype = spec.dst.shard_shape, jnp.dtype(spec.dst_dtype)
             fn = self._allocs[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=line)
-        bufs = _buffers(fn())
+        bufs = views.by_device(fn())
         return jax.make_array_from_single_device_arrays(
             spec.shape, sharding, [bufs[d.id] for d in devices]
         )
@@ -410,10 +411,14 @@ def host_syncs(platforms: Iterable[str]) -> bool:
 @dataclasses.dataclass
 class _StepRun:
     fresh: tuple[int, ...]
+    slots: tuple[Slot, ...]
     roles: dict[int, Roles]
     packs: list[_PackRun]
     transfer: _TransferRun | None
     unpacks: list[_UnpackRun]
+
+    def __post_init__(self) -> None:
+        self.needs = {d: roles.need() for d, roles in self.roles.items()}
 
 
 @dataclasses.dataclass
@@ -429,41 +434,48 @@ class _Staging:
 
 
 class _PackRun:
-    """One pack call, resolved: its program, table, and how to build its arguments."""
+    """One pack call, resolved: its program, table, and the views that build its arguments."""
 
     def __init__(self, runtime: Runtime, call: PackCall, fn: Callable[..., Any]) -> None:
         program = call.program
         self.fn = fn
         self.table = runtime.table(program.mesh, call.table)
-        self.mesh = runtime.mesh(program.mesh)
-        self.devices = [d for d in program.mesh.devices if d in runtime.local]
+        mesh = runtime.mesh(program.mesh)
+        split = NamedSharding(mesh, _split_spec(mesh))
+        g = len(program.mesh.devices)
+        self.slot_views = [
+            views.View((g * slot.words,), slot.word, split) for slot in program.slots
+        ]
+        self.devices = self.slot_views[0].devices if self.slot_views else []
         self.slots = {d: s for d, s in zip(program.mesh.devices, call.slots, strict=True)}
-        self.program_slots = program.slots
         self.args = call.args
-        self.operands_spec = program.operands
-        self.split = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
-        self.g = len(program.mesh.devices)
+        self.operand_views = [
+            None if o.spec is not None else _operand_view(o, mesh) for o in program.operands
+        ]
 
     def operands(self, src: _Sources, dst: _Destinations) -> list[jax.Array]:
         out = []
-        for (leaf, side), operand in zip(self.args, self.operands_spec, strict=True):
+        for (leaf, side), view in zip(self.args, self.operand_views, strict=True):
             holder: _Sources | _Destinations = src if side == "src" else dst
-            if operand.spec is not None:
+            if view is None:
                 out.append(holder.array(leaf))
             else:
-                out.append(_wrap(holder.buffers(leaf), self.devices, self.mesh, operand))
+                bufs = holder.buffers(leaf)
+                out.append(view([bufs[d] for d in view.devices]))
         return out
 
     def staging(self, staging: _Staging) -> list[jax.Array]:
         """The staging buffers the pack writes into (donated), per program slot."""
         return [
-            jax.make_array_from_single_device_arrays(
-                (self.g * slot.words,),
-                self.split,
-                [staging.send[d, self.slots[d][k]] for d in self.devices],
-            )
-            for k, slot in enumerate(self.program_slots)
+            view([staging.send[d, self.slots[d][k]] for d in view.devices])
+            for k, view in enumerate(self.slot_views)
         ]
+
+    def collect(self, outs: Sequence[jax.Array], sent: dict[tuple[int, int], jax.Array]) -> None:
+        """The filled buffers, by (device, step slot)."""
+        for k, out in enumerate(outs):
+            for d, buf in zip(self.devices, views.buffers(out), strict=True):
+                sent[d, self.slots[d][k]] = buf
 
 
 class _TransferRun:
@@ -473,10 +485,12 @@ class _TransferRun:
         program = step.transfer
         assert program is not None
         self.fn = runtime._transfer_fn(program)
-        self.sharding = runtime._union_sharding(program)
+        sharding = runtime._union_sharding(program)
+        n = len(program.devices)
         self.slots = program.slots
-        self.local = list(local)
-        self.n = len(program.devices)
+        self.views = [views.View((n * s.words,), s.word, sharding) for s in program.slots]
+        self.devices = self.views[0].devices
+        assert set(self.devices) == set(local)
         senders = step.senders()
         self.sends = {(d, t) for d in local for t in range(len(program.slots)) if (d, t) in senders}
 
@@ -484,18 +498,20 @@ class _TransferRun:
         self, sent: Mapping[tuple[int, int], jax.Array], staging: _Staging
     ) -> dict[tuple[int, int], jax.Array]:
         sends, recvs = [], []
-        for t, slot in enumerate(self.slots):
-            send = [
-                sent[d, t] if (d, t) in self.sends else staging.idle[d][slot] for d in self.local
-            ]
-            recv = [staging.recv[d, t] for d in self.local]
-            shape = (self.n * slot.words,)
-            sends.append(jax.make_array_from_single_device_arrays(shape, self.sharding, send))
-            recvs.append(jax.make_array_from_single_device_arrays(shape, self.sharding, recv))
+        for t, (slot, view) in enumerate(zip(self.slots, self.views, strict=True)):
+            sends.append(
+                view(
+                    [
+                        sent[d, t] if (d, t) in self.sends else staging.idle[d][slot]
+                        for d in self.devices
+                    ]
+                )
+            )
+            recvs.append(view([staging.recv[d, t] for d in self.devices]))
         moved = self.fn(*sends, *recvs)
         out = {}
         for t, x in enumerate(moved):
-            for d, buf in _buffers(x).items():
+            for d, buf in zip(self.devices, views.buffers(x), strict=True):
                 out[d, t] = buf
         return out
 
@@ -507,47 +523,50 @@ class _UnpackRun:
         program = call.program
         self.fn = fn
         self.table = runtime.table(program.mesh, call.table)
-        self.mesh = runtime.mesh(program.mesh)
-        self.devices = [d for d in program.mesh.devices if d in runtime.local]
+        mesh = runtime.mesh(program.mesh)
+        split = NamedSharding(mesh, _split_spec(mesh))
+        g = len(program.mesh.devices)
+        self.chunk_views = [
+            views.View((g * slot.words,), slot.word, split) for slot in program.slots
+        ]
         self.slots = {d: s for d, s in zip(program.mesh.devices, call.slots, strict=True)}
-        self.program_slots = program.slots
         self.sources = call.sources
         self.targets = call.targets
-        self.source_ops = program.sources
-        self.target_ops = program.targets
-        self.split = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
-        self.g = len(program.mesh.devices)
+        self.source_views = [
+            None if o.spec is not None else _operand_view(o, mesh) for o in program.sources
+        ]
+        self.target_views = [
+            None if o.spec is not None else _operand_view(o, mesh) for o in program.targets
+        ]
 
     def chunks(self, received: Mapping[tuple[int, int], jax.Array]) -> list[jax.Array]:
-        out = []
-        for k, slot in enumerate(self.program_slots):
-            bufs = [received[d, self.slots[d][k]] for d in self.devices]
-            out.append(
-                jax.make_array_from_single_device_arrays((self.g * slot.words,), self.split, bufs)
-            )
-        return out
+        return [
+            view([received[d, self.slots[d][k]] for d in view.devices])
+            for k, view in enumerate(self.chunk_views)
+        ]
 
     def arguments(self, src: _Sources, dst: _Destinations) -> list[jax.Array]:
         out = []
-        for leaf, operand in zip(self.sources, self.source_ops, strict=True):
-            if operand.spec is not None:
+        for leaf, view in zip(self.sources, self.source_views, strict=True):
+            if view is None:
                 out.append(src.array(leaf))
             else:
-                out.append(_wrap(src.buffers(leaf), self.devices, self.mesh, operand))
-        for leaf, operand in zip(self.targets, self.target_ops, strict=True):
-            if operand.spec is not None:
+                bufs = src.buffers(leaf)
+                out.append(view([bufs[d] for d in view.devices]))
+        for leaf, view in zip(self.targets, self.target_views, strict=True):
+            if view is None:
                 out.append(dst.take_array(leaf))
             else:
-                bufs = dst.take_buffers(leaf, self.devices)
-                out.append(_wrap(bufs, self.devices, self.mesh, operand))
+                bufs = dst.take_buffers(leaf, view.devices)
+                out.append(view([bufs[d] for d in view.devices]))
         return out
 
     def store(self, outs: Sequence[jax.Array], dst: _Destinations) -> None:
-        for leaf, operand, out in zip(self.targets, self.target_ops, outs, strict=True):
-            if operand.spec is not None:
+        for leaf, view, out in zip(self.targets, self.target_views, outs, strict=True):
+            if view is None:
                 dst.set_array(leaf, out)
             else:
-                dst.set_buffers(leaf, _buffers(out))
+                dst.set_buffers(leaf, dict(zip(view.devices, views.buffers(out), strict=True)))
 
 
 # ------------------------------------------------------------------------------ leaf state
@@ -565,7 +584,7 @@ class _Sources:
 
     def buffers(self, leaf: int) -> Buffers:
         if leaf not in self._buffers:
-            self._buffers[leaf] = _buffers(self.arrays[leaf])
+            self._buffers[leaf] = views.by_device(self.arrays[leaf])
         return self._buffers[leaf]
 
 
@@ -610,7 +629,7 @@ class _Destinations:
 
     def buffers(self, leaf: int) -> Buffers:
         if self._buffers[leaf] is None:
-            self._buffers[leaf] = _buffers(self.array(leaf))
+            self._buffers[leaf] = views.by_device(self.array(leaf))
             self._arrays[leaf] = None
         return self._buffers[leaf]
 
@@ -780,28 +799,14 @@ def _at(row: jax.Array | None, column: int, rank: int) -> list[jax.Array]:
 # --------------------------------------------------------------------------------- helpers
 
 
-def _buffers(x: jax.Array) -> Buffers:
-    """This process's per-device buffers of ``x`` (zero-copy views)."""
-    return {s.device.id: s.data for s in x.addressable_shards}
-
-
-def _wrap(bufs: Buffers, devices: Sequence[int], mesh: Mesh, operand: Operand) -> jax.Array:
-    """Per-device buffers as one array over ``mesh``, split on dimension 0 over all its axes
-    (rank 0: replicated; each device reads its own buffer). Zero-copy."""
-    arrays = [bufs[d] for d in devices]
+def _operand_view(operand: Operand, mesh: Mesh) -> views.View:
+    """The view re-wrapping per-device buffers of ``operand`` onto ``mesh``: split on
+    dimension 0 over all of its axes (rank 0: replicated, each device reading its own)."""
     if not operand.shard:
-        sharding = NamedSharding(mesh, PartitionSpec())
-        return jax.make_array_from_single_device_arrays((), sharding, arrays)
+        return views.View((), operand.dtype, NamedSharding(mesh, PartitionSpec()))
     g = int(np.prod(mesh.devices.shape))
     shape = (g * operand.shard[0], *operand.shard[1:])
-    sharding = NamedSharding(mesh, _split_spec(mesh))
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, arrays, dtype=jnp.dtype(operand.dtype)
-    )
-
-
-def _slot_of(buf: jax.Array) -> Slot:
-    return Slot(int(buf.shape[0]), np.dtype(buf.dtype).name)
+    return views.View(shape, operand.dtype, NamedSharding(mesh, _split_spec(mesh)))
 
 
 class _Clock:
