@@ -13,9 +13,9 @@ buffers: no full replica, no all-gather, no host round trip.
 
 from jaxreshard.api import Plan, clear_cache, default_bucket_bytes, plan, reshard
 from jaxreshard.errors import ReshardError, ReshardTypeError
-from jaxreshard.plan.layout import Layout
-from jaxreshard.plan.schedule import PlanStats
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Layout
+from jaxreshard.planning.schedule import PlanStats
+from jaxreshard.planning.topology import Topology
 
 __all__ = [
     "Layout",

@@ -16,11 +16,11 @@ from jax.sharding import NamedSharding, Sharding
 from jax.tree_util import keystr
 
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
-from jaxreshard.plan.layout import Layout, LayoutError
-from jaxreshard.plan.lower import Lowered, lower, with_lowered
-from jaxreshard.plan.route import Assignment, LeafSpec, route
-from jaxreshard.plan.schedule import PlanStats, Schedule, build_plan_schedule, plan_stats
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Layout, LayoutError
+from jaxreshard.planning.lower import Lowered, lower, with_lowered
+from jaxreshard.planning.route import Assignment, LeafSpec, route
+from jaxreshard.planning.schedule import PlanStats, Schedule, build_plan_schedule, plan_stats
+from jaxreshard.planning.topology import Topology
 from jaxreshard.run.codec import wire_itemsize
 from jaxreshard.run.multihost import PlanIdentity, agree, fingerprint
 from jaxreshard.run.runtime import Runtime
@@ -52,7 +52,7 @@ class Plan:
 
     Attributes:
       stats: byte, round and program counts (`PlanStats`).
-      lowered: every program of every step (pure data, `jaxreshard.plan.lower`).
+      lowered: every program of every step (pure data, `jaxreshard.planning.lower`).
       schedule: the units, rounds and buckets (pure data).
       assignment: the local copies and sent pieces (pure data).
       leaves: one `LeafSpec` per leaf, in tree-flattening order.

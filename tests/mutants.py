@@ -53,7 +53,7 @@ class Mutant:
     bug: str  # what the patch does, in words
 
 
-ROUTE = "jaxreshard/plan/route.py"
+ROUTE = "jaxreshard/planning/route.py"
 T_ROUTE = "tests/test_route.py"
 
 PLANNER_MUTANTS = [
@@ -131,7 +131,7 @@ PLANNER_MUTANTS = [
     ),
     Mutant(
         "layout-off-by-one",
-        "jaxreshard/plan/layout.py",
+        "jaxreshard/planning/layout.py",
         (
             (
                 "                box.append((index * step, (index + 1) * step))",
@@ -160,8 +160,8 @@ MULTIHOST_MUTANTS = [
     ),
 ]
 
-LOWER = "jaxreshard/plan/lower.py"
-SCHEDULE = "jaxreshard/plan/schedule.py"
+LOWER = "jaxreshard/planning/lower.py"
+SCHEDULE = "jaxreshard/planning/schedule.py"
 RUNTIME = "jaxreshard/run/runtime.py"
 T_LOWER = "tests/test_lower.py"
 

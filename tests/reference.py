@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxreshard.plan.layout import Box, box_shape, box_size, shift
-from jaxreshard.plan.lower import Lowered
-from jaxreshard.plan.route import Assignment, LeafSpec
-from jaxreshard.plan.schedule import Schedule
+from jaxreshard.planning.layout import Box, box_shape, box_size, shift
+from jaxreshard.planning.lower import Lowered
+from jaxreshard.planning.route import Assignment, LeafSpec
+from jaxreshard.planning.schedule import Schedule
 
 
 def _slices(box: Box) -> tuple[slice, ...]:

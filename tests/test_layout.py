@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.plan.layout import Layout, LayoutError, box_size, split_flat, split_rows
+from jaxreshard.planning.layout import Layout, LayoutError, box_size, split_flat, split_rows
 
 MESHES = [
     ((8,), ("x",)),

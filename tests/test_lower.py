@@ -1,4 +1,4 @@
-"""The lowering (`jaxreshard.plan.lower`), run on virtual devices by the NumPy model of the
+"""The lowering (`jaxreshard.planning.lower`), run on virtual devices by the NumPy model of the
 runtime (tests/reference.py): every destination shard must equal NumPy slicing of the global
 array, bit for bit; programs must be shared by value across repeated layers and slabs; the
 staging the pool simulation reports must stay within two buckets.
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference import assert_lowered_exact
 
-from jaxreshard.plan.layout import Layout
-from jaxreshard.plan.lower import (
+from jaxreshard.planning.layout import Layout
+from jaxreshard.planning.lower import (
     PackProgram,
     TransferProgram,
     UnpackProgram,
@@ -27,9 +27,9 @@ from jaxreshard.plan.lower import (
     staging,
     step_roles,
 )
-from jaxreshard.plan.route import LeafSpec, route
-from jaxreshard.plan.schedule import build_plan_schedule
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.route import LeafSpec, route
+from jaxreshard.planning.schedule import build_plan_schedule
+from jaxreshard.planning.topology import Topology
 
 FSDP_TP = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
 TP4 = ((4,), ("tp",), (4, 5, 6, 7))
@@ -196,7 +196,7 @@ def test_a_steady_refit_reuses_every_staging_buffer():
     between calls already holds every buffer a step needs (no allocation after the first
     call) for a model-like tree."""
     _, lowered = check(gpt(FSDP_TP, TP4, layers=6, d=128), bucket_bytes=1 << 17)
-    from jaxreshard.plan.lower import plan_pool
+    from jaxreshard.planning.lower import plan_pool
 
     pools = {d: Counter() for d in lowered.union}
     for call in range(2):

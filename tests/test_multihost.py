@@ -29,9 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
-from jaxreshard.plan.layout import Layout
-from jaxreshard.plan.route import LeafSpec, route
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Layout
+from jaxreshard.planning.route import LeafSpec, route
+from jaxreshard.planning.topology import Topology
 from jaxreshard.run import multihost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def _leaves(order: tuple[int, ...] = (0, 1, 2, 3), dst_spec=("x",)) -> list[Leaf
 
 
 def _fingerprint(leaves: list[LeafSpec], bucket_bytes: int = 1 << 20) -> str:
-    from jaxreshard.plan.schedule import build_schedule
+    from jaxreshard.planning.schedule import build_schedule
 
     assignment = route(leaves, Topology.from_groups([range(10, 14), range(20, 24)]))
     schedule = build_schedule(leaves, assignment.pieces, bucket_bytes=bucket_bytes)
@@ -71,7 +71,7 @@ def test_fingerprint_covers_the_routing_and_the_schedule():
     """Plans of the same leaves and options that differ only in who sends what (another
     topology, or one piece from another replica), or only in the schedule, get different
     fingerprints: processes that would issue different transfers must not agree."""
-    from jaxreshard.plan.schedule import build_schedule
+    from jaxreshard.planning.schedule import build_schedule
 
     # Replicated on 10 and 20: one domain balances over both, two domains read from 20 only.
     src = Layout.from_mesh((16, 8), (2,), ("dp",), [10, 20], ())

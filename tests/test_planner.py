@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import assert_reference_exact
 
-from jaxreshard.plan.layout import Layout, box_size
-from jaxreshard.plan.route import LeafSpec, route
-from jaxreshard.plan.schedule import build_schedule, colour_rounds, plan_stats
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Layout, box_size
+from jaxreshard.planning.route import LeafSpec, route
+from jaxreshard.planning.schedule import build_schedule, colour_rounds, plan_stats
+from jaxreshard.planning.topology import Topology
 
 
 def leaf(shape, src, dst, dtype="float32", path="x"):

@@ -1,4 +1,4 @@
-"""Routing (`jaxreshard.plan.route.route`) against independent oracles.
+"""Routing (`jaxreshard.planning.route.route`) against independent oracles.
 
 The specification of a routing, checked with tests/oracles.py and never with planner code:
 
@@ -52,9 +52,9 @@ from oracles import (
     size,
 )
 
-from jaxreshard.plan.layout import Layout
-from jaxreshard.plan.route import Assignment, LeafSpec, route
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Layout
+from jaxreshard.planning.route import Assignment, LeafSpec, route
+from jaxreshard.planning.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from jaxreshard.plan.layout import Layout
-from jaxreshard.plan.route import LeafSpec
-from jaxreshard.plan.route import route as topology_assign
-from jaxreshard.plan.schedule import PlannedBucket, RoundPlan, build_schedule
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Layout
+from jaxreshard.planning.route import LeafSpec
+from jaxreshard.planning.route import route as topology_assign
+from jaxreshard.planning.schedule import PlannedBucket, RoundPlan, build_schedule
+from jaxreshard.planning.topology import Topology
 from jaxreshard.tools import costmodel
 from jaxreshard.tools import simulate as sim
 

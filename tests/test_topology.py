@@ -21,11 +21,11 @@ from jax.sharding import PartitionSpec as P
 from reference import assert_reference_exact
 
 import jaxreshard as jr
-from jaxreshard.plan.layout import Layout, box_size
-from jaxreshard.plan.route import LeafSpec, Piece, _min_max_quotas
-from jaxreshard.plan.route import route as topology_assign
-from jaxreshard.plan.schedule import build_schedule, plan_rounds, plan_stats
-from jaxreshard.plan.topology import PROFILES, Topology
+from jaxreshard.planning.layout import Layout, box_size
+from jaxreshard.planning.route import LeafSpec, Piece, _min_max_quotas
+from jaxreshard.planning.route import route as topology_assign
+from jaxreshard.planning.schedule import build_schedule, plan_rounds, plan_stats
+from jaxreshard.planning.topology import PROFILES, Topology
 from jaxreshard.tools.costmodel import lower_bound
 
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])

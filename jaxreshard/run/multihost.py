@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxreshard.errors import ReshardError
-from jaxreshard.plan.route import LeafSpec
+from jaxreshard.planning.route import LeafSpec
 
 FORMAT = "jaxreshard-plan-v1"
 """Version tag hashed into every fingerprint: plans of different library versions never agree."""

@@ -1,6 +1,6 @@
 """Runs a `Lowered` plan on JAX devices: compile each distinct program once, run the steps.
 
-A thin layer over JAX. The pure lowering (`jaxreshard.plan.lower`) says what every program
+A thin layer over JAX. The pure lowering (`jaxreshard.planning.lower`) says what every program
 does; here each becomes a jitted ``shard_map``:
 
 - *pack* (`PackProgram`): over a mesh of senders, each device slices its shards, casts, and
@@ -45,8 +45,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from jaxreshard.plan.layout import MeshSpec
-from jaxreshard.plan.lower import (
+from jaxreshard.planning.layout import MeshSpec
+from jaxreshard.planning.lower import (
     GROUP_AXIS,
     Lowered,
     Operand,
@@ -61,7 +61,7 @@ from jaxreshard.plan.lower import (
     plan_pool,
     step_roles,
 )
-from jaxreshard.plan.route import LeafSpec
+from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
 from jaxreshard.run.codec import (
     bits_to_words,

@@ -25,10 +25,10 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from jaxreshard.plan.layout import box_size
-from jaxreshard.plan.route import LeafSpec
-from jaxreshard.plan.schedule import RoundPlan, Schedule
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import box_size
+from jaxreshard.planning.route import LeafSpec
+from jaxreshard.planning.schedule import RoundPlan, Schedule
+from jaxreshard.planning.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@
     python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + build_schedule time
 
 Nothing runs on a device (importing the package still loads JAX): layouts are built on integer
-device ids, the planner and scheduler run as they do inside `jaxreshard.plan`, and
+device ids, the planner and scheduler run as `jaxreshard.plan` runs them, and
 `jaxreshard.costmodel` prices the schedule, the lower bound and the baselines.
 
 Parameter inventories follow the models' public configs (Hugging Face ``config.json``); each
@@ -47,11 +47,17 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from jaxreshard.plan.layout import Layout
-from jaxreshard.plan.route import LeafSpec
-from jaxreshard.plan.route import route as assign
-from jaxreshard.plan.schedule import PlanStats, RoundPlan, build_schedule, plan_rounds, plan_stats
-from jaxreshard.plan.topology import PROFILES, Topology
+from jaxreshard.planning.layout import Layout
+from jaxreshard.planning.route import LeafSpec
+from jaxreshard.planning.route import route as assign
+from jaxreshard.planning.schedule import (
+    PlanStats,
+    RoundPlan,
+    build_schedule,
+    plan_rounds,
+    plan_stats,
+)
+from jaxreshard.planning.topology import PROFILES, Topology
 from jaxreshard.tools import costmodel
 
 MiB = 1 << 20

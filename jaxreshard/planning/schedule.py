@@ -19,8 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxreshard.plan.layout import Box, box_shape, box_size, split_flat_sized, split_rows, strides
-from jaxreshard.plan.route import Assignment, LeafSpec, LocalCopy, Piece
+from jaxreshard.planning.layout import (
+    Box,
+    box_shape,
+    box_size,
+    split_flat_sized,
+    split_rows,
+    strides,
+)
+from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy, Piece
 
 ALIGN = 16
 """Chunk sizes are multiples of the widest element (complex128), so no chunk cuts an element."""

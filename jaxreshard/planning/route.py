@@ -24,8 +24,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-from jaxreshard.plan.layout import Box, Layout, box_size, split_flat, split_rows
-from jaxreshard.plan.topology import Topology
+from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
+from jaxreshard.planning.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
     A third candidate, `_rotate`, hands the same region to the replicas in turn (receivers in
     id order), with no regard to quotas. Where it is as balanced and needs no more (sender,
     receiver) pairs, it wins the tie: its senders then send alike (every replica the same
-    shapes), which lets the executor run them as one SPMD program (`jaxreshard.plan.lower`).
+    shapes), which lets the executor run them as one SPMD program (`jaxreshard.planning.lower`).
     """
     totals: dict[tuple[int, ...], int] = defaultdict(int)
     for demand in demands:
@@ -124,8 +124,15 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
     plain = _hand_out(demands, dict(quota), None)
     paired = _hand_out(demands, dict(quota), max(optimum.values(), default=0))
     options = [_rotate(demands), paired, plain]
-    chosen = min(options, key=lambda sent: (_busiest(sent), _pairs(sent), _shapes(sent)))
+    best = min(_busiest(sent) for sent in options)
+    balanced = [sent for sent in options if _busiest(sent) <= best * (1 + BALANCE_SLACK)]
+    chosen = min(balanced, key=lambda sent: (_pairs(sent), _busiest(sent), _shapes(sent)))
     return sorted((s.piece for s in chosen), key=lambda p: (p.src, p.dst, p.leaf, p.box))
+
+
+BALANCE_SLACK = 1e-3
+"""How much busier than the best a sender choice may make the busiest sender (a fraction of its
+bytes) when it saves (sender, receiver) pairs; see `_choose_senders`."""
 
 
 def _rotate(demands: Sequence[_Demand]) -> list[_Sent]:

@@ -7,7 +7,7 @@ ids, the domain and host of each device and the per-device bandwidth inside and 
 It is pure data (hashable, comparable), built from JAX devices (`Topology.from_devices`, the
 default of every plan), from groups declared by hand (`Topology.from_groups`, e.g. to treat
 4 + 4 of the 8 CPU test devices as two domains), or from a named cluster profile for virtual
-clusters (`Topology.profile`). `jaxreshard.plan.route` plans with it.
+clusters (`Topology.profile`). `jaxreshard.planning.route` plans with it.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from jaxreshard.plan.layout import AxisSpec, Box, Layout, MeshSpec, box_shape
-from jaxreshard.plan.route import LeafSpec, LocalCopy
-from jaxreshard.plan.schedule import Bucket, PlanStats, Schedule, Segment
+from jaxreshard.planning.layout import AxisSpec, Box, Layout, MeshSpec, box_shape
+from jaxreshard.planning.route import LeafSpec, LocalCopy
+from jaxreshard.planning.schedule import Bucket, PlanStats, Schedule, Segment
 
 GROUP_AXIS = "jaxreshard"
 """Axis name of the 1-D meshes of device groups (and of the union mesh of transfers)."""
