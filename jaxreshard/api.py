@@ -23,7 +23,7 @@ from jaxreshard.planning.schedule import PlanStats, Schedule, build_plan_schedul
 from jaxreshard.planning.topology import Topology
 from jaxreshard.run.codec import wire_itemsize
 from jaxreshard.run.multihost import PlanIdentity, agree, fingerprint
-from jaxreshard.run.runtime import Runtime
+from jaxreshard.run.runtime import Runtime, host_syncs_per_call
 
 MiB = 1 << 20
 
@@ -85,8 +85,11 @@ class Plan:
         self.lowered = lowered
         self.bucket_bytes = bucket_bytes
         self.topology = topology
+        platforms = [d.platform for s in dst_shardings for d in s.device_set]
         self.stats: PlanStats = with_lowered(
-            plan_stats(self.leaves, assignment, schedule, crosses=topology.crosses), lowered
+            plan_stats(self.leaves, assignment, schedule, crosses=topology.crosses),
+            lowered,
+            host_syncs_per_call(lowered, platforms),
         )
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()

@@ -565,13 +565,14 @@ def staging(lowered: Lowered) -> dict[int, int]:
     return peak
 
 
-def with_lowered(stats: PlanStats, lowered: Lowered) -> PlanStats:
+def with_lowered(stats: PlanStats, lowered: Lowered, host_syncs: int = 0) -> PlanStats:
     """``stats`` with what the lowering knows: staging as the runtime's pool holds it (the
-    peak over two calls, see `staging`), programs and dispatches per call."""
+    peak over two calls, see `staging`), programs and dispatches per call; ``host_syncs`` is
+    the runtime's (it depends on the backend)."""
     return dataclasses.replace(
         stats,
         staging_bytes=max(staging(lowered).values(), default=0),
         programs=len(lowered.programs()),
         dispatches=lowered.dispatches(),
-        host_syncs=0,
+        host_syncs=host_syncs,
     )

@@ -130,7 +130,7 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
     return sorted((s.piece for s in chosen), key=lambda p: (p.src, p.dst, p.leaf, p.box))
 
 
-BALANCE_SLACK = 1e-3
+BALANCE_SLACK = 0.01
 """How much busier than the best a sender choice may make the busiest sender (a fraction of its
 bytes) when it saves (sender, receiver) pairs; see `_choose_senders`."""
 

@@ -863,10 +863,27 @@ class _ChunkModel:
         largest = np.zeros(len(self.stage_index), dtype=np.int64)
         np.maximum.at(largest, self.stage, rest)
         tail = (lambda m: ladder_size(m, chunk)) if ladder else _align
-        return sum(
-            int(f) * (chunk + self.latency) + int(t) * (tail(int(m)) + self.latency)
-            for f, t, m in zip(n_full, n_tail, largest, strict=True)
-        )
+        total, shapes, sizes = 0, [], []
+        for f, t, m in zip(n_full, n_tail, largest, strict=True):
+            tail_size = tail(int(m))
+            total += int(f) * (chunk + self.latency) + int(t) * (tail_size + self.latency)
+            shapes.append(frozenset([chunk] * (int(f) > 0) + [tail_size] * (int(t) > 0)))
+            sizes.append(int(f) * chunk + int(t) * tail_size)
+        if ladder and len(shapes) > 1:
+            # Stages (units) one after the other whose round sizes differ make the runtime's
+            # staging pool free and allocate buffers (cyclically: the first after the last, on
+            # the next call). Fresh buffers page-fault on first touch, which costs about twice
+            # the copy (`FAULT_COST`): priced here so the chunk size favours reuse.
+            for i, shape in enumerate(shapes):
+                if shape != shapes[i - 1]:
+                    total += int(FAULT_COST * sizes[i])
+        return total
+
+
+FAULT_COST = 2.0
+"""Byte-equivalents a staging buffer costs when the pool must make it afresh, per byte: the page
+faults of first touch (about 1 GB/s here, against 2-3 GB/s a collective-permute moves per
+device), for the send and the receive buffer."""
 
 
 def _align(n: int) -> int:

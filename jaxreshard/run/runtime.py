@@ -116,7 +116,7 @@ class Runtime:
         self._steps: list[_StepRun] | None = None
         self._tables: dict[tuple[MeshSpec, Any], jax.Array] = {}
         self._pool: dict[int, dict[Slot, list[jax.Array]]] = defaultdict(lambda: defaultdict(list))
-        self.host_syncs = host_syncs(self.device[d].platform for d in lowered.union)
+        self.host_syncs = waits_between_steps(self.device[d].platform for d in lowered.union)
         self._lock = threading.Lock()
 
     # --------------------------------------------------------------------------------- run
@@ -155,7 +155,7 @@ class Runtime:
     ) -> list[jax.Array]:
         """Dispatch one step; returns what it wrote (for the next step's host sync)."""
         if self.host_syncs and previous and step.transfer is not None:
-            jax.block_until_ready(previous)  # see `host_syncs`
+            jax.block_until_ready(previous)  # see `waits_between_steps`
         if step.fresh and not dst.donated:
             dst.allocate(step.fresh)
             clock.mark("alloc", dst.pending())
@@ -392,8 +392,8 @@ class Runtime:
         return fn
 
 
-def host_syncs(platforms: Iterable[str]) -> bool:
-    """Whether a call waits, before each transfer, for the previous step to finish.
+def waits_between_steps(platforms: Iterable[str]) -> bool:
+    """Whether a call waits, before each step with a transfer, for the previous step.
 
     XLA's CPU backend runs the devices' programs on one thread pool, and a collective-permute
     needs every device's thread to reach it at once: with several steps in flight, the
@@ -823,3 +823,11 @@ class _Clock:
         now = time.perf_counter()
         self.profile[phase] = self.profile.get(phase, 0.0) + now - self.t
         self.t = now
+
+
+def host_syncs_per_call(lowered: Lowered, platforms: Iterable[str]) -> int:
+    """How many times one call waits for the devices (see `waits_between_steps`): before
+    every step with a transfer but the first, on CPU; never elsewhere."""
+    if not waits_between_steps(platforms):
+        return 0
+    return max(0, sum(step.transfer is not None for step in lowered.steps) - 1)

@@ -24,7 +24,9 @@ Method of a timing scenario (every strategy is treated alike):
   `jax.device_put`'s (JAX's ground truth);
 * warm-up: ``--warmup`` more untimed calls of every strategy (the same number for each), each on a
   fresh source; the last is watched for host traffic;
-* timing: ``--pairs`` rounds interleaved ``A B C, C B A, ...``. Before every call, untimed, the
+* timing: for every other strategy X, ``--pairs`` rounds of X against jaxreshard interleaved
+  ``J X, X J, ...`` (one pass per X, so one baseline's memory churn does not slow another).
+  Before every call, untimed, the
   source is replaced by a fresh one (``x + 1`` with donation, as an optimizer step would; JAX
   caches the host copy of an array that `jax.device_put` pulled through host memory, which would
   flatter it on a repeated source). jaxreshard writes into the donated previous result (its refit
@@ -968,7 +970,8 @@ class Result:
     """Measured figures of one strategy in one scenario (the JSON record).
 
     ``jr_over_this_*``: jaxreshard's time divided by this strategy's (above 1: jaxreshard is
-    slower), as the median over rounds of the per-round ratio, and as median / median.
+    slower), as the median over rounds of the per-round ratio, and as median / median, both
+    against jaxreshard's calls of the same interleaved pass (``paired_jr_times_s``).
     """
 
     strategy: str
@@ -977,6 +980,7 @@ class Result:
     min_s: float = math.nan
     median_s: float = math.nan
     max_s: float = math.nan
+    paired_jr_times_s: list[float] = dataclasses.field(default_factory=list)
     jr_over_this_median_of_pairs: float | None = None
     jr_over_this_ratio_of_medians: float | None = None
     plan_s: float | None = None
@@ -1027,7 +1031,8 @@ def _steps(scenario: Scenario, args: argparse.Namespace) -> int:
     if scenario.kind == "one_device":
         return 3
     # first call, warm-up, pairs, two memory calls, stage profile
-    return len(_chosen(scenario, args)) * (args.warmup + args.pairs + 4)
+    n = len(_chosen(scenario, args))
+    return n * (args.warmup + 4) + max(1, 2 * (n - 1)) * args.pairs
 
 
 def _chosen(scenario: Scenario, args: argparse.Namespace) -> list[str]:
@@ -1167,17 +1172,35 @@ class _Bench:
         return out
 
     def time_pairs(self) -> None:
-        """``--pairs`` rounds, interleaved A B C, C B A, ...; a fresh source before each call."""
-        for i in range(self.args.pairs):
-            order = self.strategies if i % 2 == 0 else self.strategies[::-1]
-            for s in order:
-                src = self.fresh_source(s)
-                t0 = time.perf_counter()
-                out = _ready(s(src))
-                self.results[s.name].times_s.append(time.perf_counter() - t0)
-                s.done(out, src)
-                del out
-                self.step(f"round {i + 1} {s.name}")
+        """For every other strategy, ``--pairs`` rounds of it against jaxreshard, interleaved
+        (J X, X J, ...), a fresh source before each call.
+
+        Each comparison is a pass of its own, so a baseline that churns memory (gather-then-
+        slice allocates gigabytes) does not slow the others it would otherwise be interleaved
+        with: on CPU the allocator's state after one strategy changes the next one's time.
+        jaxreshard's times of each pass are kept with that pass (``paired_jr_times_s``) and
+        its ratios use them."""
+        base = next((s for s in self.strategies if s.name == "jaxreshard"), None)
+        others = [s for s in self.strategies if s is not base]
+        passes = [[base, x] for x in others] if base is not None else [[x] for x in others]
+        if base is not None and not others:
+            passes = [[base]]
+        for pair in passes:
+            paired: list[float] = []
+            for i in range(self.args.pairs):
+                for s in pair if i % 2 == 0 else pair[::-1]:
+                    src = self.fresh_source(s)
+                    t0 = time.perf_counter()
+                    out = _ready(s(src))
+                    elapsed = time.perf_counter() - t0
+                    self.results[s.name].times_s.append(elapsed)
+                    if s is base and len(pair) > 1:
+                        paired.append(elapsed)
+                    s.done(out, src)
+                    del out
+                    self.step(f"round {i + 1} {s.name}")
+            if len(pair) > 1:
+                self.results[pair[1].name].paired_jr_times_s = paired
 
     def memory(self) -> None:
         """One call per strategy alone (trimmed heap, VmHWM reset); jaxreshard also with its
@@ -1253,10 +1276,13 @@ class _Bench:
             if r.times_s:
                 r.min_s, r.max_s = min(r.times_s), max(r.times_s)
                 r.median_s = statistics.median(r.times_s)
-            if base is not None and r is not base and r.times_s and base.times_s:
-                pairs = [a / b for a, b in zip(base.times_s, r.times_s, strict=True)]
+            if base is not None and r is not base and r.times_s and r.paired_jr_times_s:
+                mine = r.paired_jr_times_s
+                pairs = [a / b for a, b in zip(mine, r.times_s, strict=True)]
                 r.jr_over_this_median_of_pairs = statistics.median(pairs)
-                r.jr_over_this_ratio_of_medians = base.median_s / r.median_s
+                r.jr_over_this_ratio_of_medians = statistics.median(mine) / statistics.median(
+                    r.times_s
+                )
 
 
 _PHASES = ("alloc", "pool", "pack", "transfer", "unpack")
@@ -2274,11 +2300,13 @@ def _header(args: argparse.Namespace, devices: Sequence[jax.Device]) -> dict[str
 LEGEND = """\
    How to read the tables (every scenario):
    - measured: wall time of whole calls. Every strategy gets the same untimed calls (its first
-     call, then --warmup more), then --pairs rounds interleaved A B C, C B A, ..., each call on
-     a fresh source (x + 1, donated). output: donated = writes into its previous result (the
+     call, then --warmup more), then, for each other strategy X, --pairs rounds of X against
+     jaxreshard interleaved J X, X J, ... (a pass per X), each call on a fresh source (x + 1,
+     donated). output: donated = writes into its previous result (the
      refit mode); fresh = allocates its result (device_put cannot be given warm buffers).
-   - jr/x: jaxreshard's time / this strategy's (> 1: jaxreshard slower); pairs = median of the
-     per-round ratios, medians = ratio of the medians. Targets use the ratio of the medians.
+   - jr/x: jaxreshard's time / this strategy's (> 1: jaxreshard slower), against jaxreshard's
+     calls of the same pass; pairs = median of the per-round ratios, medians = ratio of the
+     medians. Targets use the ratio of the medians.
    - 1st call: the first call after planning; compile s / compiles: JAX tracing, lowering and
      XLA compiles during it. = device_put: result equal element for element (ref: the reference).
    - host how: guard = the call ran under jax.transfer_guard("disallow"), so any host transfer
