@@ -163,13 +163,18 @@ def case_reshard_cached() -> None:
     sampler = mesh(BY_PROCESS[1], (2, 2), ("dp", "tp"))
     src_sharding = NamedSharding(trainer, P("x"))
     dst = NamedSharding(sampler, P("tp"))
+    from jaxreshard.run import multihost
+
     before = len(jr.api._CACHE)
+    agreements = sum(multihost._STATE.rounds.values())
     for step in range(3):
         full = data((16, 16), 10 + step)
         out = jr.reshard({"p": source(full, src_sharding)}, {"p": dst})
         check(out, {"p": full}, {"p": dst})
     assert len(jr.api._CACHE) == before + 1, (before, len(jr.api._CACHE))
-    ok("reshard_cached")
+    rounds = sum(multihost._STATE.rounds.values()) - agreements
+    assert rounds == 1, f"{rounds} agreements for one plan called 3 times"
+    ok("reshard_cached", agreements=rounds)
 
 
 def case_mismatch() -> None:

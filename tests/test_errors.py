@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from arrays import random_array, sharding
+from arrays import assert_exact, random_array, sharding
 from jax.sharding import SingleDeviceSharding
 
 import jaxreshard as jr
@@ -52,7 +52,7 @@ def test_every_bad_leaf_is_listed_at_once(src):
         "a": sharding(tuple(range(4, 7)), (3,), ("tp",), "tp"),
         "b": {"c": sharding(*DST, None)},
     }
-    with pytest.raises(jr.ReshardError) as e:
+    with pytest.raises(jr.ReshardError, match="cannot plan a reshard for these leaves") as e:
         jr.plan(src, bad)
     assert "['a']" in str(e.value) and "['b']['c']" in str(e.value)
     assert "(2 leaves)" in str(e.value)
@@ -93,10 +93,15 @@ def test_a_plan_applied_to_arrays_of_another_shape_dtype_or_sharding(src):
 
 
 def test_an_equivalent_sharding_is_accepted(src):
+    """A mesh of the same devices with other axis names lays the array out as planned: the
+    plan takes it (the shardings are equivalent, not equal), and moves it exactly."""
     plan = jr.plan(src, dst_tree())
     same = dict(src)
-    same["a"] = jax.device_put(np.asarray(src["a"]), sharding(*SRC[:3], "fsdp", ("tp",)))
-    plan(same)
+    same["a"] = jax.device_put(np.asarray(src["a"]), sharding(SRC[0], SRC[1], ("p", "q"), "p", "q"))
+    assert same["a"].sharding != src["a"].sharding
+    out = plan(same)
+    assert_exact(out["a"], np.asarray(src["a"]), dst_tree()["a"])
+    assert_exact(out["b"]["c"], np.asarray(src["b"]["c"]), dst_tree()["b"]["c"])
 
 
 def test_a_donate_tree_that_does_not_match_the_destination(src):
@@ -134,7 +139,7 @@ def test_tracers_are_refused(src):
 
 def test_errors_leave_the_source_untouched(src):
     before = np.asarray(src["a"]).copy()
-    with pytest.raises(jr.ReshardError):
+    with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\].*rank 2"):
         jr.reshard(src, {"a": sharding(*DST), "b": {"c": sharding(*DST, None)}})
     assert not src["a"].is_deleted()
     np.testing.assert_array_equal(np.asarray(src["a"]), before)
