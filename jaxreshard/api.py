@@ -6,7 +6,7 @@ import collections
 import functools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -74,6 +74,7 @@ class Plan:
         lowered: Lowered,
         bucket_bytes: int,
         topology: Topology,
+        compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.treedef = treedef
         self.paths = tuple(paths)
@@ -84,6 +85,7 @@ class Plan:
         self.schedule = schedule
         self.lowered = lowered
         self.bucket_bytes = bucket_bytes
+        self.compiler_options = dict(compiler_options or {})
         self.topology = topology
         platforms = [d.platform for s in dst_shardings for d in s.device_set]
         self.stats: PlanStats = with_lowered(
@@ -101,7 +103,13 @@ class Plan:
         with self._lock:
             if self._runtime is None:
                 shardings = [sharding for _, _, sharding in self.src_avals]
-                self._runtime = Runtime(self.leaves, self.lowered, shardings, self.dst_shardings)
+                self._runtime = Runtime(
+                    self.leaves,
+                    self.lowered,
+                    shardings,
+                    self.dst_shardings,
+                    transfer_options=self.compiler_options,
+                )
             return self._runtime
 
     def __call__(self, src_tree: Any, *, donate: Any = None) -> Any:
@@ -296,6 +304,7 @@ def plan(
     bucket_bytes: int | None = None,
     dtype: Any = None,
     topology: Topology | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Plan moving ``src_tree`` into the layouts ``dst_shardings``.
 
@@ -313,6 +322,10 @@ def plan(
         needed by several devices of a domain cross into it once and are relayed inside it
         (hierarchical fan-out), slow and fast links get rounds of their own, and
         ``stats.bytes_cross_domain`` counts what crosses domains. See `jaxreshard.topology`.
+      compiler_options: XLA options for the transfer programs only, as ``jax.jit``'s
+        ``compiler_options`` (for example, on GPUs of one host,
+        ``{"xla_gpu_use_memcpy_local_p2p": True}``; see the README's GPU section). None are
+        set by default: jaxreshard never changes ``XLA_FLAGS``.
 
     Returns:
       A `Plan`. Planning is pure: no program is compiled and no data moves.
@@ -399,6 +412,7 @@ def plan(
         lowered,
         int(bucket_bytes),
         topology,
+        compiler_options,
     )
 
 
@@ -417,6 +431,7 @@ def reshard(
     dtype: Any = None,
     donate: Any = None,
     topology: Topology | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Reshard ``src_tree`` into ``dst_shardings``; `plan` then call, with plans cached.
 
@@ -424,7 +439,8 @@ def reshard(
     options), so calling this every step plans and compiles only on the first call. See `plan`
     and `Plan.__call__` for the arguments.
     """
-    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, topology)
+    options = tuple(sorted((compiler_options or {}).items()))
+    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options))
     found = None
     if key is not None:
         with _CACHE_LOCK:
@@ -433,7 +449,12 @@ def reshard(
                 _CACHE.move_to_end(key)
     if found is None:
         found = plan(
-            src_tree, dst_shardings, bucket_bytes=bucket_bytes, dtype=dtype, topology=topology
+            src_tree,
+            dst_shardings,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            topology=topology,
+            compiler_options=compiler_options,
         )
         if key is not None:
             with _CACHE_LOCK:

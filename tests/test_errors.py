@@ -144,3 +144,12 @@ def test_errors_leave_the_source_untouched(src):
     assert not src["a"].is_deleted()
     np.testing.assert_array_equal(np.asarray(src["a"]), before)
     assert jnp.dtype(src["a"].dtype) == jnp.float32
+
+
+def test_unknown_compiler_options_are_refused_before_any_data_moves(src):
+    plan = jr.plan(src, dst_tree(), compiler_options={"no_such_xla_option": True})
+    with pytest.raises(jr.ReshardError, match="compiler_options.*no_such_xla_option"):
+        plan(src)
+    ok = jr.plan(src, dst_tree(), compiler_options={"xla_cpu_enable_fast_math": False})
+    out = ok(src)
+    assert_exact(out["a"], np.asarray(src["a"]), dst_tree()["a"])

@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from jaxreshard.errors import ReshardError
 from jaxreshard.planning.layout import MeshSpec
 from jaxreshard.planning.lower import (
     GROUP_AXIS,
@@ -91,8 +92,10 @@ class Runtime:
         lowered: Lowered,
         src_shardings: Sequence[Sharding],
         dst_shardings: Sequence[NamedSharding],
+        transfer_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.leaves = tuple(leaves)
+        self.transfer_options = dict(transfer_options or {})
         self.lowered = lowered
         self.src_shardings = tuple(src_shardings)
         self.dst_shardings = tuple(dst_shardings)
@@ -375,9 +378,7 @@ class Runtime:
         for program in dict.fromkeys(
             s.transfer for s in self.lowered.steps if s.transfer is not None
         ):
-            fn = self._transfer_fn(program)
-            args = _transfer_avals(program, self._union_sharding(program))
-            out.append(fn.lower(*args).compile().as_text())
+            out.append(self._transfer_fn(program).as_text())
         return out
 
     def _union_sharding(self, program: TransferProgram) -> NamedSharding:
@@ -385,10 +386,24 @@ class Runtime:
         return NamedSharding(self.mesh(spec), PartitionSpec(GROUP_AXIS))
 
     def _transfer_fn(self, program: TransferProgram) -> Callable[..., Any]:
+        """The compiled transfer program (compiled ahead of its first run, while the steps are
+        resolved: a bad ``compiler_options`` then fails before any data moves)."""
         fn = self._transfers.get(program)
         if fn is None:
             mesh = self.mesh(MeshSpec.line(program.devices, GROUP_AXIS))
-            fn = self._transfers[program] = _build_transfer(program, mesh)
+            jitted = _build_transfer(program, mesh, self.transfer_options)
+            avals = _transfer_avals(program, self._union_sharding(program))
+            try:
+                fn = jitted.lower(*avals).compile()
+            except Exception as e:
+                if not self.transfer_options:
+                    raise
+                raise ReshardError(
+                    f"XLA refused the transfer programs' compiler_options "
+                    f"{self.transfer_options}: {str(e).splitlines()[0]}\nHow to fix: pass "
+                    "options this backend knows (as jax.jit's compiler_options), or none"
+                ) from None
+            self._transfers[program] = fn
         return fn
 
 
@@ -765,7 +780,9 @@ def _build_unpack(
     )
 
 
-def _build_transfer(program: TransferProgram, mesh: Mesh) -> Callable[..., Any]:
+def _build_transfer(
+    program: TransferProgram, mesh: Mesh, options: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
     n = len(program.slots)
     spec = PartitionSpec(GROUP_AXIS)
 
@@ -780,7 +797,12 @@ def _build_transfer(program: TransferProgram, mesh: Mesh) -> Callable[..., Any]:
     mapped = jax.shard_map(
         transfer, mesh=mesh, in_specs=(spec,) * (2 * n), out_specs=(spec,) * n, check_vma=False
     )
-    return jax.jit(mapped, donate_argnums=tuple(range(n, 2 * n)), keep_unused=True)
+    return jax.jit(
+        mapped,
+        donate_argnums=tuple(range(n, 2 * n)),
+        keep_unused=True,
+        compiler_options=dict(options) if options else None,
+    )
 
 
 def _transfer_avals(program: TransferProgram, sharding: NamedSharding) -> list[Any]:
