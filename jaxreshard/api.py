@@ -279,8 +279,11 @@ class Plan:
             f"  wire    {_b(s.bytes_wire)} (padding {_b(pad)}"
             + (f", {pad / s.bytes_sent:.2%}" if s.bytes_sent else "")
             + f") | relayed {_b(s.bytes_relayed)}",
-            f"  rounds  {s.rounds} in {s.buckets} bucket(s), largest round {_b(largest)}, "
-            f"bucket limit {_b(self.bucket_bytes)}, staging {_b(s.staging_bytes)} per device",
+            f"  rounds  {s.rounds} in {s.buckets} bucket(s) of {len(self.schedule.units)} "
+            f"unit(s), largest round {_b(largest)}, bucket limit {_b(self.bucket_bytes)}",
+            f"  staging {_b(s.staging_bytes)} per device, kept between calls",
+            f"  calls   {s.programs} programs (compiled on the first call), {s.dispatches} "
+            f"dispatches and {s.host_syncs} host syncs per call",
             f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "
             f"{_b(s.max_device_recv_bytes)}",
             f"  {'device':>8} {'sends':>12} {'receives':>12} {'local':>12}",
