@@ -257,6 +257,7 @@ def split_units(
     bucket_bytes: int,
     max_copies: int = MAX_UNIT_COPIES,
     max_repeat_copies: int = MAX_REPEAT_COPIES,
+    slab_bytes: int | None = None,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
@@ -272,10 +273,13 @@ def split_units(
     the first call's compile time, do not grow with the number of layers. Outside the
     stretch leaves are cut greedily in tree order.
 
-    *Large leaves.* A leaf that alone exceeds a bucket is cut into ``K`` slabs: every piece
-    split into ``K`` near-equal row ranges, slab ``k`` of every piece in unit ``k``, so each
-    slab is balanced over the devices like the whole leaf. Its relays (stage 1) go with its
-    last slab, after every part they forward has arrived.
+    *Large leaves.* A leaf that alone exceeds a bucket, or (outside repeated stretches) has a
+    piece larger than ``slab_bytes``, is cut into ``K`` slabs: every piece split into ``K``
+    near-equal row ranges, slab ``k`` of every piece in unit ``k``, so each slab is balanced
+    over the devices like the whole leaf. The slabs share one program (their boxes differ only
+    in where they start), where cutting the leaf's pieces into many chunks inside one unit
+    would give every cut a copy of its own to compile. Its relays (stage 1) go with its last
+    slab, after every part they forward has arrived.
     """
     pieces_of: dict[int, list[Piece]] = defaultdict(list)
     local_of: dict[int, list[LocalCopy]] = defaultdict(list)
@@ -294,11 +298,18 @@ def split_units(
         for index in indices:
             out, into, _, _ = loads[index]
             largest = max([*out.values(), *into.values(), 0])
-            if largest > bucket_bytes:
+            k = -(-largest // bucket_bytes)
+            if slab_bytes:
+                widest = max(
+                    (box_size(p.box) * leaves[index].itemsize for p in pieces_of[index]),
+                    default=0,
+                )
+                k = max(k, -(-widest // slab_bytes) if widest > 2 * slab_bytes else 1)
+            if k > 1:
                 if run:
                     parts.append(("run", run, 0))
                     run = []
-                parts.append(("slab", [index], -(-largest // bucket_bytes)))
+                parts.append(("slab", [index], k))
                 continue
             fits = _meshes(leaves[run[0]]) == _meshes(leaves[index]) if run else True
             if not (fits and _fits([*run, index], loads, bucket_bytes, max_copies)):
@@ -487,6 +498,15 @@ def build_plan_schedule(
         link_class=link_class,
         class_latency_bytes=class_latency_bytes,
         ladder=True,
+    )
+    # Leaves whose pieces span several chunks go into slabs of about a chunk each, which share
+    # one program, instead of being cut chunk by chunk inside a unit (a copy per cut).
+    units = split_units(
+        leaves,
+        assignment,
+        bucket_bytes=bucket_bytes,
+        max_copies=max_copies,
+        slab_bytes=min(chunks.values(), default=bucket_bytes),
     )
     buckets: list[Bucket] = []
     for u, unit in enumerate(units):
