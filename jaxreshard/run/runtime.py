@@ -77,6 +77,10 @@ from jaxreshard.run.codec import (
 Buffers = dict[int, jax.Array]
 """Device id -> this process's single-device buffer on it."""
 
+ONE_OFF_OPTIONS = {"xla_backend_optimization_level": 0}
+"""XLA options of the programs a plan runs once (tables of box starts, staging buffers): their
+code speed hardly matters, their compile time adds to the first call."""
+
 
 class Runtime:
     """The compiled programs and staging pool of one plan, for this process's devices.
@@ -229,7 +233,11 @@ class Runtime:
             mesh = Mesh(np.array([self.device[d] for d in devices]), (GROUP_AXIS,))
             shape, dtype = (len(devices) * slot.words,), np.dtype(slot.word)
             sharding = NamedSharding(mesh, PartitionSpec(GROUP_AXIS))
-            fn = self._zeros[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+            fn = self._zeros[key] = jax.jit(
+                lambda: jnp.zeros(shape, dtype),
+                out_shardings=sharding,
+                compiler_options=ONE_OFF_OPTIONS,
+            )
         return views.by_device(fn())
 
     def release(self) -> None:
@@ -323,7 +331,9 @@ class Runtime:
             def make(constants: list[np.ndarray] = constants) -> tuple[jax.Array, ...]:
                 return tuple(jnp.asarray(c) for c in constants)
 
-            made = jax.jit(make, out_shardings=(sharding,) * len(constants))()
+            made = jax.jit(
+                make, out_shardings=(sharding,) * len(constants), compiler_options=ONE_OFF_OPTIONS
+            )()
             tables.update({(spec, r): x for r, x in zip(rows, made, strict=True)})
         return tables
 
