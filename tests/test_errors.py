@@ -148,7 +148,7 @@ def test_errors_leave_the_source_untouched(src):
 
 def test_unknown_compiler_options_are_refused_before_any_data_moves(src):
     plan = jr.plan(src, dst_tree(), compiler_options={"no_such_xla_option": True})
-    with pytest.raises(jr.ReshardError, match="compiler_options.*no_such_xla_option"):
+    with pytest.raises(jr.ReshardError, match=r"compiler_options.*no_such_xla_option"):
         plan(src)
     ok = jr.plan(src, dst_tree(), compiler_options={"xla_cpu_enable_fast_math": False})
     out = ok(src)
