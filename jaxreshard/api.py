@@ -283,7 +283,7 @@ class Plan:
             f"unit(s), largest round {_b(largest)}, bucket limit {_b(self.bucket_bytes)}",
             f"  staging {_b(s.staging_bytes)} per device, kept between calls",
             f"  calls   {s.programs} programs (compiled on the first call), {s.dispatches} "
-            f"dispatches and {s.host_syncs} host syncs per call",
+            f"dispatches and {s.host_syncs} host sync(s) per call",
             f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "
             f"{_b(s.max_device_recv_bytes)}",
             f"  {'device':>8} {'sends':>12} {'receives':>12} {'local':>12}",
