@@ -96,10 +96,13 @@ PLANNER_MUTANTS = [
     Mutant(
         "route-no-pair-preference",
         ROUTE,
-        (("(s, demand.dst) in pairs", "(s, demand.dst) in ()"),),
+        (
+            ("(s, demand.dst) in pairs", "(s, demand.dst) in ()"),
+            ("(s, d.dst) in pairs", "(s, d.dst) in ()"),
+        ),
         (f"{T_ROUTE}::test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf",),
-        "_hand_out never prefers a sender already paired with the receiver (more messages, "
-        "possibly more rounds)",
+        "_hand_out and _rotate never prefer a sender already paired with the receiver (more "
+        "messages, possibly more rounds)",
     ),
     Mutant(
         "route-remainder-to-last-sender",
