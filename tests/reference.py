@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxreshard.planning.layout import Box, box_shape, box_size, shift
+from jaxreshard.planning.layout import Box, Layout, box_shape, box_size, shift
 from jaxreshard.planning.lower import Lowered
 from jaxreshard.planning.route import Assignment, LeafSpec
 from jaxreshard.planning.schedule import Schedule
+
+
+def leaf_spec(shape, src, dst, dtype="float32", dst_dtype=None, path="x") -> LeafSpec:
+    """A virtual leaf: ``src`` and ``dst`` are ``(mesh_shape, axis_names, device_ids, spec)``
+    tuples (as `Layout.from_mesh` takes them after the array's shape)."""
+    dst_dtype = dst_dtype or dtype
+    return LeafSpec(
+        path,
+        Layout.from_mesh(shape, *src),
+        Layout.from_mesh(shape, *dst),
+        dtype,
+        dst_dtype,
+        max(1, np.dtype(dst_dtype).itemsize),
+    )
 
 
 def _slices(box: Box) -> tuple[slice, ...]:

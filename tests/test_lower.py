@@ -12,13 +12,11 @@ import math
 from collections import Counter, defaultdict
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy)
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import assert_lowered_exact
+from reference import assert_lowered_exact, leaf_spec
 
-from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.lower import (
     PackProgram,
     TransferProgram,
@@ -27,7 +25,7 @@ from jaxreshard.planning.lower import (
     staging,
     step_roles,
 )
-from jaxreshard.planning.route import LeafSpec, route
+from jaxreshard.planning.route import route
 from jaxreshard.planning.schedule import build_plan_schedule
 from jaxreshard.planning.topology import Topology
 
@@ -36,19 +34,6 @@ TP4 = ((4,), ("tp",), (4, 5, 6, 7))
 DP_TP = ((2, 2), ("dp", "tp"), (4, 5, 6, 7))
 COLOCATED_SRC = ((4, 2), ("fsdp", "tp"), tuple(range(8)))
 COLOCATED_DST = ((2, 4), ("dp", "tp"), (0, 2, 4, 6, 1, 3, 5, 7))
-
-
-def leaf(shape, src, dst, dtype="float32", dst_dtype=None, path="x") -> LeafSpec:
-    """A LeafSpec from (mesh_shape, names, ids, spec) tuples."""
-    dst_dtype = dst_dtype or dtype
-    return LeafSpec(
-        path,
-        Layout.from_mesh(shape, *src),
-        Layout.from_mesh(shape, *dst),
-        dtype,
-        dst_dtype,
-        max(1, np.dtype(dst_dtype).itemsize),
-    )
 
 
 def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False):
@@ -76,7 +61,7 @@ def gpt(src, dst, layers=4, d=64, dtype="float32", dst_dtype=None):
             ("ln", (d,), ("fsdp",), ()),
         ):
             leaves.append(
-                leaf(shape, (*src, s_spec), (*dst, d_spec), dtype, dst_dtype, f"l{i}.{name}")
+                leaf_spec(shape, (*src, s_spec), (*dst, d_spec), dtype, dst_dtype, f"l{i}.{name}")
             )
     return leaves
 
@@ -105,32 +90,32 @@ CASES = {
     "replicated destination": lambda: gpt(FSDP_TP, DP_TP),
     "colocated with local copies": lambda: gpt(COLOCATED_SRC, COLOCATED_DST),
     "replicated source": lambda: [
-        leaf((64, 32), ((2, 2), ("dp", "fsdp"), (0, 1, 2, 3), ("fsdp",)), (*TP4, (None, "tp")))
+        leaf_spec((64, 32), ((2, 2), ("dp", "fsdp"), (0, 1, 2, 3), ("fsdp",)), (*TP4, (None, "tp")))
     ],
     "a leaf larger than a bucket (slabs)": lambda: (
-        [leaf((256, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))],
+        [leaf_spec((256, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))],
         {"bucket_bytes": 4096},
     ),
     "mixed dtypes in one chunk": lambda: (
         [
-            leaf((24, 8), (*FSDP_TP, ("fsdp", "tp")), (*TP4, ("tp",)), dtype=dt, path=dt)
+            leaf_spec((24, 8), (*FSDP_TP, ("fsdp", "tp")), (*TP4, ("tp",)), dtype=dt, path=dt)
             for dt in ("int8", "float64", "float16", "int32", "uint8", "complex64", "bfloat16")
         ],
         {"bucket_bytes": 48},
     ),
     "scalar and zero-size": lambda: [
-        leaf((), ((2, 2), ("a", "b"), (0, 1, 2, 3), ()), ((4,), ("x",), (4, 5, 6, 7), ())),
-        leaf((0, 8), (*FSDP_TP, (None, "tp")), (*TP4, (None, "tp"))),
+        leaf_spec((), ((2, 2), ("a", "b"), (0, 1, 2, 3), ()), ((4,), ("x",), (4, 5, 6, 7), ())),
+        leaf_spec((0, 8), (*FSDP_TP, (None, "tp")), (*TP4, (None, "tp"))),
     ],
     "identical layouts: local copies only": lambda: [
-        leaf((16, 16), (*FSDP_TP, ("fsdp", "tp")), (*FSDP_TP, ("fsdp", "tp")))
+        leaf_spec((16, 16), (*FSDP_TP, ("fsdp", "tp")), (*FSDP_TP, ("fsdp", "tp")))
     ],
     "hierarchical fan-out (relays)": lambda: (
-        [leaf((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))],
+        [leaf_spec((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))],
         {"topology": Topology.from_groups([range(4), range(4, 8)]), "fan_out": True},
     ),
     "fan-out, slabs and relays after the last slab": lambda: (
-        [leaf((256, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))],
+        [leaf_spec((256, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))],
         {
             "topology": Topology.from_groups([range(4), range(4, 8)]),
             "fan_out": True,
@@ -148,7 +133,7 @@ def test_lowered_programs_rebuild_every_destination_shard(name):
 
 
 def test_relays_read_destination_shards_in_a_later_step():
-    leaves = [leaf((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))]
+    leaves = [leaf_spec((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))]
     two = Topology.from_groups([range(4), range(4, 8)])
     _, lowered = check(leaves, topology=two, fan_out=True)
     relay_steps = [
@@ -169,7 +154,7 @@ def test_repeated_layers_share_their_programs():
 
 
 def test_the_slabs_of_a_large_leaf_share_their_programs():
-    big = [leaf((1024, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))]
+    big = [leaf_spec((1024, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))]
     _, lowered = check(big, bucket_bytes=4096)
     kinds = defaultdict(set)
     for p in lowered.programs():
@@ -277,7 +262,7 @@ def test_random_layouts_lower_exactly():
         mult = data.draw(st.lists(st.integers(1, 3), min_size=rank, max_size=rank))
         mult[0] *= data.draw(st.sampled_from([16, 32, 64]))
         shape = tuple(m * math.lcm(ways(src, d), ways(dst, d)) for d, m in enumerate(mult))
-        leaves = [leaf(shape, src, dst, dtype, None if dtype == "uint8" else cast)]
+        leaves = [leaf_spec(shape, src, dst, dtype, None if dtype == "uint8" else cast)]
         # A bucket of a fraction of what one destination device receives: several steps.
         per_device = math.prod(shape) * leaves[0].itemsize // len(dst[2])
         _, lowered = check(leaves, bucket_bytes=max(48, per_device // parts))

@@ -13,19 +13,12 @@ from collections import defaultdict
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import assert_reference_exact
+from reference import assert_reference_exact, leaf_spec
 
-from jaxreshard.planning.layout import Layout, box_size
-from jaxreshard.planning.route import LeafSpec, route
+from jaxreshard.planning.layout import box_size
+from jaxreshard.planning.route import route
 from jaxreshard.planning.schedule import build_schedule, colour_rounds, plan_stats
 from jaxreshard.planning.topology import Topology
-
-
-def leaf(shape, src, dst, dtype="float32", path="x"):
-    """A LeafSpec from (mesh_shape, names, ids, spec) tuples."""
-    src_layout = Layout.from_mesh(shape, *src)
-    dst_layout = Layout.from_mesh(shape, *dst)
-    return LeafSpec(path, src_layout, dst_layout, dtype, dtype, np.dtype(dtype).itemsize)
 
 
 def flat(leaves):
@@ -72,7 +65,7 @@ FSDP_TP = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
 
 
 def test_disjoint_fsdp_tp_to_tp_sends_the_whole_destination():
-    lf = leaf((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))
+    lf = leaf_spec((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))
     stats, _, _ = check_plan([lf])
     assert stats.bytes_local == 0
     assert stats.bytes_sent == 64 * 32 * 4
@@ -81,14 +74,14 @@ def test_disjoint_fsdp_tp_to_tp_sends_the_whole_destination():
 
 def test_identical_layouts_copy_locally_and_send_nothing():
     spec = (*FSDP_TP, ("fsdp", "tp"))
-    stats, _, schedule = check_plan([leaf((8, 8), spec, spec)])
+    stats, _, schedule = check_plan([leaf_spec((8, 8), spec, spec)])
     assert stats.bytes_sent == 0 and stats.rounds == 0 and not schedule.buckets
     assert stats.bytes_local == stats.bytes_total == 8 * 8 * 4
 
 
 def test_two_replicas_each_send_half():
     """The full array is replicated on devices 0 and 1; device 2 needs all of it."""
-    lf = leaf((64, 16), ((2,), ("dp",), (0, 1), ()), ((1,), ("x",), (2,), ()))
+    lf = leaf_spec((64, 16), ((2,), ("dp",), (0, 1), ()), ((1,), ("x",), (2,), ()))
     stats, assignment, _ = check_plan([lf])
     assert stats.max_device_send_bytes == stats.bytes_lower_bound // 2
     assert {p.src for p in assignment.pieces} == {0, 1}
@@ -96,7 +89,7 @@ def test_two_replicas_each_send_half():
 
 def test_replicas_share_whole_pieces_without_splitting_them():
     """dp2 -> tp4 on other devices: each replica sends two whole quarter shards."""
-    lf = leaf((64, 16), ((2,), ("dp",), (0, 1), ()), (*TP4, ("tp",)))
+    lf = leaf_spec((64, 16), ((2,), ("dp",), (0, 1), ()), (*TP4, ("tp",)))
     stats, assignment, _ = check_plan([lf])
     assert stats.max_device_send_bytes == stats.bytes_lower_bound // 2
     assert len(assignment.pieces) == 4
@@ -104,14 +97,14 @@ def test_replicas_share_whole_pieces_without_splitting_them():
 
 def test_balance_spans_leaves():
     """A leaf only device 0 holds loads it; the replicated leaf goes to device 1 instead."""
-    a = leaf((32, 8), ((2,), ("x",), (0, 1), ("x",)), ((1,), ("y",), (2,), ()), path="a")
-    b = leaf((32, 8), ((2,), ("dp",), (0, 1), ()), ((1,), ("y",), (3,), ()), path="b")
+    a = leaf_spec((32, 8), ((2,), ("x",), (0, 1), ("x",)), ((1,), ("y",), (2,), ()), path="a")
+    b = leaf_spec((32, 8), ((2,), ("dp",), (0, 1), ()), ((1,), ("y",), (3,), ()), path="b")
     stats, _, _ = check_plan([a, b])
     assert stats.max_device_send_bytes == 32 * 8 * 4
 
 
 def test_replicas_in_the_receivers_domain_are_preferred():
-    lf = leaf((16, 16), ((2,), ("dp",), (0, 4), ()), ((2,), ("tp",), (5, 6), (None, "tp")))
+    lf = leaf_spec((16, 16), ((2,), ("dp",), (0, 4), ()), ((2,), ("tp",), (5, 6), (None, "tp")))
     hosts = Topology.from_groups([range(4), range(4, 8)])
     _, assignment, _ = check_plan([lf], topology=hosts)
     assert {p.src for p in assignment.pieces} == {4}
@@ -120,13 +113,13 @@ def test_replicas_in_the_receivers_domain_are_preferred():
 def test_colocated_partial_overlap_copies_what_it_holds():
     src = ((8,), ("x",), tuple(range(8)), ("x",))
     dst = ((4,), ("y",), (0, 2, 4, 6), ("y",))
-    stats, _, _ = check_plan([leaf((64,), src, dst)])
+    stats, _, _ = check_plan([leaf_spec((64,), src, dst)])
     assert stats.bytes_local == 4 * 8 * 4
     assert stats.bytes_sent == 4 * 8 * 4
 
 
 def test_small_buckets_split_a_leaf_into_many_buckets():
-    lf = leaf((512, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, ("tp",)))
+    lf = leaf_spec((512, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, ("tp",)))
     stats, _, schedule = check_plan([lf], bucket_bytes=4096)
     assert len(schedule.buckets) == 512 * 64 * 4 // 4 // 4096  # each receiver: 8 full buckets
     assert stats.staging_bytes <= 2 * 4096
@@ -138,14 +131,14 @@ def test_gpt_like_tree_pads_under_five_percent():
     for i, shape in enumerate(shapes):
         spec = ("fsdp", "tp") if len(shape) == 2 else ("tp",)
         dst_spec = (None, "tp") if len(shape) == 2 else ()
-        leaves.append(leaf(shape, (*FSDP_TP, spec), (*TP4, dst_spec), path=f"p{i}"))
+        leaves.append(leaf_spec(shape, (*FSDP_TP, spec), (*TP4, dst_spec), path=f"p{i}"))
     stats, _, _ = check_plan(leaves, bucket_bytes=1 << 16)
     assert stats.bytes_wire - stats.bytes_sent < 0.05 * stats.bytes_sent
 
 
 def test_mixed_dtypes_keep_elements_whole_across_chunks():
     leaves = [
-        leaf((24, 8), (*FSDP_TP, ("fsdp", "tp")), (*TP4, ("tp",)), dtype=dt, path=dt)
+        leaf_spec((24, 8), (*FSDP_TP, ("fsdp", "tp")), (*TP4, ("tp",)), dtype=dt, path=dt)
         for dt in ("int8", "float64", "float16", "int32", "uint8", "complex64")
     ]
     check_plan(leaves, bucket_bytes=48)
@@ -203,11 +196,11 @@ def test_random_layouts_on_virtual_devices(src, dst, mult, bucket, dtype):
         return math.prod(size[a] for a in spec[d])
 
     shape = tuple(mult[d] * math.lcm(ways(src[3], d), ways(dst[3], d)) for d in range(2))
-    check_plan([leaf(shape, src, dst, dtype=dtype)], bucket_bytes=bucket)
+    check_plan([leaf_spec(shape, src, dst, dtype=dtype)], bucket_bytes=bucket)
 
 
 def test_planning_is_deterministic():
-    lf = leaf((48, 24), ((2, 3), ("a", "b"), (5, 0, 3, 1, 4, 2), ("a", "b")), (*TP4, ("tp",)))
+    lf = leaf_spec((48, 24), ((2, 3), ("a", "b"), (5, 0, 3, 1, 4, 2), ("a", "b")), (*TP4, ("tp",)))
     a = assign([lf])
     b = assign([lf])
     assert a == b
@@ -221,8 +214,8 @@ def test_small_replicated_leaves_ride_on_pairs_already_in_use():
     """A norm scale split over fsdp joins the kernel's (sender, receiver) pairs: no new rounds."""
     trainer = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
     sampler = ((2, 2), ("dp", "tp"), (4, 5, 6, 7))
-    w = leaf((256, 256), (*trainer, ("fsdp", "tp")), (*sampler, (None, "tp")), path="w")
-    scale = leaf((256,), (*trainer, ("fsdp",)), (*sampler, ()), path="scale")
+    w = leaf_spec((256, 256), (*trainer, ("fsdp", "tp")), (*sampler, (None, "tp")), path="w")
+    scale = leaf_spec((256,), (*trainer, ("fsdp",)), (*sampler, ()), path="scale")
     alone, _, _ = check_plan([w])
     both, _, _ = check_plan([w, scale])
     assert both.rounds == alone.rounds

@@ -18,29 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from reference import assert_reference_exact
+from reference import assert_reference_exact, leaf_spec
 
 import jaxreshard as jr
-from jaxreshard.planning.layout import Layout, box_size
-from jaxreshard.planning.route import LeafSpec, Piece, _min_max_quotas
+from jaxreshard.planning.layout import box_size
+from jaxreshard.planning.route import Piece, _min_max_quotas
 from jaxreshard.planning.route import route as topology_assign
 from jaxreshard.planning.schedule import build_schedule, plan_rounds, plan_stats
 from jaxreshard.planning.topology import PROFILES, Topology
 from jaxreshard.tools.costmodel import lower_bound
 
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
-
-
-def leaf(shape, src, dst, dtype="float32", path="x"):
-    """A LeafSpec from (mesh_shape, names, ids, spec) tuples."""
-    return LeafSpec(
-        path,
-        Layout.from_mesh(shape, *src),
-        Layout.from_mesh(shape, *dst),
-        dtype,
-        dtype,
-        np.dtype(dtype).itemsize,
-    )
 
 
 def check_virtual(leaves, topology, bucket_bytes=1 << 20):
@@ -123,7 +111,7 @@ def test_bad_topologies_are_rejected():
 
 
 def test_a_topology_missing_a_device_names_it():
-    lf = leaf((8,), ((2,), ("x",), (0, 1), ("x",)), ((1,), ("y",), (9,), ()))
+    lf = leaf_spec((8,), ((2,), ("x",), (0, 1), ("x",)), ((1,), ("y",), (9,), ()))
     with pytest.raises(jr.ReshardError, match=r"does not place devices \[9\]"):
         topology_assign([lf], TWO_BY_FOUR)
 
@@ -139,7 +127,7 @@ TP_SLICE = ARRAY_BYTES // 2
 
 
 def test_fan_out_crosses_once_per_domain_and_relays_inside():
-    stats, assignment, _ = check_virtual([leaf((64, 32), SRC, DST)], TWO_BY_FOUR)
+    stats, assignment, _ = check_virtual([leaf_spec((64, 32), SRC, DST)], TWO_BY_FOUR)
     # Devices 2, 3 lack their TP slice; so do 4, 5, 6, 7: six slices.
     assert stats.bytes_lower_bound == 6 * TP_SLICE
     # Domain B needs the whole array once: each of its four devices takes half its slice
@@ -160,14 +148,16 @@ def test_fan_out_crosses_once_per_domain_and_relays_inside():
 
 
 def test_without_fan_out_every_destination_device_crosses():
-    assignment = topology_assign([leaf((64, 32), SRC, DST)], TWO_BY_FOUR, fan_out=False)
+    assignment = topology_assign([leaf_spec((64, 32), SRC, DST)], TWO_BY_FOUR, fan_out=False)
     cross = sum(box_size(p.box) * 4 for p in assignment.pieces if TWO_BY_FOUR.crosses(p.src, p.dst))
     assert cross == 4 * TP_SLICE and all(p.stage == 0 for p in assignment.pieces)
 
 
 def test_senders_in_the_receivers_domain_are_preferred():
     """Replicas on 0 (A) and 4 (B): every receiver is served from its own domain."""
-    lf = leaf((16, 16), ((2,), ("dp",), (0, 4), ()), ((4,), ("tp",), (1, 2, 5, 6), (None, "tp")))
+    lf = leaf_spec(
+        (16, 16), ((2,), ("dp",), (0, 4), ()), ((4,), ("tp",), (1, 2, 5, 6), (None, "tp"))
+    )
     stats, assignment, _ = check_virtual([lf], TWO_BY_FOUR)
     assert stats.bytes_cross_domain == 0
     assert all(not TWO_BY_FOUR.crosses(p.src, p.dst) for p in assignment.pieces)
@@ -175,7 +165,9 @@ def test_senders_in_the_receivers_domain_are_preferred():
 
 def test_cross_domain_sends_are_balanced_over_replicas():
     """Four replicas in A feed four devices of B, one receiver each."""
-    lf = leaf((64, 8), ((4,), ("dp",), (0, 1, 2, 3), ()), ((4,), ("tp",), (4, 5, 6, 7), ("tp",)))
+    lf = leaf_spec(
+        (64, 8), ((4,), ("dp",), (0, 1, 2, 3), ()), ((4,), ("tp",), (4, 5, 6, 7), ("tp",))
+    )
     stats, _, _ = check_virtual([lf], TWO_BY_FOUR)
     assert stats.max_device_send_bytes == 64 * 8 * 4 // 4
 
@@ -183,7 +175,7 @@ def test_cross_domain_sends_are_balanced_over_replicas():
 def test_many_leaves_and_dtypes_fan_out_exactly():
     dst = ((2, 2, 2), ("dp", "fsdp", "tp"), (0, 4, 1, 5, 2, 6, 3, 7), ("fsdp", "tp"))
     leaves = [
-        leaf((24, 16), ((2, 2), ("a", "b"), (0, 1, 2, 3), ("a", "b")), dst, dtype=dt, path=dt)
+        leaf_spec((24, 16), ((2, 2), ("a", "b"), (0, 1, 2, 3), ("a", "b")), dst, dtype=dt, path=dt)
         for dt in ("float32", "int8", "float16", "float64")
     ]
     stats, _, _ = check_virtual(leaves, TWO_BY_FOUR, bucket_bytes=256)
@@ -193,7 +185,7 @@ def test_many_leaves_and_dtypes_fan_out_exactly():
 def test_slow_rounds_are_as_few_as_the_busiest_device_needs():
     """With link classes, cross-domain chunks get rounds of their own: exactly the busiest
     device's count of cross-domain chunks (plus tail rounds)."""
-    lf = leaf((256, 64), SRC, DST)
+    lf = leaf_spec((256, 64), SRC, DST)
     assignment = topology_assign([lf], TWO_BY_FOUR)
     schedule = build_schedule(
         [lf], assignment.pieces, bucket_bytes=4096, link_class=TWO_BY_FOUR.link_class
@@ -216,10 +208,10 @@ def test_min_max_quotas_when_the_largest_group_alone_is_not_feasible():
     always feasible (here 0 and 1 must each carry 10 of their own, plus half of the shared)."""
     quotas = _min_max_quotas({(0,): 10, (1,): 10, (0, 1): 10, (2, 3): 1})
     assert quotas[(0, 1), 0] + quotas[(0, 1), 1] == 10
-    a = leaf((10,), ((1,), ("x",), (0,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
-    b = leaf((10,), ((1,), ("x",), (1,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
-    c = leaf((10,), ((2,), ("x",), (0, 1), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
-    d = leaf((1,), ((2,), ("x",), (2, 3), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
+    a = leaf_spec((10,), ((1,), ("x",), (0,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
+    b = leaf_spec((10,), ((1,), ("x",), (1,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
+    c = leaf_spec((10,), ((2,), ("x",), (0, 1), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
+    d = leaf_spec((1,), ((2,), ("x",), (2, 3), ()), ((1,), ("y",), (5,), ()), dtype="uint8")
     pieces = topology_assign([a, b, c, d], Topology.from_groups([range(6)]), fan_out=False).pieces
     assert sum(box_size(p.box) for p in pieces) == 31
 
@@ -338,7 +330,7 @@ def test_random_layouts_and_domains_on_virtual_devices(src, dst, groups, bucket,
         2 * math.lcm(*(math.prod(size[a] for a in s[3][d]) for s in (src, dst))) for d in range(2)
     )
     topology = Topology.from_groups(groups)
-    lf = leaf(shape, src, dst, dtype=dtype)
+    lf = leaf_spec(shape, src, dst, dtype=dtype)
     stats, _, _ = check_virtual([lf], topology, bucket)
     # Each domain takes in each byte it lacks exactly once.
     assert stats.bytes_cross_domain == lower_bound([lf], topology).bytes_cross_needed

@@ -465,29 +465,17 @@ class _PackRun:
         program = call.program
         self.fn = fn
         self.table = runtime.table(program.mesh, call.table)
-        mesh = runtime.mesh(program.mesh)
-        split = NamedSharding(mesh, _split_spec(mesh))
-        g = len(program.mesh.devices)
-        self.slot_views = [
-            views.View((g * slot.words,), slot.word, split) for slot in program.slots
-        ]
+        mesh, self.slot_views = _slot_views(runtime, program)
         self.devices = self.slot_views[0].devices if self.slot_views else []
         self.slots = {d: s for d, s in zip(program.mesh.devices, call.slots, strict=True)}
         self.args = call.args
-        self.operand_views = [
-            None if o.spec is not None else _operand_view(o, mesh) for o in program.operands
-        ]
+        self.operand_views = _operand_views(program.operands, mesh)
 
     def operands(self, src: _Sources, dst: _Destinations) -> list[jax.Array]:
-        out = []
-        for (leaf, side), view in zip(self.args, self.operand_views, strict=True):
-            holder: _Sources | _Destinations = src if side == "src" else dst
-            if view is None:
-                out.append(holder.array(leaf))
-            else:
-                bufs = holder.buffers(leaf)
-                out.append(view([bufs[d] for d in view.devices]))
-        return out
+        return [
+            _operand(src if side == "src" else dst, leaf, view)
+            for (leaf, side), view in zip(self.args, self.operand_views, strict=True)
+        ]
 
     def staging(self, staging: _Staging) -> list[jax.Array]:
         """The staging buffers the pack writes into (donated), per program slot."""
@@ -548,21 +536,12 @@ class _UnpackRun:
         program = call.program
         self.fn = fn
         self.table = runtime.table(program.mesh, call.table)
-        mesh = runtime.mesh(program.mesh)
-        split = NamedSharding(mesh, _split_spec(mesh))
-        g = len(program.mesh.devices)
-        self.chunk_views = [
-            views.View((g * slot.words,), slot.word, split) for slot in program.slots
-        ]
+        mesh, self.chunk_views = _slot_views(runtime, program)
         self.slots = {d: s for d, s in zip(program.mesh.devices, call.slots, strict=True)}
         self.sources = call.sources
         self.targets = call.targets
-        self.source_views = [
-            None if o.spec is not None else _operand_view(o, mesh) for o in program.sources
-        ]
-        self.target_views = [
-            None if o.spec is not None else _operand_view(o, mesh) for o in program.targets
-        ]
+        self.source_views = _operand_views(program.sources, mesh)
+        self.target_views = _operand_views(program.targets, mesh)
 
     def chunks(self, received: Mapping[tuple[int, int], jax.Array]) -> list[jax.Array]:
         return [
@@ -571,13 +550,10 @@ class _UnpackRun:
         ]
 
     def arguments(self, src: _Sources, dst: _Destinations) -> list[jax.Array]:
-        out = []
-        for leaf, view in zip(self.sources, self.source_views, strict=True):
-            if view is None:
-                out.append(src.array(leaf))
-            else:
-                bufs = src.buffers(leaf)
-                out.append(view([bufs[d] for d in view.devices]))
+        out = [
+            _operand(src, leaf, view)
+            for leaf, view in zip(self.sources, self.source_views, strict=True)
+        ]
         for leaf, view in zip(self.targets, self.target_views, strict=True):
             if view is None:
                 out.append(dst.take_array(leaf))
@@ -592,6 +568,26 @@ class _UnpackRun:
                 dst.set_array(leaf, out)
             else:
                 dst.set_buffers(leaf, dict(zip(view.devices, views.buffers(out), strict=True)))
+
+
+def _slot_views(
+    runtime: Runtime, program: PackProgram | UnpackProgram
+) -> tuple[Mesh, list[views.View]]:
+    """The program's mesh, and one view per staging slot: a 1-D array whose blocks are the
+    devices' buffers of that slot."""
+    mesh = runtime.mesh(program.mesh)
+    split = NamedSharding(mesh, _split_spec(mesh))
+    g = len(program.mesh.devices)
+    return mesh, [views.View((g * slot.words,), slot.word, split) for slot in program.slots]
+
+
+def _operand(holder: _Sources | _Destinations, leaf: int, view: views.View | None) -> jax.Array:
+    """A leaf as a program operand: its whole array (no view: the program runs over the
+    array's own mesh), else its buffers on the program's devices under ``view``."""
+    if view is None:
+        return holder.array(leaf)
+    bufs = holder.buffers(leaf)
+    return view([bufs[d] for d in view.devices])
 
 
 # ------------------------------------------------------------------------------ leaf state
@@ -829,6 +825,12 @@ def _at(row: jax.Array | None, column: int, rank: int) -> list[jax.Array]:
 
 
 # --------------------------------------------------------------------------------- helpers
+
+
+def _operand_views(operands: Sequence[Operand], mesh: Mesh) -> list[views.View | None]:
+    """A view per operand; None where the program runs over the operand's own mesh (an
+    operand with a ``spec``), which then takes the whole array."""
+    return [None if o.spec is not None else _operand_view(o, mesh) for o in operands]
 
 
 def _operand_view(operand: Operand, mesh: Mesh) -> views.View:
