@@ -11,7 +11,14 @@ buffers: no full replica, no all-gather, no host round trip.
     sampler_params = plan(new_params, donate=sampler_params)
 """
 
-from jaxreshard.api import Plan, clear_cache, default_bucket_bytes, plan, reshard
+from jaxreshard.api import (
+    Plan,
+    cached_plan,
+    clear_cache,
+    default_bucket_bytes,
+    plan,
+    reshard,
+)
 from jaxreshard.errors import ReshardError, ReshardTypeError
 from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.schedule import PlanStats
@@ -24,10 +31,11 @@ __all__ = [
     "ReshardError",
     "ReshardTypeError",
     "Topology",
+    "cached_plan",
     "clear_cache",
     "default_bucket_bytes",
     "plan",
     "reshard",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -12,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import keystr
 
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
@@ -21,11 +22,14 @@ from jaxreshard.planning.lower import Lowered, lower, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, route
 from jaxreshard.planning.schedule import PlanStats, Schedule, build_plan_schedule, plan_stats
 from jaxreshard.planning.topology import Topology
+from jaxreshard.run import boundary
+from jaxreshard.run.boundary import Boundary, Crossing
 from jaxreshard.run.codec import wire_itemsize
 from jaxreshard.run.multihost import PlanIdentity, agree, fingerprint
 from jaxreshard.run.runtime import Runtime, host_syncs_per_call
 
 MiB = 1 << 20
+log = logging.getLogger("jaxreshard")
 
 DEFAULT_BUCKET_BYTES = {"cpu": 16 * MiB}
 """Per-device staging buffer size by backend, when ``bucket_bytes`` is not given.
@@ -75,12 +79,24 @@ class Plan:
         bucket_bytes: int,
         topology: Topology,
         compiler_options: Mapping[str, Any] | None = None,
+        boundaries: Sequence[Boundary] = (),
+        moved: Sequence[int] | None = None,
+        fallback: Sequence[tuple[int, Sharding]] = (),
     ) -> None:
         self.treedef = treedef
         self.paths = tuple(paths)
         self.src_avals = tuple(src_avals)
         self.dst_shardings = tuple(dst_shardings)
         self.leaves = tuple(leaves)
+        # Which leaves of the caller's tree the planner moves (``leaves`` and the lists above
+        # follow them), and which go through ``jax.device_put`` (``fallback="device_put"``).
+        self.moved = tuple(range(len(self.leaves)) if moved is None else moved)
+        self.fallback = tuple(fallback)
+        self.boundaries = tuple(boundaries) or tuple(
+            Boundary(None, s, d, s, d, shape)
+            for (shape, _, s), d in zip(self.src_avals, self.dst_shardings, strict=True)
+        )
+        self._crossing = Crossing(self.boundaries)
         self.assignment = assignment
         self.schedule = schedule
         self.lowered = lowered
@@ -102,12 +118,11 @@ class Plan:
         """The compiled programs and staging pool of this plan (made on first use)."""
         with self._lock:
             if self._runtime is None:
-                shardings = [sharding for _, _, sharding in self.src_avals]
                 self._runtime = Runtime(
                     self.leaves,
                     self.lowered,
-                    shardings,
-                    self.dst_shardings,
+                    [b.src for b in self.boundaries],
+                    [b.dst for b in self.boundaries],
                     transfer_options=self.compiler_options,
                 )
             return self._runtime
@@ -151,13 +166,24 @@ class Plan:
             self._runtime.release()
 
     def _call(self, src_tree: Any, donate: Any, profile: dict[str, float] | None) -> Any:
-        src = self._check_src(src_tree)
-        old = self._check_donate(donate, src) if donate is not None else None
+        flat = self._check_src(src_tree)
+        old = self._check_donate(donate, flat) if donate is not None else None
         if not self._agreed:  # once per plan: a mismatch must fail here, not in a collective
             if jax.process_count() > 1:  # (the fingerprint is not free: only when it is needed)
                 agree(self.identity)
             self._agreed = True
-        out = self.runtime.run(src, old, profile)
+        src = self._crossing.sources([flat[i] for i in self.moved])
+        inner_old = None
+        if old is not None:
+            inner_old = self._crossing.donations([old[i] for i in self.moved])
+        moved = self._crossing.results(self.runtime.run(src, inner_old, profile))
+        out: list[Any] = [None] * len(flat)
+        for i, x in zip(self.moved, moved, strict=True):
+            out[i] = x
+        for i, dst in self.fallback:  # named in a log line when the plan was made
+            out[i] = jax.device_put(flat[i], dst)
+            if old is not None and isinstance(old[i], jax.Array) and not old[i].is_deleted():
+                old[i].delete()
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     @functools.cached_property
@@ -181,7 +207,7 @@ class Plan:
 
     # --------------------------------------------------------------------------- checking
 
-    def _check_src(self, src_tree: Any) -> list[jax.Array]:
+    def _check_src(self, src_tree: Any) -> list[Any]:
         return self._check_arrays(
             src_tree,
             "the source tree",
@@ -192,10 +218,10 @@ class Plan:
             allow_placeholders=True,
         )
 
-    def _check_donate(self, donate: Any, src: Sequence[jax.Array]) -> list[jax.Array]:
+    def _check_donate(self, donate: Any, src: Sequence[Any]) -> list[Any]:
         expected = [
-            (leaf.shape, jnp.dtype(leaf.dst_dtype), sharding)
-            for leaf, sharding in zip(self.leaves, self.dst_shardings, strict=True)
+            (leaf.shape if b.key_impl is None else b.shape, dtype, b.user_dst)
+            for leaf, b, dtype in zip(self.leaves, self.boundaries, self._dst_dtypes, strict=True)
         ]
         return self._check_arrays(
             donate,
@@ -207,6 +233,16 @@ class Plan:
             sources=src,
         )
 
+    @functools.cached_property
+    def _dst_dtypes(self) -> tuple[Any, ...]:
+        """The caller's dtype of each moved leaf's result (a typed key's key dtype)."""
+        return tuple(
+            dtype if b.key_impl is not None else jnp.dtype(leaf.dst_dtype)
+            for leaf, b, (_, dtype, _) in zip(
+                self.leaves, self.boundaries, self.src_avals, strict=True
+            )
+        )
+
     def _check_arrays(
         self,
         tree: Any,
@@ -214,20 +250,22 @@ class Plan:
         expected: Sequence[tuple[tuple[int, ...], Any, Sharding]],
         summary: str,
         fix: str,
-        sources: Sequence[jax.Array] = (),
+        sources: Sequence[Any] = (),
         allow_placeholders: bool = False,
-    ) -> list[jax.Array]:
-        """The leaves of ``tree``, if each is a live array of the expected shape, dtype and
-        sharding (and, for donation, none is a source array); else an error naming them all.
+    ) -> list[Any]:
+        """The leaves of ``tree``, if each moved leaf is a live array of the expected shape,
+        dtype and sharding (and, for donation, none is a source array); else an error naming
+        them all. Fallback leaves (``fallback="device_put"``) are passed on as they are.
 
         With ``allow_placeholders``, a leaf whose sharding has no device on this process may be
         a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
             raise _structure_error(name, tree, self.paths)
-        source_ids = {id(x) for x in sources}
+        source_ids = {id(x) for x in sources if isinstance(x, jax.Array)}
         problems = []
-        for (path, x), (shape, dtype, sharding) in zip(flat, expected, strict=True):
+        for i, (shape, dtype, sharding) in zip(self.moved, expected, strict=True):
+            path, x = flat[i]
             placeholder_ok = allow_placeholders and not sharding.addressable_devices
             problem = _array_problem(x, shape, dtype, sharding, placeholder_ok)
             if problem is None and id(x) in source_ids:
@@ -290,6 +328,22 @@ class Plan:
         ]
         for d in devices:
             lines.append(f"  {d:>8} {_b(send[d]):>12} {_b(recv[d]):>12} {_b(local[d]):>12}")
+        crossing = [
+            (self.paths[i], what)
+            for i, b in zip(self.moved, self.boundaries, strict=True)
+            for what in (
+                "typed PRNG key, moved as its key data" if b.key_impl is not None else None,
+                "source in host memory, copied to device memory first" if b.stages_in else None,
+                "destination in host memory, copied there last" if b.stages_out else None,
+            )
+            if what
+        ]
+        crossing += [(self.paths[i], "through jax.device_put (fallback)") for i, _ in self.fallback]
+        if crossing:
+            lines.append(f"  {len(crossing)} leaf note(s):")
+            lines += [f"    {path}: {what}" for path, what in crossing[:20]]
+            if len(crossing) > 20:
+                lines.append(f"    ... and {len(crossing) - 20} more")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -308,6 +362,7 @@ def plan(
     dtype: Any = None,
     topology: Topology | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    fallback: str | None = None,
 ) -> Plan:
     """Plan moving ``src_tree`` into the layouts ``dst_shardings``.
 
@@ -359,23 +414,26 @@ def plan(
     process): a part with replicas is sent from one on the receiver's own process when there is
     one; other parts are balanced over all replicas.
     """
+    if fallback not in (None, "device_put"):
+        raise ReshardError(f'fallback must be None or "device_put", got {fallback!r}')
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
     dsts = _broadcast(dst_shardings, src_tree, "dst_shardings", lambda x: isinstance(x, Sharding))
-    dtypes = (
-        [None] * len(flat)
-        if dtype is None
-        else _broadcast(dtype, src_tree, "dtype", lambda x: x is None or _is_dtype_like(x))
-    )
-    problems, avals, leaves = [], [], []
-    for (path, x), dst, want in zip(flat, dsts, dtypes, strict=True):
+    dtypes, named = _dtype_entries(dtype, src_tree)
+    problems, avals, leaves, boundaries, moved, fallen = [], [], [], [], [], []
+    for i, ((path, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
         try:
-            aval, leaf = _leaf_spec(keystr(path), x, dst, want)
+            aval, edge, leaf = _leaf_spec(keystr(path), x, dst, want, own)
         except _LeafProblem as e:
-            problems.append((keystr(path), str(e), e.kind))
+            if fallback == "device_put" and e.device_put_ok and isinstance(dst, Sharding):
+                fallen.append((i, dst))
+            else:
+                problems.append((keystr(path), str(e), e.kind))
             continue
         avals.append(aval)
+        boundaries.append(edge)
         leaves.append(leaf)
+        moved.append(i)
     if problems:
         kinds = {k for _, _, k in problems}
         cls = ReshardTypeError if kinds == {"type"} else ReshardError
@@ -387,6 +445,13 @@ def plan(
             else " / ".join(_FIXES[k] for k in sorted(kinds)),
             cls=cls,
         )
+    if fallen:
+        log.warning(
+            "jaxreshard: %d leaves go through jax.device_put (fallback='device_put'): %s",
+            len(fallen),
+            ", ".join(paths[i] for i, _ in fallen[:20]) + (" ..." if len(fallen) > 20 else ""),
+        )
+    dsts = [b.dst for b in boundaries]
     if bucket_bytes is None:
         platform = next(iter(dsts[0].device_set)).platform if dsts else "cpu"
         bucket_bytes = default_bucket_bytes(platform)
@@ -408,7 +473,7 @@ def plan(
         treedef,
         paths,
         avals,
-        dsts,
+        [b.user_dst for b in boundaries],
         leaves,
         assignment,
         schedule,
@@ -416,6 +481,9 @@ def plan(
         int(bucket_bytes),
         topology,
         compiler_options,
+        boundaries,
+        moved,
+        fallen,
     )
 
 
@@ -435,6 +503,7 @@ def reshard(
     donate: Any = None,
     topology: Topology | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    fallback: str | None = None,
 ) -> Any:
     """Reshard ``src_tree`` into ``dst_shardings``; `plan` then call, with plans cached.
 
@@ -442,8 +511,34 @@ def reshard(
     options), so calling this every step plans and compiles only on the first call. See `plan`
     and `Plan.__call__` for the arguments.
     """
+    found = cached_plan(
+        src_tree,
+        dst_shardings,
+        bucket_bytes=bucket_bytes,
+        dtype=dtype,
+        topology=topology,
+        compiler_options=compiler_options,
+        fallback=fallback,
+    )
+    return found(src_tree, donate=donate)
+
+
+def cached_plan(
+    src_tree: Any,
+    dst_shardings: Any,
+    *,
+    bucket_bytes: int | None = None,
+    dtype: Any = None,
+    topology: Topology | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+    fallback: str | None = None,
+) -> Plan:
+    """The plan `reshard` uses for these arguments: from the cache, or made and cached.
+
+    Same arguments as `plan`. Useful to read a cached plan's ``stats`` or ``describe()``.
+    """
     options = tuple(sorted((compiler_options or {}).items()))
-    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options))
+    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options, fallback))
     found = None
     if key is not None:
         with _CACHE_LOCK:
@@ -458,13 +553,14 @@ def reshard(
             dtype=dtype,
             topology=topology,
             compiler_options=compiler_options,
+            fallback=fallback,
         )
         if key is not None:
             with _CACHE_LOCK:
                 _CACHE[key] = found
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
-    return found(src_tree, donate=donate)
+    return found
 
 
 def clear_cache() -> None:
@@ -476,7 +572,19 @@ def clear_cache() -> None:
 def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(src_tree)
     if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
-        return None  # let plan() report it
+        if topology[-1] is None:
+            return None  # let plan() report it
+        try:  # fallback leaves: their kind and shape are part of the signature
+            signature = tuple(
+                (x.shape, x.dtype, x.sharding)
+                if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+                else (type(x), np.shape(x), np.result_type(x))
+                for x in leaves
+            )
+        except (TypeError, ValueError):
+            return None
+    else:
+        signature = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
     dst_leaves, dst_def = jax.tree_util.tree_flatten(dst, is_leaf=lambda x: isinstance(x, Sharding))
     dt_leaves, dt_def = jax.tree_util.tree_flatten(
         dtype, is_leaf=lambda x: x is None or _is_dtype_like(x)
@@ -484,7 +592,7 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
     try:
         key = (
             treedef,
-            tuple((x.shape, x.dtype, x.sharding) for x in leaves),
+            signature,
             dst_def,
             tuple(dst_leaves),
             dt_def,
@@ -502,25 +610,31 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
 
 
 class _LeafProblem(Exception):
-    def __init__(self, message: str, kind: str) -> None:
+    def __init__(self, message: str, kind: str, device_put_ok: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
+        # A leaf jaxreshard cannot take but jax.device_put can (fallback="device_put").
+        self.device_put_ok = device_put_ok
 
 
 _FIXES = {
-    "type": "pass jax.Array leaves (jax.device_put a NumPy array onto its mesh first) or "
-    "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(...)), and NamedSharding "
-    "destinations: NamedSharding(mesh, PartitionSpec(...))",
+    "type": "pass jax.Array leaves (jax.device_put a NumPy array onto its mesh first, or plan "
+    'with fallback="device_put") or jax.ShapeDtypeStruct(shape, dtype, '
+    "sharding=NamedSharding(...)), and jax.sharding.Sharding destinations (NamedSharding, "
+    "SingleDeviceSharding, ...)",
     "layout": "make every destination PartitionSpec fit the array: at most one entry per "
     "dimension, mesh axes of that mesh, and axis sizes whose product divides the dimension "
     "(or leave that dimension unsharded with None)",
     "deleted": "pass arrays that are still alive: an array donated to jax.jit or to "
     "donate= is deleted; keep the source alive until the reshard returns",
-    "dtype": "pass a NumPy/JAX dtype such as jnp.bfloat16, or None to keep the source dtype",
+    "dtype": "pass a NumPy/JAX dtype such as jnp.bfloat16, or None to keep the source dtype "
+    "(typed PRNG keys and their subtrees take None)",
 }
 
 
-def _leaf_spec(path: str, x: Any, dst: Any, want: Any) -> tuple[Any, LeafSpec]:
+def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, Boundary, LeafSpec]:
+    """Check one leaf and describe it: the caller's aval, how it crosses into the runtime,
+    and what the planner moves (a typed key's data, in device memory, on a named mesh)."""
     if isinstance(x, jax.core.Tracer):
         raise _LeafProblem(
             "is a tracer: jaxreshard moves concrete arrays, call it outside jit", "type"
@@ -536,30 +650,95 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any) -> tuple[Any, LeafSpec]:
                 "a ShapeDtypeStruct source needs sharding=NamedSharding(...)", "type"
             )
     else:
-        raise _LeafProblem(f"the source is a {type(x).__name__}, not a jax.Array", "type")
-    if not isinstance(dst, NamedSharding):
         raise _LeafProblem(
-            f"the destination is a {type(dst).__name__}, not a NamedSharding", "type"
+            f"the source is a {type(x).__name__}, not a jax.Array", "type", device_put_ok=True
         )
-    shape, src_dtype = tuple(x.shape), jnp.dtype(x.dtype)
+    if isinstance(dst, PartitionSpec):
+        raise _LeafProblem(
+            f"the destination is a PartitionSpec {dst}, not a jax.sharding.Sharding: give it "
+            "its mesh, NamedSharding(mesh, spec)",
+            "type",
+        )
+    if not isinstance(dst, Sharding):
+        raise _LeafProblem(
+            f"the destination is a {type(dst).__name__}, not a jax.sharding.Sharding", "type"
+        )
+    user_shape = tuple(x.shape)
+    key_impl = None
     try:
-        dst_dtype = src_dtype if want is None else jax.dtypes.canonicalize_dtype(jnp.dtype(want))
-    except TypeError as e:
-        raise _LeafProblem(f"cannot use {want!r} as a destination dtype ({e})", "dtype") from None
+        dst_named = boundary.as_named(dst, user_shape)
+        if boundary.is_key(x.dtype):
+            if want is not None and own:
+                raise _LeafProblem(
+                    f"is a typed PRNG key ({x.dtype}); it cannot be cast to {want!r}", "dtype"
+                )
+            # Keys move as their key data and are wrapped again (`run.boundary`).
+            key_impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
+            shape, src_dtype = boundary.key_data_shape(x)
+            src_sharding = boundary.key_data_sharding(sharding)
+            dst_named = boundary.key_data_sharding(dst_named)
+            dst_dtype = src_dtype
+        else:
+            shape, src_dtype, src_sharding = user_shape, jnp.dtype(x.dtype), sharding
+            dst_dtype = _cast(src_dtype, want, own)
+    except LayoutError as e:
+        raise _LeafProblem(
+            f"cannot move this leaf's sharding: {e}", "layout", device_put_ok=True
+        ) from None
     try:
-        src_layout = _layout(sharding, shape)
+        src_layout = _layout(src_sharding, shape)
     except LayoutError as e:
         raise _LeafProblem(f"source layout: {e}", "layout") from None
     try:
-        dst_layout = _layout(dst, shape)
+        dst_layout = _layout(dst_named, shape)
     except LayoutError as e:
         raise _LeafProblem(
-            f"destination {_describe_sharding(dst)} does not fit shape {shape}: {e}", "layout"
+            f"destination {_describe_sharding(dst_named)} does not fit shape {shape}: {e}",
+            "layout",
         ) from None
     leaf = LeafSpec(
         path, src_layout, dst_layout, src_dtype.name, dst_dtype.name, wire_itemsize(dst_dtype)
     )
-    return (shape, src_dtype, sharding), leaf
+    edge = Boundary(
+        key_impl,
+        boundary.on_device_memory(src_sharding),
+        boundary.on_device_memory(dst_named),
+        sharding,
+        dst,
+        user_shape,
+    )
+    return (user_shape, x.dtype, sharding), edge, leaf
+
+
+def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:
+    """The destination dtype: ``want`` if the dtype entry stands at the leaf itself; if it
+    stands for a whole subtree (one ``dtype=`` for the tree), only floating leaves take it, so
+    integer, boolean and complex leaves such as step counters keep theirs."""
+    if want is None:
+        return src
+    try:
+        dtype = jax.dtypes.canonicalize_dtype(jnp.dtype(want))
+    except TypeError as e:
+        raise _LeafProblem(f"cannot use {want!r} as a destination dtype ({e})", "dtype") from None
+    if own or jnp.issubdtype(src, jnp.floating):
+        return np.dtype(dtype)
+    return src
+
+
+def _dtype_entries(dtype: Any, src_tree: Any) -> tuple[list[Any], list[bool]]:
+    """Each leaf's ``dtype=`` entry, and whether the entry stands at the leaf itself (rather
+    than for a subtree holding it)."""
+    n = len(jax.tree_util.tree_leaves(src_tree))
+    if dtype is None:
+        return [None] * n, [False] * n
+    is_leaf = lambda x: x is None or _is_dtype_like(x)  # noqa: E731
+    entries = _broadcast(dtype, src_tree, "dtype", is_leaf)
+    prefix_def = jax.tree_util.tree_structure(dtype, is_leaf=is_leaf)
+    own = []
+    for sub in prefix_def.flatten_up_to(src_tree):
+        at_leaf = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(sub))
+        own.extend([at_leaf] * len(jax.tree_util.tree_leaves(sub)))
+    return entries, own
 
 
 def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
@@ -598,11 +777,16 @@ def _array_problem(
         return f"expected a jax.Array, got {type(x).__name__}"
     elif x.is_deleted():
         return "the array has been deleted"
-    if tuple(x.shape) != tuple(shape) or jnp.dtype(x.dtype) != jnp.dtype(dtype):
-        return f"expected {jnp.dtype(dtype).name}{list(shape)}, got {x.dtype.name}{list(x.shape)}"
+    if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
+        want, got = _dtype_name(dtype), _dtype_name(x.dtype)
+        return f"expected {want}{list(shape)}, got {got}{list(x.shape)}"
     if x.sharding != sharding and not x.sharding.is_equivalent_to(sharding, len(shape)):
         return f"expected sharding {sharding}, got {x.sharding}"
     return None
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype) if boundary.is_key(dtype) else jnp.dtype(dtype).name
 
 
 def _is_dtype_like(x: Any) -> bool:

@@ -163,7 +163,7 @@ class Runtime:
         """Dispatch one step; returns what it wrote (for the next step's host sync)."""
         if self.host_syncs and previous and step.transfer is not None:
             jax.block_until_ready(previous)  # see `waits_between_steps`
-        if step.fresh and not dst.donated:
+        if step.fresh and not dst.donated_all:
             dst.allocate(step.fresh)
             clock.mark("alloc", dst.pending())
         staging = self._take(step)
@@ -616,14 +616,22 @@ class _Destinations:
 
     def __init__(self, runtime: Runtime, donate: Sequence[jax.Array] | None) -> None:
         self.runtime = runtime
-        self.donated = donate is not None
         n = len(runtime.leaves)
+        # A donated leaf receives in its old buffers; a None entry (a destination in another
+        # memory kind, see `run.boundary`) is allocated like a call without donate=.
         self._arrays: list[jax.Array | None] = list(donate) if donate is not None else [None] * n
+        self.donated_all = donate is not None and all(x is not None for x in donate)
         self._buffers: list[Buffers | None] = [None] * n
         self._pending: list[jax.Array] = []
 
     def allocate(self, leaves: Sequence[int]) -> None:
-        mine = [i for i in leaves if self.runtime.dst_shardings[i].addressable_devices]
+        mine = [
+            i
+            for i in leaves
+            if self._arrays[i] is None
+            and self._buffers[i] is None
+            and self.runtime.dst_shardings[i].addressable_devices
+        ]
         if mine:
             for i, x in zip(mine, self.runtime.alloc(mine), strict=True):
                 self._arrays[i] = x

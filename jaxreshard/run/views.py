@@ -69,6 +69,12 @@ def by_device(x: jax.Array) -> dict[int, jax.Array]:
     return dict(zip((d.id for d in _addressable_order(x.sharding)), buffers(x), strict=True))
 
 
+def ordered(bufs: dict[int, jax.Array], sharding: Sharding) -> list[jax.Array]:
+    """Buffers by device id, in ``sharding``'s order of this process's devices (what a
+    `View` of that sharding takes)."""
+    return [bufs[d.id] for d in _addressable_order(sharding)]
+
+
 def _addressable_order(sharding: Sharding) -> list[Any]:
     order = getattr(sharding, "_addressable_device_assignment", None)
     if order is None:  # pragma: no cover - another JAX layout

@@ -1,0 +1,239 @@
+"""Drop-in weight sync for Tunix (``google-tunix``).
+
+Tunix routes every weight sync through one function, ``tunix.rl.reshard.reshard_pytree``:
+``RLCluster.sync_weights`` -> ``rollout.update_params``, the vLLM and sglang-jax samplers'
+``transfer_state_with_mappings``, model loading. Each call site looks it up as a module
+attribute when it runs, so replacing that attribute is the whole integration::
+
+    from jaxreshard.integrations import tunix as jr_tunix
+
+    jr_tunix.install()          # every Tunix weight sync now goes through jaxreshard
+    ...
+    jr_tunix.uninstall()        # back to Tunix's own path
+
+    with jr_tunix.installed():  # or for a block
+        rl_cluster.sync_weights()
+
+Plans are cached by layout (`jaxreshard.reshard`), so a refit loop plans and compiles on its
+first sync only. Leaves jaxreshard cannot take (NumPy arrays, Python scalars) go through
+``jax.device_put``, named in a log line; ``install(fallback=None)`` refuses them instead.
+
+Importing this module does not import Tunix; `install` does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax.sharding import Sharding
+
+from jaxreshard import api
+from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
+
+__all__ = [
+    "ReshardError",
+    "ReshardTypeError",
+    "counters",
+    "install",
+    "installed",
+    "is_installed",
+    "reset_counters",
+    "reshard_pytree",
+    "uninstall",
+]
+
+_LOCK = threading.Lock()
+_ORIGINAL: Any = None  # Tunix's own reshard_pytree while installed
+_FALLBACK: str | None = "device_put"
+_DONATE_TARGET = False
+_COUNTERS: collections.Counter[str] = collections.Counter()
+
+
+def reshard_pytree(
+    source: Any,
+    target: Any,
+    cache_plan: bool = True,
+    donate_input: bool = False,
+    use_experimental_pre_reshard: bool = True,
+) -> Any:
+    """Tunix's ``reshard_pytree``, through jaxreshard.
+
+    Args:
+      source: the pytree to move (an ``nnx.State``, nested dicts, ...).
+      target: the same structure, with a ``jax.Array`` (its sharding, memory kind included,
+        is the destination) or a ``jax.sharding.Sharding`` at each leaf.
+      cache_plan: reuse the plan (and its compiled programs) of an earlier call with the same
+        layouts; False plans and compiles on every call.
+      donate_input: the source is not used again: its arrays are deleted once moved (as
+        ``jax.device_put(..., donate=True)`` consumes them on Tunix's path).
+      use_experimental_pre_reshard: accepted and ignored (a Pathways option).
+
+    Returns:
+      ``source`` in the target layout. Floating leaves keep their dtype (Tunix casts on the
+      rollout side where it needs to).
+
+    Raises:
+      ReshardError: before anything moves, naming each leaf jaxreshard cannot move.
+    """
+    del use_experimental_pre_reshard
+    dst = _destinations(source, target)
+    old = _old_buffers(source, target) if _DONATE_TARGET else None
+    plan = _plan(source, dst, cache_plan)
+    out = _run(plan, source, old)
+    with _LOCK:
+        _COUNTERS["calls"] += 1
+        _COUNTERS["jaxreshard_calls"] += 1
+        if plan.fallback:
+            _COUNTERS["fallback_calls"] += 1
+            _COUNTERS["fallback_leaves"] += len(plan.fallback)
+    if donate_input:
+        for x in jax.tree_util.tree_leaves(source):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+    return out
+
+
+def install(*, fallback: str | None = "device_put", donate_target: bool = False) -> None:
+    """Route Tunix's weight sync through jaxreshard (patches ``tunix.rl.reshard``).
+
+    Args:
+      fallback: ``"device_put"`` (default): leaves jaxreshard cannot take (NumPy arrays,
+        Python scalars) go through ``jax.device_put``, named in a log line. None: refuse them
+        (a `ReshardError` naming them).
+      donate_target: reuse the target arrays' buffers for the result (they are deleted). Only
+        for callers that replace the target with the result, as Tunix's vanilla rollout does
+        in ``update_params``; it then holds one sampler copy instead of two during a sync.
+        Targets that cannot receive the result (another dtype, shardings instead of arrays)
+        are left alone.
+
+    Calling it again changes the options; the original is kept once.
+    """
+    from tunix.rl import reshard as tunix_reshard  # imported only here
+
+    global _ORIGINAL, _FALLBACK, _DONATE_TARGET
+    with _LOCK:
+        _FALLBACK, _DONATE_TARGET = fallback, donate_target
+        if _ORIGINAL is None:
+            _ORIGINAL = tunix_reshard.reshard_pytree
+        tunix_reshard.reshard_pytree = reshard_pytree
+
+
+def uninstall() -> None:
+    """Restore Tunix's own ``reshard_pytree`` (a no-op when not installed)."""
+    global _ORIGINAL
+    with _LOCK:
+        if _ORIGINAL is None:
+            return
+        from tunix.rl import reshard as tunix_reshard
+
+        tunix_reshard.reshard_pytree = _ORIGINAL
+        _ORIGINAL = None
+
+
+def is_installed() -> bool:
+    """Whether Tunix's weight sync currently goes through jaxreshard."""
+    return _ORIGINAL is not None
+
+
+@contextlib.contextmanager
+def installed(
+    *, fallback: str | None = "device_put", donate_target: bool = False
+) -> Iterator[None]:
+    """`install` for a block, then restore Tunix's own function (if it was not installed
+    before)."""
+    was = is_installed()
+    install(fallback=fallback, donate_target=donate_target)
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
+
+
+def counters() -> dict[str, int]:
+    """Calls so far: ``calls`` (all), ``jaxreshard_calls`` (moved by jaxreshard),
+    ``fallback_calls`` (with a leaf sent by ``jax.device_put``) and ``fallback_leaves``."""
+    with _LOCK:
+        return {
+            k: _COUNTERS[k]
+            for k in ("calls", "jaxreshard_calls", "fallback_calls", "fallback_leaves")
+        }
+
+
+def reset_counters() -> None:
+    """Set every counter of `counters` to zero."""
+    with _LOCK:
+        _COUNTERS.clear()
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _is_target_leaf(x: Any) -> bool:
+    return isinstance(x, (Sharding, jax.Array))
+
+
+def _destinations(source: Any, target: Any) -> Any:
+    """The target's shardings, in the source's tree structure.
+
+    Tunix builds source and target from two models (``nnx.state`` of each), whose tree nodes
+    may carry different metadata; leaf for leaf they correspond, so the target's leaves are
+    laid onto the source's structure when their counts agree (else the target is used as a
+    prefix, as ``jax.device_put`` does).
+    """
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
+    problems, shardings = [], []
+    for path, x in paths_and_leaves:
+        if isinstance(x, Sharding):
+            shardings.append(x)
+        elif isinstance(x, jax.Array):
+            shardings.append(x.sharding)  # a deleted array still has its sharding
+        else:
+            problems.append(
+                (jax.tree_util.keystr(path), f"is a {type(x).__name__}, with no sharding")
+            )
+    if problems:
+        raise leaf_error(
+            "reshard_pytree: these target leaves give no destination",
+            problems,
+            "give each target leaf a jax.Array or a jax.sharding.Sharding",
+            cls=ReshardTypeError,
+        )
+    structure = jax.tree_util.tree_structure(source)
+    if structure.num_leaves == len(shardings):
+        return jax.tree_util.tree_unflatten(structure, shardings)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf), shardings
+    )
+
+
+def _old_buffers(source: Any, target: Any) -> Any:
+    """The target's arrays in the source's structure, to donate; None if any leaf is not a
+    live array."""
+    leaves = jax.tree_util.tree_leaves(target, is_leaf=_is_target_leaf)
+    structure = jax.tree_util.tree_structure(source)
+    if structure.num_leaves != len(leaves):
+        return None
+    if not all(isinstance(x, jax.Array) and not x.is_deleted() for x in leaves):
+        return None
+    return jax.tree_util.tree_unflatten(structure, leaves)
+
+
+def _plan(source: Any, dst: Any, cache_plan: bool) -> api.Plan:
+    if cache_plan:
+        return api.cached_plan(source, dst, fallback=_FALLBACK)
+    return api.plan(source, dst, fallback=_FALLBACK)
+
+
+def _run(plan: api.Plan, source: Any, old: Any) -> Any:
+    if old is not None:
+        try:
+            return plan(source, donate=old)
+        except ReshardError:  # the target cannot receive the result: refused before any move
+            pass
+    return plan(source)

@@ -1,0 +1,277 @@
+"""The caller's leaves as the runtime moves them, and back.
+
+The runtime moves arrays of plain dtypes, in device memory, into ``NamedSharding`` layouts. A
+real training state holds more than that, so each leaf gets a `Boundary` that says how it
+crosses into the runtime and out again:
+
+- **typed PRNG keys** (``jax.random.key``, every ``nnx.Rngs`` stream) move as their key data
+  (``uint32`` with the key's trailing dimensions) and are wrapped again on arrival. Both steps
+  are zero-copy (JAX's own ``key_data`` / ``wrap_key_data``).
+- **memory kinds**: a source in another memory than the device's default (``pinned_host``,
+  ``unpinned_host``) is first copied into device memory; a destination in another memory is
+  filled in device memory and then copied there. Each copy is one compiled program per local
+  device (no host transfer, so it runs under ``jax.transfer_guard("disallow")``). On an
+  accelerator these are the host <-> device copies the move needs anyway; the device-memory
+  copy lives for one call, at most the size of those leaves' shards.
+- **other destination shardings** (``SingleDeviceSharding`` and the like) are planned as the
+  equivalent ``NamedSharding``; the result carries the sharding the caller asked for
+  (re-wrapped, zero-copy).
+
+Everything here is process-local (per-device programs, no collective), so processes of a
+multi-controller job need not agree on which leaves take which path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from jaxreshard.planning.layout import Layout, LayoutError
+from jaxreshard.run import views
+
+SINGLE_AXIS = "jaxreshard_single"
+"""Axis name of the one-device mesh a ``SingleDeviceSharding`` destination is planned on."""
+
+
+def is_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype (``key<fry>`` and the like)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_data_shape(x: Any) -> tuple[tuple[int, ...], Any]:
+    """The shape and dtype of a key leaf's data (array or ``ShapeDtypeStruct``)."""
+    out = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return tuple(out.shape), np.dtype(out.dtype)
+
+
+def default_memory_kind(sharding: Sharding) -> str | None:
+    """The default memory kind of the sharding's devices (``"device"`` on CPU and GPU), read
+    from a device of this process of the same platform (remote devices do not say)."""
+    platform = next(iter(sharding.device_set)).platform
+    try:
+        local = jax.local_devices(backend=platform)
+    except RuntimeError:  # pragma: no cover - a platform with no local device
+        return None
+    return local[0].default_memory().kind if local else None
+
+
+def in_device_memory(sharding: Sharding) -> bool:
+    """Whether the sharding places its data in the devices' default memory."""
+    kind = sharding.memory_kind
+    return kind is None or kind == default_memory_kind(sharding)
+
+
+def on_device_memory(sharding: Sharding) -> Sharding:
+    """The same sharding in the devices' default memory."""
+    if in_device_memory(sharding):
+        return sharding
+    return sharding.with_memory_kind(default_memory_kind(sharding))
+
+
+def as_named(sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
+    """The ``NamedSharding`` equivalent to ``sharding`` for arrays of ``shape``.
+
+    A ``SingleDeviceSharding`` becomes a one-device mesh. Any other sharding with a device set
+    becomes a mesh with one axis per split dimension and one for replicas, built from its
+    ``devices_indices_map``; raises `LayoutError` when no mesh describes it (devices that do
+    not form a grid of boxes).
+    """
+    if isinstance(sharding, NamedSharding):
+        return sharding
+    kind = sharding.memory_kind
+    if isinstance(sharding, SingleDeviceSharding):
+        (device,) = sharding.device_set
+        mesh = Mesh(np.array([device]), (SINGLE_AXIS,))
+        return NamedSharding(mesh, PartitionSpec(), memory_kind=kind)
+    shape = tuple(int(n) for n in shape)
+    layout = Layout.from_sharding(sharding, shape)
+    # The distinct start of each dimension's boxes indexes that dimension of the mesh.
+    starts = [sorted({box[d][0] for box in layout.boxes}) for d in range(len(shape))]
+    split = [d for d in range(len(shape)) if len(starts[d]) > 1]
+    copies = len(layout.devices) // max(1, math.prod(len(starts[d]) for d in split))
+    by_cell: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for device, box in zip(layout.devices, layout.boxes, strict=True):
+        by_cell[tuple(starts[d].index(box[d][0]) for d in split)].append(device)
+    grid = tuple(len(starts[d]) for d in split)
+    if len(by_cell) != math.prod(grid) or any(len(v) != copies for v in by_cell.values()):
+        raise LayoutError(f"{sharding} is not a grid of equal boxes; pass a NamedSharding")
+    device_of = {d.id: d for d in sharding.device_set}
+    cells = np.empty((*grid, copies), dtype=object)
+    for cell, ids in by_cell.items():
+        for r, i in enumerate(ids):
+            cells[(*cell, r)] = device_of[i]
+    axes = (*(f"jaxreshard_dim{d}" for d in split), "jaxreshard_replica")
+    spec = [None] * len(shape)
+    for d, axis in zip(split, axes, strict=False):
+        spec[d] = axis
+    named = NamedSharding(Mesh(cells, axes), PartitionSpec(*spec), memory_kind=kind)
+    # Equivalent as data placement (each device holds the same box); the device order may
+    # differ, which the result does not show: it is re-wrapped into ``sharding`` itself.
+    if named.devices_indices_map(shape) != sharding.devices_indices_map(shape):
+        raise LayoutError(f"no NamedSharding found equivalent to {sharding}; pass a NamedSharding")
+    return named
+
+
+def key_data_sharding(sharding: Sharding) -> Sharding:
+    """The sharding of a typed key array's data (trailing key dimensions unsplit): the key's
+    own sharding, since a ``PartitionSpec`` leaves dimensions past its entries unsplit."""
+    if isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
+        return sharding
+    raise LayoutError(
+        f"a typed PRNG key with a {type(sharding).__name__} is not supported; give it a "
+        "NamedSharding"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """How one leaf crosses into the runtime and back.
+
+    Attributes:
+      key_impl: the PRNG implementation of a typed key leaf (moved as its key data), else None.
+      src: the source sharding the runtime reads (device memory, key-data rank).
+      dst: the destination ``NamedSharding`` the runtime writes (device memory).
+      user_dst: the destination sharding the caller asked for (what the result carries).
+      shape: the caller's shape of the leaf.
+    """
+
+    key_impl: Any
+    src: Sharding
+    dst: NamedSharding
+    user_src: Sharding
+    user_dst: Sharding
+    shape: tuple[int, ...]
+
+    @property
+    def stages_in(self) -> bool:
+        """The source is not in device memory: copied there first."""
+        return not in_device_memory(self.user_src)
+
+    @property
+    def stages_out(self) -> bool:
+        """The destination is not in device memory: filled there, then copied."""
+        return not in_device_memory(self.user_dst)
+
+    @property
+    def rewraps(self) -> bool:
+        """The result is re-wrapped into the caller's (non-named, or other-memory) sharding."""
+        return self.stages_out or not isinstance(self.user_dst, NamedSharding)
+
+
+class Crossing:
+    """The per-call side of a plan's boundaries: into the runtime, and out of it."""
+
+    def __init__(self, boundaries: Sequence[Boundary]) -> None:
+        self.boundaries = tuple(boundaries)
+        self.plain = all(
+            b.key_impl is None and not b.stages_in and not b.rewraps for b in boundaries
+        )
+        self._copies = _MemoryCopies()
+        self._views: dict[Any, views.View] = {}
+
+    def sources(self, src: Sequence[Any]) -> list[Any]:
+        """What the runtime reads: key data, and sources copied into device memory."""
+        if self.plain:
+            return list(src)
+        out = [_unwrap(x) for x in src]
+        staged = [i for i, b in enumerate(self.boundaries) if b.stages_in]
+        shardings = [self.boundaries[i].src for i in staged]
+        moved = self._copies.copy([out[i] for i in staged], shardings)
+        for i, x in zip(staged, moved, strict=True):
+            out[i] = x
+        return out
+
+    def donations(self, old: Sequence[jax.Array]) -> list[jax.Array | None]:
+        """The runtime's view of ``donate=`` leaves; None where a destination lives in another
+        memory (its buffers cannot receive device-memory writes: it is freed instead)."""
+        if self.plain:
+            return list(old)
+        out: list[jax.Array | None] = []
+        for x, b in zip(old, self.boundaries, strict=True):
+            if b.stages_out:
+                x.delete()
+                out.append(None)
+                continue
+            x = _unwrap(x)
+            if x.sharding != b.dst:
+                x = self._view(x, b.dst)
+            out.append(x)
+        return out
+
+    def results(self, out: Sequence[jax.Array]) -> list[jax.Array]:
+        """The caller's arrays: copied into their memory, in their sharding, keys wrapped."""
+        if self.plain:
+            return list(out)
+        out = list(out)
+        staged = [i for i, b in enumerate(self.boundaries) if b.stages_out]
+        moved = self._copies.copy(
+            [out[i] for i in staged], [self.boundaries[i].user_dst for i in staged]
+        )
+        for i, x in zip(staged, moved, strict=True):
+            out[i] = x
+        for i, b in enumerate(self.boundaries):
+            x = out[i]
+            if b.rewraps and not b.stages_out:
+                x = self._view(x, b.user_dst)
+            if b.key_impl is not None:
+                x = jax.random.wrap_key_data(x, impl=b.key_impl)
+            out[i] = x
+        return out
+
+    def _view(self, x: jax.Array, sharding: Sharding) -> jax.Array:
+        """``x``'s buffers as an array of ``sharding`` (same boxes on the same devices)."""
+        key = (x.shape, x.dtype, sharding)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = views.View(x.shape, x.dtype, sharding)
+        return view(views.ordered(views.by_device(x), sharding))
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, jax.Array) and is_key(x.dtype):
+        return jax.random.key_data(x)
+    if isinstance(x, jax.ShapeDtypeStruct) and is_key(x.dtype):
+        shape, dtype = key_data_shape(x)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=key_data_sharding(x.sharding))
+    return x
+
+
+class _MemoryCopies:
+    """Copies arrays into another memory kind of the same devices and layout: one compiled
+    identity program per local device, cached by what it copies."""
+
+    def __init__(self) -> None:
+        self._fns: dict[Any, Any] = {}
+
+    def copy(self, arrays: Sequence[Any], shardings: Sequence[Sharding]) -> list[Any]:
+        if not arrays:
+            return []
+        per_device: dict[Any, list[tuple[int, jax.Array]]] = defaultdict(list)
+        live = [i for i, x in enumerate(arrays) if isinstance(x, jax.Array)]
+        for i in live:
+            for d, buf in views.by_device(arrays[i]).items():
+                per_device[d].append((i, buf))
+        moved: dict[tuple[int, int], jax.Array] = {}
+        for d, items in per_device.items():
+            kinds = tuple(shardings[i].memory_kind for i, _ in items)
+            device = next(iter(items[0][1].devices()))
+            key = (d, kinds, tuple((b.shape, b.dtype) for _, b in items))
+            fn = self._fns.get(key)
+            if fn is None:
+                outs = tuple(SingleDeviceSharding(device, memory_kind=k) for k in kinds)
+                fn = self._fns[key] = jax.jit(lambda *xs: xs, out_shardings=outs)
+            for (i, _), y in zip(items, fn(*(b for _, b in items)), strict=True):
+                moved[i, d] = y
+        out = list(arrays)
+        for i in live:
+            x, s = arrays[i], shardings[i]
+            mine = {d: moved[i, d] for d in views.by_device(x)}
+            out[i] = views.View(x.shape, x.dtype, s)(views.ordered(mine, s))
+        return out

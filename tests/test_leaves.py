@@ -1,0 +1,218 @@
+"""Every leaf a real training state holds: typed PRNG keys, memory kinds, any destination
+sharding, non-floating leaves under a cast, non-JAX leaves (refused or sent by device_put).
+
+Expected values come from NumPy copies of the sources taken before any reshard.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from arrays import assert_exact, random_array, sharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+import jaxreshard as jr
+
+SRC = (tuple(range(4)), (2, 2), ("dp", "tp"))  # trainer: devices 0-3
+DST = (tuple(range(4, 8)), (4,), ("tp",))  # sampler: devices 4-7
+
+
+def keys(n: int, impl: str = "threefry2x32", seed: int = 0) -> jax.Array:
+    return jax.random.split(jax.random.key(seed, impl=impl), n)
+
+
+def key_bits(x: jax.Array) -> np.ndarray:
+    return np.asarray(jax.random.key_data(x))
+
+
+def test_typed_prng_keys_move_as_their_data_and_arrive_as_keys():
+    src = {
+        "fry": jax.device_put(keys(8), sharding(*SRC, "dp")),
+        "rbg": jax.device_put(keys(4, "rbg", 1), sharding(*SRC, "tp")),
+        "one": jax.device_put(jax.random.key(7), sharding(*SRC)),
+    }
+    want = {k: key_bits(v) for k, v in src.items()}
+    dst = {"fry": sharding(*DST, "tp"), "rbg": sharding(*DST), "one": sharding(*DST)}
+    plan = jr.plan(src, dst)
+    assert "['rbg']: typed PRNG key, moved as its key data" in plan.describe()
+    out = plan(src)
+    out = plan(src, donate=out)  # donation of key leaves reuses their data buffers
+    for k, v in out.items():
+        assert v.dtype == src[k].dtype and v.shape == src[k].shape, k
+        assert jax.random.key_impl(v) == jax.random.key_impl(src[k])
+        assert v.sharding.is_equivalent_to(dst[k], v.ndim)
+        assert key_bits(v).tobytes() == want[k].tobytes(), k
+    # they are usable keys on the sampler: the same draws as the trainer's keys
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.uniform(out["one"])), np.asarray(jax.random.uniform(src["one"]))
+    )
+    # uint32 key data, each destination device receiving what it holds: "fry" split 4 ways,
+    # "rbg" (4 x 4 words) and "one" (2 words) on all four sampler devices
+    assert plan.stats.bytes_sent == 4 * (8 * 2 + 4 * (4 * 4) + 4 * 2)
+
+
+def test_a_typed_key_is_not_cast():
+    src = {"w": jax.device_put(random_array((8, 8), "float32"), sharding(*SRC, "dp"))}
+    src["rng"] = jax.device_put(keys(4), sharding(*SRC, "dp"))
+    out = jr.plan(src, sharding(*DST), dtype=jnp.bfloat16)(src)  # one dtype: floats only
+    assert out["w"].dtype == jnp.bfloat16 and out["rng"].dtype == src["rng"].dtype
+    with pytest.raises(jr.ReshardError, match=r"\['rng'\].*typed PRNG key.*cannot be cast"):
+        jr.plan(src, sharding(*DST), dtype={"w": None, "rng": jnp.uint32})
+
+
+def test_a_whole_nnx_state_with_rng_streams_moves():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Tiny(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.dense = nnx.Linear(8, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.count = nnx.BatchStat(jnp.array(1001, jnp.int32))
+
+    model = Tiny(nnx.Rngs(params=0, dropout=1))
+    trainer = sharding(*SRC)
+    state = jax.device_put(nnx.state(model), trainer)
+    want = [
+        key_bits(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
+        for x in jax.tree.leaves(state)
+    ]
+    assert any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(state))
+    out = jr.reshard(state, sharding(*DST), dtype=jnp.bfloat16)
+    for x, y, w in zip(jax.tree.leaves(state), jax.tree.leaves(out), want, strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            assert y.dtype == x.dtype and key_bits(y).tobytes() == w.tobytes()
+        elif jnp.issubdtype(x.dtype, jnp.floating):
+            assert y.dtype == jnp.bfloat16
+            assert np.asarray(y).tobytes() == w.astype(jnp.bfloat16).tobytes()
+        else:  # counters, RNG counts: kept exactly
+            assert y.dtype == x.dtype and np.asarray(y).tobytes() == w.tobytes()
+    sampler = nnx.merge(nnx.graphdef(model), out)
+    assert int(sampler.count[...]) == 1001
+    dropped = sampler.drop(jnp.ones((4, 16)))  # draws from the moved stream
+    assert dropped.shape == (4, 16)
+
+
+def test_one_dtype_casts_floating_leaves_and_a_dtype_tree_casts_what_it_names():
+    host = {
+        "w": random_array((8, 8), "float32"),
+        "step": np.array([1001, 7, -3, 2**24 + 1], np.int32),
+        "mask": random_array((4, 4), "bool"),
+    }
+    src = {k: jax.device_put(v, sharding(*SRC)) for k, v in host.items()}
+    dst = sharding(*DST)
+    out = jr.plan(src, dst, dtype=jnp.bfloat16)(src)
+    assert out["w"].dtype == jnp.bfloat16
+    assert_exact(out["step"], host["step"], dst)  # 1001 stays 1001 (bf16 would make it 1000)
+    assert_exact(out["mask"], host["mask"], dst)
+    named = jr.plan(src, dst, dtype={"w": None, "step": jnp.int16, "mask": None})(src)
+    assert_exact(named["step"], host["step"].astype(np.int16), dst)
+    assert_exact(named["w"], host["w"], dst)
+    # a dtype standing for a subtree casts only the floating leaves below it
+    nested = {"params": {"w": src["w"], "step": src["step"]}}
+    out = jr.plan(nested, dst, dtype={"params": jnp.bfloat16})(nested)
+    assert out["params"]["w"].dtype == jnp.bfloat16 and out["params"]["step"].dtype == jnp.int32
+
+
+def test_a_single_array_with_one_dtype_is_cast_whatever_its_dtype():
+    x = jax.device_put(np.arange(16, dtype=np.int32).reshape(4, 4), sharding(*SRC, "dp"))
+    out = jr.plan(x, sharding(*DST), dtype=jnp.int8)(x)
+    assert out.dtype == jnp.int8
+
+
+def test_destinations_in_host_memory_land_there_under_the_transfer_guard():
+    host = random_array((16, 8), "float32")
+    src = {
+        "w": jax.device_put(host, sharding(*SRC, "dp", "tp")),
+        "v": jax.device_put(host[:8], sharding(*SRC, "tp")),
+    }
+    pinned = sharding(*DST, "tp").with_memory_kind("pinned_host")
+    dst = {"w": pinned, "v": sharding(*DST, None, "tp")}
+    plan = jr.plan(src, dst, dtype=jnp.bfloat16)
+    with jax.transfer_guard("disallow"):
+        out = plan(src)
+        out = plan(src, donate=out)  # the host result is freed, not reused
+        jax.block_until_ready(out)
+    assert out["w"].sharding.memory_kind == "pinned_host"
+    assert out["v"].sharding.memory_kind in (None, "device")
+    assert_exact(out["w"], host.astype(jnp.bfloat16), pinned)
+    assert_exact(out["v"], host[:8].astype(jnp.bfloat16), dst["v"])
+
+
+def test_sources_in_host_memory_are_read_from_there_and_kept():
+    host = random_array((16, 8), "float32")
+    offloaded = sharding(*SRC, "dp").with_memory_kind("pinned_host")
+    src = {"w": jax.device_put(host, offloaded), "k": jax.device_put(keys(4), offloaded)}
+    want_k = key_bits(src["k"])
+    dst = sharding(*DST, "tp")
+    with jax.transfer_guard("disallow"):
+        out = jr.plan(src, dst)(src)
+        jax.block_until_ready(out)
+    assert_exact(out["w"], host, dst)
+    assert key_bits(out["k"]).tobytes() == want_k.tobytes()
+    assert not src["w"].is_deleted() and src["w"].sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(src["w"]), host)
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_host_memory_to_host_memory(kind):
+    host = random_array((8, 8), "float32")
+    src = jax.device_put(host, sharding(*SRC, "dp").with_memory_kind(kind))
+    dst = sharding(*DST, "tp").with_memory_kind(kind)
+    out = jr.plan(src, dst)(src)
+    assert out.sharding.memory_kind == kind
+    assert_exact(out, host, dst)
+
+
+def test_a_single_device_destination_gets_the_sharding_it_asked_for():
+    host = random_array((16, 8), "float32")
+    src = {"w": jax.device_put(host, sharding(*SRC, "dp", "tp")), "k": keys(2)}
+    src["k"] = jax.device_put(src["k"], sharding(*SRC))
+    want_k = key_bits(src["k"])
+    one = SingleDeviceSharding(jax.devices()[6])
+    plan = jr.plan(src, one)
+    with jax.transfer_guard("disallow"):
+        out = plan(src)
+        out = plan(src, donate=out)
+    assert out["w"].sharding == one and out["k"].sharding == one
+    assert_exact(out["w"], host, one)
+    assert key_bits(out["k"]).tobytes() == want_k.tobytes()
+    back = jr.reshard(out["w"], sharding(*SRC, None, "tp"))  # and back from one device
+    assert_exact(back, host, sharding(*SRC, None, "tp"))
+
+
+def test_a_destination_sharding_of_another_class_is_planned_as_its_named_equivalent():
+    from jax._src.sharding_impls import GSPMDSharding  # a sharding that is not named
+
+    host = random_array((16, 8), "float32")
+    src = jax.device_put(host, sharding(*SRC, "dp", "tp"))
+    named = sharding((4, 6, 5, 7), (2, 2), ("a", "b"), "b")  # rows split 2 ways, 2 copies
+    other = GSPMDSharding(tuple(named._device_assignment), named._to_xla_hlo_sharding(2))
+    assert not isinstance(other, NamedSharding)
+    out = jr.plan(src, other)(src)
+    assert out.sharding == other
+    for shard in out.addressable_shards:
+        assert np.asarray(shard.data).tobytes() == host[shard.index].tobytes()
+
+
+def test_non_jax_leaves_are_refused_by_default_and_sent_by_device_put_on_request(caplog):
+    host = random_array((8, 8), "float32")
+    src = {"w": jax.device_put(host, sharding(*SRC, "dp")), "lr": np.float32(3e-4), "n": 7}
+    dst = {"w": sharding(*DST, "tp"), "lr": sharding(*DST), "n": sharding(*DST)}
+    with pytest.raises(jr.ReshardTypeError, match=r"\['lr'\].*float32.*\n.*\['n'\].*int"):
+        jr.plan(src, dst)
+    with caplog.at_level(logging.WARNING, logger="jaxreshard"):
+        plan = jr.plan(src, dst, fallback="device_put")
+    assert "['lr']" in caplog.text and "['n']" in caplog.text and "device_put" in caplog.text
+    assert "['w']" not in caplog.text
+    out = plan(src)
+    assert_exact(out["w"], host, dst["w"])
+    assert float(out["lr"]) == np.float32(3e-4) and int(out["n"]) == 7
+    assert out["lr"].sharding == dst["lr"]
+    assert plan.stats.bytes_total == host.nbytes  # the fallback leaves are not the plan's
+    assert "['lr']: through jax.device_put" in plan.describe()
+    with pytest.raises(jr.ReshardError, match="fallback"):
+        jr.plan(src, dst, fallback="yes")

@@ -1,0 +1,172 @@
+"""The Tunix adapter: one patched function, Tunix's signature, Tunix's results.
+
+The oracle is Tunix's own ``reshard_pytree`` (``jax.device_put`` off Pathways), run on the same
+inputs; the GRPO run through the adapter is in ``test_tunix.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from arrays import random_array, sharding
+
+tunix_reshard = pytest.importorskip("tunix.rl.reshard")
+nnx = pytest.importorskip("flax.nnx")
+
+from jaxreshard.integrations import tunix as jr_tunix  # noqa: E402
+
+TRAINER = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
+ROLLOUT = (tuple(range(4, 8)), (4,), ("tp",))
+
+
+class Mlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(16, 64, rngs=rngs)
+        self.down = nnx.Linear(64, 16, rngs=rngs)
+
+
+def states() -> tuple[nnx.State, nnx.State]:
+    """The same model's parameters on a trainer layout and on a rollout layout."""
+    trainer = jax.device_put(nnx.state(Mlp(nnx.Rngs(0)), nnx.Param), sharding(*TRAINER, "fsdp"))
+    rollout = nnx.state(Mlp(nnx.Rngs(1)), nnx.Param)  # last dimension split (kernels, biases)
+    rollout = jax.tree.map(
+        lambda x: jax.device_put(x, sharding(*ROLLOUT, *[None] * (x.ndim - 1), "tp")), rollout
+    )
+    return trainer, rollout
+
+
+def bits(tree) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    jr_tunix.uninstall()
+    jr_tunix.reset_counters()
+    yield
+    jr_tunix.uninstall()
+
+
+def test_importing_jaxreshard_and_the_adapter_imports_no_tunix():
+    code = (
+        "import sys, jaxreshard, jaxreshard.integrations.tunix\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'tunix'], 'tunix imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_install_patches_the_one_function_and_uninstall_restores_it():
+    original = tunix_reshard.reshard_pytree
+    jr_tunix.install()
+    assert tunix_reshard.reshard_pytree is jr_tunix.reshard_pytree and jr_tunix.is_installed()
+    jr_tunix.install()  # twice: still restorable to Tunix's own
+    jr_tunix.uninstall()
+    assert tunix_reshard.reshard_pytree is original and not jr_tunix.is_installed()
+    with jr_tunix.installed():
+        assert tunix_reshard.reshard_pytree is jr_tunix.reshard_pytree
+    assert tunix_reshard.reshard_pytree is original
+
+
+@pytest.mark.parametrize("target_kind", ["arrays", "shardings"])
+def test_results_are_tunix_own_results_bit_for_bit(target_kind):
+    trainer, rollout = states()
+    target = rollout if target_kind == "arrays" else jax.tree.map(lambda x: x.sharding, rollout)
+    want = tunix_reshard.reshard_pytree(trainer, target)  # Tunix's own path
+    with jr_tunix.installed():
+        got = tunix_reshard.reshard_pytree(trainer, target)  # looked up as Tunix does
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert bits(got) == bits(want) == bits(trainer)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim) and x.dtype == y.dtype
+    assert jr_tunix.counters() == {
+        "calls": 1,
+        "jaxreshard_calls": 1,
+        "fallback_calls": 0,
+        "fallback_leaves": 0,
+    }
+
+
+def test_under_tunix_cpu_transfer_guards_first_call_included():
+    trainer, rollout = states()
+    with (
+        jr_tunix.installed(),
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+    ):
+        for _ in range(2):
+            out = tunix_reshard.reshard_pytree(trainer, rollout, cache_plan=False)
+            out = tunix_reshard.reshard_pytree(trainer, rollout)
+        jax.block_until_ready(out)
+    assert bits(out) == bits(trainer)
+
+
+def test_donate_input_consumes_the_source_as_device_put_does():
+    trainer, rollout = states()
+    want = bits(trainer)
+    out = jr_tunix.reshard_pytree(trainer, rollout, donate_input=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(trainer))
+    assert bits(out) == want
+
+
+def test_donate_target_reuses_the_rollout_buffers():
+    trainer, rollout = states()
+    jr_tunix.install(donate_target=True)
+    out = tunix_reshard.reshard_pytree(trainer, rollout)
+    assert all(x.is_deleted() for x in jax.tree.leaves(rollout))
+    assert bits(out) == bits(trainer)
+    # a target that cannot receive the result (another dtype) is left alone
+    other = jax.tree.map(lambda x: x.astype(jnp.bfloat16), out)
+    again = tunix_reshard.reshard_pytree(trainer, other)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(other))
+    assert bits(again) == bits(trainer)
+
+
+def test_leaves_jaxreshard_cannot_take_go_through_device_put_and_are_counted():
+    trainer, rollout = states()
+    source = {"params": trainer, "step": np.int32(3)}
+    target = {"params": rollout, "step": sharding(*ROLLOUT)}
+    with jr_tunix.installed():
+        out = tunix_reshard.reshard_pytree(source, target)
+    assert int(out["step"]) == 3 and bits(out["params"]) == bits(trainer)
+    assert jr_tunix.counters()["fallback_leaves"] == 1
+    with (
+        jr_tunix.installed(fallback=None),
+        pytest.raises(jr_tunix.ReshardTypeError, match=r"\['step'\]"),
+    ):
+        tunix_reshard.reshard_pytree(source, target)
+
+
+def test_a_target_leaf_without_a_sharding_is_named():
+    trainer, _ = states()
+    target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer)
+    with pytest.raises(
+        jr_tunix.ReshardTypeError,
+        match=r"target leaves(.|\n)*\[.up.\]\[.kernel.\].*ndarray, with no sharding",
+    ):
+        jr_tunix.reshard_pytree(trainer, target)
+
+
+def test_a_one_device_rollout_and_host_offload_targets():
+    trainer, _ = states()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[7])
+    out = jr_tunix.reshard_pytree(trainer, jax.tree.map(lambda _: one, trainer))
+    assert all(x.sharding == one for x in jax.tree.leaves(out))
+    offload = sharding(*TRAINER, "fsdp").with_memory_kind("pinned_host")  # Tunix's anchor copy
+    host = jr_tunix.reshard_pytree(trainer, jax.tree.map(lambda _: offload, trainer))
+    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(host))
+    assert bits(out) == bits(host) == bits(trainer)
+
+
+def test_random_values_of_every_dtype_tunix_states_hold():
+    src = {
+        k: jax.device_put(random_array((8, 16), k, seed=i), sharding(*TRAINER, "fsdp", "tp"))
+        for i, k in enumerate(["float32", "bfloat16", "int32", "bool"])
+    }
+    target = jax.tree.map(lambda _: sharding(*ROLLOUT, "tp"), src)
+    want = tunix_reshard.reshard_pytree(src, target)
+    assert bits(jr_tunix.reshard_pytree(src, target)) == bits(want)
