@@ -388,6 +388,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=10, help="save every N steps and at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--compare-reps", type=int, default=10, help="refits timed in the summary")
+    p.add_argument(
+        "--async-refit",
+        action="store_true",
+        help="refit with plan.start while the next step samples (one step off-policy); "
+        "reports the exposed refit time beside the synchronous refit",
+    )
     args = p.parse_args(argv)
     args.trainer_mesh = _mesh_shape(args.trainer_mesh)
     args.sampler_mesh = _mesh_shape(args.sampler_mesh)
@@ -486,6 +492,13 @@ def main(argv: Sequence[str] | None = None) -> Result:
     prompt_sharding = NamedSharding(sampler_mesh, P("dp"))
     data_sharding = NamedSharding(trainer_mesh, P("fsdp"))
 
+    # --async-refit: the refit of step k's weights streams into a second sampler tree (the
+    # spare) while step k+1 samples with the current one: one step off-policy, as
+    # asynchronous RL systems run. The loop waits only for what is left of the refit.
+    spare = _block(plan(params)) if args.async_refit else None
+    pending: jr.Refit | None = None
+    started_s = 0.0
+
     history: list[dict] = []
     for step in range(start + 1, args.steps + 1):
         t_start = time.perf_counter()
@@ -494,6 +507,12 @@ def main(argv: Sequence[str] | None = None) -> Result:
         key = jax.random.fold_in(jax.random.key(args.seed), step)
         tokens = np.asarray(generate(sampler_params, prompts, key))
         t_sampled = time.perf_counter()
+        wait_s = 0.0
+        if pending is not None:  # the weights refit during this sample are needed now
+            t0 = time.perf_counter()
+            spare, sampler_params = sampler_params, pending.result()
+            wait_s = time.perf_counter() - t0
+            t_sampled = time.perf_counter()
 
         rewards = reward(cfg, tokens)
         adv = group_advantages(rewards, args.group)
@@ -506,8 +525,17 @@ def main(argv: Sequence[str] | None = None) -> Result:
         _block(params)
         t_trained = time.perf_counter()
 
-        sampler_params = _block(plan(params, donate=sampler_params))
-        t_end = time.perf_counter()
+        if args.async_refit:
+            t0 = time.perf_counter()
+            pending = plan.start(params, donate=spare)  # streams during the next sample
+            spare = None
+            t_end = time.perf_counter()
+            refit_s = wait_s + started_s  # exposed: this wait, and the start that caused it
+            started_s = t_end - t0
+        else:
+            sampler_params = _block(plan(params, donate=sampler_params))
+            t_end = time.perf_counter()
+            refit_s = t_end - t_trained
 
         row = {
             "step": step,
@@ -516,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> Result:
             "loss": float(loss),
             "sample_s": t_sampled - t_start,
             "train_s": t_trained - t_sampled,
-            "refit_s": t_end - t_trained,
+            "refit_s": refit_s,
             "iter_s": t_end - t_start,
         }
         history.append(row)
@@ -529,7 +557,11 @@ def main(argv: Sequence[str] | None = None) -> Result:
             save_checkpoint(mngr, step, params, opt_state)
             print(f"           saved checkpoint {step} to {args.ckpt_dir}")
 
-    summary = summarize(history, plan, params, sampler_params, train_sh, sample_sh, args)
+    if pending is not None:  # the last step's weights
+        sampler_params = pending.result()
+    summary, sampler_params = summarize(
+        history, plan, params, sampler_params, train_sh, sample_sh, args
+    )
     if mngr is not None:
         if mngr.latest_step() is not None:
             final = history[-1]["step"] if history else start
@@ -557,8 +589,9 @@ def identical(a: Any, b: Any) -> bool:
     )
 
 
-def summarize(history, plan, params, sampler_params, train_sh, sample_sh, args) -> dict:
-    """Print and return the run's figures, timing the same refit with jax.device_put."""
+def summarize(history, plan, params, sampler_params, train_sh, sample_sh, args) -> tuple:
+    """Print and return the run's figures, timing the same refit with jax.device_put; and the
+    sampler's parameters (the timed refits donate and replace them)."""
     # Iteration 1 compiles the decode loop and the train step; leave it out of the means.
     warm = history[1:] or history
     summary: dict[str, Any] = {}
@@ -583,8 +616,10 @@ def summarize(history, plan, params, sampler_params, train_sh, sample_sh, args) 
             f"train {_ms(mean['train_s']).strip()}, refit {_ms(mean['refit_s']).strip()}"
         )
         median = statistics.median(r["refit_s"] for r in warm)
+        exposed = "exposed refit (start + wait in result)" if args.async_refit else "refit"
+        summary["exposed_refit_median_s"] = median
         print(
-            f"  refit share   {share:.1%} of the iteration (refit mean "
+            f"  refit share   {share:.1%} of the iteration ({exposed} mean "
             f"{_ms(mean['refit_s']).strip()}, median {_ms(median).strip()})"
         )
 
@@ -615,6 +650,12 @@ def summarize(history, plan, params, sampler_params, train_sh, sample_sh, args) 
         device_put_median_s=med["device_put"],
         device_put_identical=same,
     )
+    if args.async_refit and history:
+        print(
+            f"  async refit   exposed median {_ms(summary['exposed_refit_median_s']).strip()} "
+            f"against the synchronous refit's {_ms(med['jaxreshard']).strip()} (timed below): "
+            f"{summary['exposed_refit_median_s'] / med['jaxreshard']:.2f}x"
+        )
     print(
         f"  same refit, same run, median of {args.compare_reps}: jaxreshard "
         f"{_ms(med['jaxreshard']).strip()} | jax.device_put (cast, then device_put) "
@@ -622,7 +663,7 @@ def summarize(history, plan, params, sampler_params, train_sh, sample_sh, args) 
     )
     print("\nplan.describe():")
     print(plan.describe())
-    return summary
+    return summary, sampler_params
 
 
 def check_checkpoint(mngr, plan, shapes, train_sh, sample_sh, params, step) -> dict:

@@ -13,6 +13,7 @@ buffers: no full replica, no all-gather, no host round trip.
 
 from jaxreshard.api import (
     Plan,
+    Refit,
     cached_plan,
     clear_cache,
     default_bucket_bytes,
@@ -28,6 +29,7 @@ __all__ = [
     "Layout",
     "Plan",
     "PlanStats",
+    "Refit",
     "ReshardError",
     "ReshardTypeError",
     "Topology",

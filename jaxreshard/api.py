@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import logging
 import math
@@ -165,13 +166,83 @@ class Plan:
         if self._runtime is not None:
             self._runtime.release()
 
+    def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
+        """Start resharding ``src_tree`` and return at once; the move runs without the caller.
+
+        A worker thread issues the plan's programs (on top of JAX's asynchronous dispatch), so
+        the caller keeps working, for example generating with the sampler's current weights,
+        while the next weights stream in. The returned `Refit` says when it is ``done()``, and
+        ``result()`` returns exactly what ``plan(src_tree, donate=donate)`` would have.
+
+        Double buffering: keep two sampler trees and alternate them through ``donate=``::
+
+            spare = plan(params)                     # weights k, in the sampler layout
+            current = plan(params)
+            for step in range(n):
+                refit = plan.start(new_params(), donate=spare)   # k+1 streams into spare
+                generate(current)                    # meanwhile: sample with weights k
+                spare, current = current, refit.result()
+
+        That holds two sampler copies of the weights (plus the plan's staging).
+
+        Rules:
+          - Arguments are checked here: a bad call raises `ReshardError` from ``start``,
+            before anything moves, as a plain call does.
+          - The sources must stay alive until ``result()`` returns: do not delete them or
+            donate them (to ``jax.jit`` or elsewhere) while the refit is in flight. The refit
+            keeps references to them; this library refuses to donate them, and a source
+            deleted elsewhere makes ``result()`` raise `ReshardError` naming it.
+          - ``donate=`` is consumed: do not use that tree after ``start``.
+          - Refits are issued in the order they are started, one at a time, on one worker
+            thread per process; a plain call made while refits are in flight is issued after
+            them (on that thread, the caller waiting). Under ``jax.distributed`` every
+            involved process starts them in the same order (as with calls). The first start
+            of a plan agrees with the other processes before it returns.
+          - The programs queue on the devices behind work already enqueued there: a sampler
+            that dispatches its next generation step after reading the previous one's tokens
+            leaves room between steps; one that enqueues many steps ahead delays the refit
+            until they have run.
+        """
+        flat, old = self._prepare(src_tree, donate)
+        sources = [x for x in flat if isinstance(x, jax.Array)]
+        _IN_FLIGHT.add(sources)
+
+        def run() -> Any:
+            try:
+                out = self._move(flat, old, None)
+                jax.block_until_ready(out)
+                return out
+            except Exception as e:
+                gone = [self.paths[i] for i, x in enumerate(flat) if _deleted(x)]
+                if gone:
+                    raise leaf_error(
+                        "these sources were deleted while the refit was in flight",
+                        [(p, "deleted (or donated) before result() returned") for p in gone],
+                        "keep the source arrays alive until refit.result() returns",
+                    ) from e
+                raise
+            finally:
+                _IN_FLIGHT.remove(sources)
+
+        return Refit(_worker().submit(run), sources)
+
     def _call(self, src_tree: Any, donate: Any, profile: dict[str, float] | None) -> Any:
+        flat, old = self._prepare(src_tree, donate)
+        if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
+            return _worker().submit(self._move, flat, old, profile).result()
+        return self._move(flat, old, profile)
+
+    def _prepare(self, src_tree: Any, donate: Any) -> tuple[list[Any], list[Any] | None]:
+        """Check a call's arguments (and, once per plan, agree with the other processes)."""
         flat = self._check_src(src_tree)
         old = self._check_donate(donate, flat) if donate is not None else None
         if not self._agreed:  # once per plan: a mismatch must fail here, not in a collective
             if jax.process_count() > 1:  # (the fingerprint is not free: only when it is needed)
                 agree(self.identity)
             self._agreed = True
+        return flat, old
+
+    def _move(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:
@@ -250,7 +321,7 @@ class Plan:
         expected: Sequence[tuple[tuple[int, ...], Any, Sharding]],
         summary: str,
         fix: str,
-        sources: Sequence[Any] = (),
+        sources: Sequence[Any] | None = None,
         allow_placeholders: bool = False,
     ) -> list[Any]:
         """The leaves of ``tree``, if each moved leaf is a live array of the expected shape,
@@ -262,7 +333,7 @@ class Plan:
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
             raise _structure_error(name, tree, self.paths)
-        source_ids = {id(x) for x in sources if isinstance(x, jax.Array)}
+        source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
         problems = []
         for i, (shape, dtype, sharding) in zip(self.moved, expected, strict=True):
             path, x = flat[i]
@@ -270,6 +341,11 @@ class Plan:
             problem = _array_problem(x, shape, dtype, sharding, placeholder_ok)
             if problem is None and id(x) in source_ids:
                 problem = "is also passed as a source array; donating it would destroy the source"
+            if problem is None and sources is not None and _IN_FLIGHT.holds(x):
+                problem = (
+                    "is the source of a refit in flight (Plan.start); donating it would destroy "
+                    "it: wait for that refit's result() first"
+                )
             if problem:
                 problems.append((keystr(path), problem))
         if problems:
@@ -352,6 +428,77 @@ class Plan:
             f"Plan(leaves={len(self.leaves)}, bytes_sent={s.bytes_sent}, "
             f"rounds={s.rounds}, buckets={s.buckets})"
         )
+
+
+class Refit:
+    """A refit started by `Plan.start`, running while the caller goes on."""
+
+    def __init__(self, future: concurrent.futures.Future, sources: Sequence[jax.Array]) -> None:
+        self._future = future
+        self._sources = sources  # kept alive until the refit is done
+
+    def done(self) -> bool:
+        """Whether the refit has finished (its result is on the devices, or it failed)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the refit and return the destination tree (what the plan's call returns).
+
+        Raises what the move raised (`ReshardError` naming a source deleted while in flight),
+        or ``TimeoutError`` if ``timeout`` seconds pass first (the refit goes on).
+        """
+        out = self._future.result(timeout)
+        self._sources = ()
+        return out
+
+    def __repr__(self) -> str:
+        return f"Refit(done={self.done()})"
+
+
+class _InFlight:
+    """Source arrays of refits in flight (by identity; the refits keep them alive)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count: collections.Counter[int] = collections.Counter()
+        self._refits = 0
+
+    def add(self, arrays: Sequence[jax.Array]) -> None:
+        with self._lock:
+            self._count.update(id(x) for x in arrays)
+            self._refits += 1
+
+    def remove(self, arrays: Sequence[jax.Array]) -> None:
+        with self._lock:
+            self._count.subtract(id(x) for x in arrays)
+            self._count += collections.Counter()  # drop the zeros
+            self._refits -= 1
+
+    def busy(self) -> bool:
+        """Whether any refit is in flight."""
+        return self._refits > 0
+
+    def holds(self, x: Any) -> bool:
+        with self._lock:
+            return self._count[id(x)] > 0
+
+
+_IN_FLIGHT = _InFlight()
+_WORKER: concurrent.futures.ThreadPoolExecutor | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that issues started refits, in the order they were started."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxreshard")
+        return _WORKER
+
+
+def _deleted(x: Any) -> bool:
+    return isinstance(x, jax.Array) and x.is_deleted()
 
 
 def plan(
@@ -576,7 +723,7 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
             return None  # let plan() report it
         try:  # fallback leaves: their kind and shape are part of the signature
             signature = tuple(
-                (x.shape, x.dtype, x.sharding)
+                (x.shape, x.dtype, _sharding_key(x.sharding))
                 if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
                 else (type(x), np.shape(x), np.result_type(x))
                 for x in leaves
@@ -584,7 +731,7 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
         except (TypeError, ValueError):
             return None
     else:
-        signature = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+        signature = tuple((x.shape, x.dtype, _sharding_key(x.sharding)) for x in leaves)
     dst_leaves, dst_def = jax.tree_util.tree_flatten(dst, is_leaf=lambda x: isinstance(x, Sharding))
     dt_leaves, dt_def = jax.tree_util.tree_flatten(
         dtype, is_leaf=lambda x: x is None or _is_dtype_like(x)
@@ -594,7 +741,7 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
             treedef,
             signature,
             dst_def,
-            tuple(dst_leaves),
+            tuple(_sharding_key(d) for d in dst_leaves),
             dt_def,
             tuple(None if d is None else jnp.dtype(d) for d in dt_leaves),
             bucket_bytes,
@@ -604,6 +751,18 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
     except TypeError:
         return None
     return key
+
+
+def _sharding_key(s: Any) -> Any:
+    """A cache key for a sharding, equal for specs that differ only by trailing Nones
+    (``P("fsdp", "tp", None)`` and ``P("fsdp", "tp")`` place data identically; JAX's own
+    equality tells them apart, and optimizer steps turn one into the other)."""
+    if isinstance(s, NamedSharding):
+        spec = list(s.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return ("named", s.mesh, tuple(spec), s.memory_kind)
+    return s
 
 
 # ------------------------------------------------------------------------------- helpers

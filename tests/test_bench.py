@@ -334,3 +334,22 @@ def test_tiny_other_scenarios(tmp_path):
         goal = goals[f"disjoint speed ({name}): jaxreshard <= 1.5x device_put"]
         rec = by_strategy(report["scenarios"][names.index(name)])
         assert goal["value"] == rec["device_put"]["jr_over_this_ratio_of_medians"]
+
+
+def test_tiny_async_refit(tmp_path):
+    """The async scenario: exposed time = start + wait, beside the synchronous refit, and the
+    started refit's result is the call's, bit for bit."""
+    report, out = run_bench(
+        tmp_path, "--scenario", "async_refit", "--in-process", *TINY, "--pairs", "2"
+    )
+    (rec,) = report["scenarios"]
+    assert rec["kind"] == "async" and rec["bit_identical"] is True
+    assert rec["exposed_s"] == pytest.approx(rec["start_s"] + rec["wait_s"], rel=0.5, abs=5e-3)
+    assert rec["exposed_over_sync"] == pytest.approx(rec["exposed_s"] / rec["sync_refit_s"])
+    assert rec["decode_steps"] >= 1
+    goal = check_goals(report)[
+        "async refit: exposed time (start + wait in result) <= 0.2x the synchronous refit, "
+        "with 3x its time of sampler work between"
+    ]
+    assert goal["value"] == rec["exposed_over_sync"]
+    assert "plan.start + result" in out

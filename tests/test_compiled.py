@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from arrays import assert_exact, random_array, sharding
+from compiles import COMPILES
 
 import jaxreshard as jr
 
@@ -20,29 +21,6 @@ SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"), "fsdp", "tp")
 DST = (tuple(range(4, 8)), (4,), ("tp",), None, "tp")
 COLOCATED_DST = (tuple(range(8))[::-1], (2, 4), ("dp", "tp"), None, "tp")
 FORBIDDEN = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter")
-
-
-class CompileCounter:
-    """Counts XLA compilations (``backend_compile`` events of `jax.monitoring`) while active."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.active = False
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-
-    def _listen(self, event: str, duration: float, **kwargs) -> None:
-        if self.active and event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __enter__(self) -> CompileCounter:
-        self.count, self.active = 0, True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.active = False
-
-
-COMPILES = CompileCounter()
 
 
 def tree(n_leaves: int, rows: int = 64):

@@ -62,7 +62,8 @@ def test_a_destination_that_is_not_a_sharding(src):
     bad = dst_tree()
     bad["a"] = PartitionSpec("tp")  # a spec alone: the mesh is missing
     with pytest.raises(
-        jr.ReshardTypeError, match=r"\['a'\].*PartitionSpec.*not a jax.sharding.Sharding.*NamedSharding\(mesh, spec\)"
+        jr.ReshardTypeError,
+        match=r"\['a'\].*PartitionSpec.*not a jax.sharding.Sharding.*NamedSharding\(mesh, spec\)",
     ):
         jr.plan(src, bad)
     assert issubclass(jr.ReshardTypeError, TypeError)

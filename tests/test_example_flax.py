@@ -132,3 +132,12 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(example, tmp_path):
     assert resumed.history[0]["reward"] == straight.history[-1]["reward"]
     assert_bit_identical(resumed.params, straight.params)
     assert_bit_identical(resumed.opt_state, straight.opt_state)
+
+
+def test_async_refit_samples_one_step_behind_and_ends_on_the_last_weights(example):
+    """--async-refit: step k samples with the weights refit after step k-2's update (one step
+    off-policy) and the sampler holds the final weights, bit for bit, at the end."""
+    result = example.main(["--steps", "3", "--async-refit", *TINY])
+    assert [row["step"] for row in result.history] == [1, 2, 3]
+    assert result.summary["exposed_refit_median_s"] >= 0
+    assert_bit_identical(result.sampler_params, result.plan(result.params))

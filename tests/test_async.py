@@ -1,0 +1,192 @@
+"""`Plan.start`: a refit that runs while the caller keeps working.
+
+Specification: ``plan.start(src, donate=spare).result()`` is bit for bit ``plan(src)``; start
+returns before the move has finished; the current sampler weights stay usable throughout;
+errors surface from ``start`` (bad arguments, before anything moves) or ``result`` (a source
+deleted in flight); staging stays what the plan reports; a sampler program with collectives
+running meanwhile does not deadlock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from arrays import assert_exact, random_array, sharding
+from compiles import COMPILES
+from jax.sharding import PartitionSpec as P
+
+import jaxreshard as jr
+
+SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
+DST = (tuple(range(4, 8)), (2, 2), ("dp", "tp"))
+
+
+def trees(version: int, rows: int = 256):
+    host = {f"w{i}": random_array((rows, 64), "float32", seed=10 * version + i) for i in range(6)}
+    src = {k: jax.device_put(v, sharding(*SRC, "fsdp", "tp")) for k, v in host.items()}
+    return host, src
+
+
+DST_SHARDING = sharding(*DST, None, "tp")
+
+
+def check(out, host, dtype=jnp.bfloat16):
+    for k, v in host.items():
+        assert_exact(out[k], v.astype(dtype), DST_SHARDING)
+
+
+def test_a_started_refit_is_the_call_bit_for_bit_and_the_current_weights_stay_usable():
+    host0, src0 = trees(0)
+    host1, src1 = trees(1)
+    plan = jr.plan(src0, DST_SHARDING, dtype=jnp.bfloat16, bucket_bytes=32 << 10)
+    spare, current = plan(src0), plan(src0)
+    refit = plan.start(src1, donate=spare)
+
+    def checksum(t):
+        return sum(jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint16)) for x in t.values())
+
+    busy = [int(jax.jit(checksum)(current)) for _ in range(3)]  # sampling on weights k
+    new = refit.result()
+    assert refit.done() and len(set(busy)) == 1
+    check(new, host1)
+    check(current, host0)  # untouched
+    assert all(x.is_deleted() for x in spare.values())  # the spare was consumed
+    # and the next one alternates the buffers
+    spare, current = current, new
+    again = plan.start(src0, donate=spare).result()
+    check(again, host0)
+    check(current, host1)
+
+
+def test_start_returns_before_the_move_has_finished():
+    _, src = trees(0, rows=2048)
+    plan = jr.plan(src, DST_SHARDING, dtype=jnp.bfloat16)
+    out = plan(src)
+    jax.block_until_ready(out)
+    seen_pending = False
+    for _ in range(5):
+        refit = plan.start(src, donate=out)
+        seen_pending |= not refit.done()
+        out = refit.result()
+    assert seen_pending
+
+
+def test_bad_arguments_are_refused_by_start_before_anything_moves():
+    _, src = trees(0)
+    plan = jr.plan(src, DST_SHARDING)
+    out = plan(src)
+    wrong = dict(src, w0=jax.device_put(jnp.zeros((8, 8)), sharding(*SRC)))
+    with pytest.raises(jr.ReshardError, match=r"\['w0'\]"):
+        plan.start(wrong, donate=out)
+    assert not any(x.is_deleted() for x in out.values())
+
+
+def test_a_source_of_a_refit_in_flight_cannot_be_donated_and_a_deleted_one_is_named():
+    _, src = trees(0, rows=2048)
+    _, other = trees(5, rows=2048)
+    plan = jr.plan(src, DST_SHARDING)
+    back = jr.plan(plan(src), sharding(*SRC, "fsdp", "tp"))
+    moved = plan(src)
+    blocker = jr.plan(other, DST_SHARDING, bucket_bytes=4 << 10)  # keeps the worker busy
+    hold = blocker.start(other)
+    refit = plan.start(src)
+    try:
+        with pytest.raises(jr.ReshardError, match="source of a refit in flight"):
+            back(moved, donate=src)  # would destroy the in-flight source
+    finally:
+        hold.result()
+        refit.result()
+    # a source deleted behind the library's back while the refit waits its turn: named
+    hold = blocker.start(other)
+    victim = plan.start(src)
+    src["w3"].delete()
+    hold.result()
+    if victim.done() and victim._future.exception() is None:
+        pytest.skip("the refit finished before the source could be deleted")
+    with pytest.raises(jr.ReshardError, match=r"deleted while the refit was in flight(.|\n)*w3"):
+        victim.result()
+
+
+def test_errors_inside_the_move_resurface_from_result(monkeypatch):
+    _, src = trees(0)
+    plan = jr.plan(src, DST_SHARDING)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(plan.runtime, "run", broken)
+    refit = plan.start(src)
+    with pytest.raises(RuntimeError, match="device lost"):
+        refit.result()
+    assert refit.done()
+
+
+def test_staging_stays_bounded_and_nothing_recompiles():
+    _, src = trees(0)
+    plan = jr.plan(src, DST_SHARDING, dtype=jnp.bfloat16, bucket_bytes=16 << 10)
+    out = plan(src)
+    spare = plan(src)
+    jax.block_until_ready((out, spare))
+    with COMPILES as later:
+        for _ in range(4):
+            out, spare = plan.start(src, donate=spare).result(), out
+            assert max(plan.runtime.pool_bytes().values()) <= plan.stats.staging_bytes
+    assert later.count == 0
+
+
+def test_a_sampler_program_with_collectives_running_meanwhile_does_not_deadlock():
+    host, src = trees(0)
+    plan = jr.plan(src, DST_SHARDING, dtype=jnp.bfloat16, bucket_bytes=32 << 10)
+    spare = plan(src)
+    mesh = DST_SHARDING.mesh
+    x = jax.device_put(jnp.ones((4, 256)), jax.sharding.NamedSharding(mesh, P(("dp", "tp"))))
+    step = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(jnp.tanh(v), ("dp", "tp")),
+            mesh=mesh,
+            in_specs=P(("dp", "tp")),
+            out_specs=P(),
+        )
+    )
+    stop = threading.Event()
+    ran = []
+
+    def sampler():
+        while not stop.is_set():
+            ran.append(float(step(x).sum()))  # a decode step: dispatch, read, repeat
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        for _ in range(10):
+            spare = plan.start(src, donate=spare).result(
+                timeout=max(1, deadline - time.monotonic())
+            )
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive() and ran
+    check(spare, host)
+
+
+def test_a_plain_call_made_while_refits_are_in_flight_runs_after_them():
+    host0, src0 = trees(0)
+    host1, src1 = trees(1)
+    plan = jr.plan(src0, DST_SHARDING, dtype=jnp.bfloat16)
+    spare = plan(src0)
+    refit = plan.start(src1, donate=spare)
+    now = plan(src0)  # issued after the started refit, on the same worker
+    check(refit.result(), host1)
+    check(now, host0)
+
+
+def test_repr():
+    _, src = trees(0)
+    refit = jr.plan(src, DST_SHARDING).start(src)
+    refit.result()
+    assert repr(refit) == "Refit(done=True)"
