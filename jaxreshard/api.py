@@ -26,8 +26,15 @@ from jaxreshard.planning.topology import Topology
 from jaxreshard.run import boundary
 from jaxreshard.run.boundary import Boundary, Crossing
 from jaxreshard.run.codec import wire_itemsize
-from jaxreshard.run.multihost import PlanIdentity, agree, fingerprint
+from jaxreshard.run.multihost import (
+    PlanIdentity,
+    agree,
+    check_order,
+    fingerprint,
+    order_check_enabled,
+)
 from jaxreshard.run.runtime import Runtime, host_syncs_per_call
+from jaxreshard.run.verify import Verifier
 
 MiB = 1 << 20
 log = logging.getLogger("jaxreshard")
@@ -128,7 +135,7 @@ class Plan:
                 )
             return self._runtime
 
-    def __call__(self, src_tree: Any, *, donate: Any = None) -> Any:
+    def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
         """Reshard ``src_tree`` into the destination layout.
 
         Args:
@@ -142,11 +149,42 @@ class Plan:
           A tree of ``jax.Array`` with the destination shardings and dtypes. Under
           ``jax.distributed`` each process's arrays hold its own destination shards.
 
+          verify: also check the result against the source (`verify`), raising
+            `ReshardError` naming any shard that differs.
+
         Raises:
           ReshardError: before any data moves, if an argument does not match the plan, or (first
             call, several processes) if the processes do not hold the same plan.
         """
-        return self._call(src_tree, donate, None)
+        out = self._call(src_tree, donate, None)
+        if verify:
+            self.verify(src_tree, out)
+        return out
+
+    def verify(self, src_tree: Any, out_tree: Any) -> None:
+        """Check ``out_tree`` (this plan's result for ``src_tree``) shard by shard against
+        ``src_tree``, with checksums computed on device on both sides.
+
+        Each destination shard's position-weighted checksum is compared with the sum of the
+        same box's parts on the source devices (cast as the plan casts), so only a few bytes per
+        shard reach the host (`jaxreshard.run.verify`). Costs about one read of the source and
+        one of the result; compiles one program per device on its first use. Single-controller
+        JAX only for now.
+
+        Raises:
+          ReshardError: naming every leaf and device whose shard differs from its source.
+        """
+        flat = self._check_src(src_tree)
+        out = jax.tree_util.tree_leaves(out_tree)
+        if len(out) != len(flat):
+            raise _structure_error("the result tree", out_tree, self.paths)
+        src = self._crossing.sources([flat[i] for i in self.moved])
+        results = self._crossing.inner([out[i] for i in self.moved])
+        self._verifier.check(src, results)
+
+    @functools.cached_property
+    def _verifier(self) -> Verifier:
+        return Verifier(self.leaves, [self.paths[i] for i in self.moved])
 
     def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
         """Like calling the plan, but every phase is awaited before the next starts and timed.
@@ -236,18 +274,26 @@ class Plan:
         """Check a call's arguments (and, once per plan, agree with the other processes)."""
         flat = self._check_src(src_tree)
         old = self._check_donate(donate, flat) if donate is not None else None
-        if not self._agreed:  # once per plan: a mismatch must fail here, not in a collective
-            if jax.process_count() > 1:  # (the fingerprint is not free: only when it is needed)
-                agree(self.identity)
+        if jax.process_count() > 1 and not self._agreed:  # fail here, not in a collective
+            agree(self.identity)  # once per plan: the whole plan, leaf by leaf
             self._agreed = True
         return flat, old
+
+    def _order_check(self) -> Callable[[], None] | None:
+        """Every call under ``jax.distributed``: the same call on every involved process
+        (`multihost.check_order`; run by the runtime while the first packs compute)."""
+        if jax.process_count() == 1 or not order_check_enabled():
+            return None
+        return functools.partial(check_order, self.identity, self._label)
 
     def _move(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:
             inner_old = self._crossing.donations([old[i] for i in self.moved])
-        moved = self._crossing.results(self.runtime.run(src, inner_old, profile))
+        moved = self._crossing.results(
+            self.runtime.run(src, inner_old, profile, self._order_check())
+        )
         out: list[Any] = [None] * len(flat)
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
@@ -267,6 +313,14 @@ class Plan:
             tuple(self._describe_leaf(i) for i in range(len(self.leaves))),
             self.bucket_bytes,
         )
+
+    @functools.cached_property
+    def _label(self) -> str:
+        """A short name of the plan for messages: leaf count, first and last path."""
+        if not self.paths:
+            return "a plan of no leaves"
+        ends = self.paths[0] + (f" ... {self.paths[-1]}" if len(self.paths) > 1 else "")
+        return f"the plan of {len(self.paths)} leaves {ends}"
 
     def _describe_leaf(self, i: int) -> str:
         leaf = self.leaves[i]
@@ -334,6 +388,7 @@ class Plan:
         if treedef != self.treedef:
             raise _structure_error(name, tree, self.paths)
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
+        first_at: dict[int, str] = {}  # donation: one array at two leaves would be donated twice
         problems = []
         for i, (shape, dtype, sharding) in zip(self.moved, expected, strict=True):
             path, x = flat[i]
@@ -341,6 +396,10 @@ class Plan:
             problem = _array_problem(x, shape, dtype, sharding, placeholder_ok)
             if problem is None and id(x) in source_ids:
                 problem = "is also passed as a source array; donating it would destroy the source"
+            if problem is None and sources is not None and isinstance(x, jax.Array):
+                seen = first_at.setdefault(id(x), keystr(path))
+                if seen != keystr(path):
+                    problem = f"is the same array as {seen}; each leaf needs its own buffers"
             if problem is None and sources is not None and _IN_FLIGHT.holds(x):
                 problem = (
                     "is the source of a refit in flight (Plan.start); donating it would destroy "
@@ -561,8 +620,7 @@ def plan(
     process): a part with replicas is sent from one on the receiver's own process when there is
     one; other parts are balanced over all replicas.
     """
-    if fallback not in (None, "device_put"):
-        raise ReshardError(f'fallback must be None or "device_put", got {fallback!r}')
+    _check_options(bucket_bytes, topology, compiler_options, fallback)
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
     dsts = _broadcast(dst_shardings, src_tree, "dst_shardings", lambda x: isinstance(x, Sharding))
@@ -602,8 +660,6 @@ def plan(
     if bucket_bytes is None:
         platform = next(iter(dsts[0].device_set)).platform if dsts else "cpu"
         bucket_bytes = default_bucket_bytes(platform)
-    if int(bucket_bytes) < 1:
-        raise ReshardError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes}")
     fan_out = topology is not None  # relays only where the caller described the domains
     if topology is None:
         topology = Topology.from_devices(_plan_devices(dsts, avals))
@@ -684,6 +740,7 @@ def cached_plan(
 
     Same arguments as `plan`. Useful to read a cached plan's ``stats`` or ``describe()``.
     """
+    _check_options(bucket_bytes, topology, compiler_options, fallback)
     options = tuple(sorted((compiler_options or {}).items()))
     key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options, fallback))
     found = None
@@ -751,6 +808,33 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
     except TypeError:
         return None
     return key
+
+
+def _check_options(bucket_bytes: Any, topology: Any, compiler_options: Any, fallback: Any) -> None:
+    """Refuse bad plan options before anything else looks at them."""
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool)
+        or not isinstance(bucket_bytes, (int, np.integer))
+        or bucket_bytes < 1
+    ):
+        raise ReshardError(
+            f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}\nHow to fix: "
+            "pass a number of bytes such as 16 << 20, or None for the backend's default"
+        )
+    if topology is not None and not isinstance(topology, Topology):
+        raise ReshardTypeError(
+            f"topology must be a jaxreshard.Topology, got {type(topology).__name__} "
+            f"{topology!r}\nHow to fix: build one with jr.Topology.from_devices(...) or "
+            "jr.Topology(...), or leave topology out"
+        )
+    if compiler_options is not None and not isinstance(compiler_options, Mapping):
+        raise ReshardTypeError(
+            f"compiler_options must be a mapping of XLA option names to values, got "
+            f"{type(compiler_options).__name__}\nHow to fix: pass a dict, as for jax.jit's "
+            "compiler_options"
+        )
+    if fallback not in (None, "device_put"):
+        raise ReshardError(f'fallback must be None or "device_put", got {fallback!r}')
 
 
 def _sharding_key(s: Any) -> Any:
@@ -822,6 +906,13 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
         raise _LeafProblem(
             f"the destination is a {type(dst).__name__}, not a jax.sharding.Sharding", "type"
         )
+    for side, s in (("source", sharding), ("destination", dst)):
+        if isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh):
+            raise _LeafProblem(
+                f"the {side} sharding's mesh is an AbstractMesh, which has no devices: give "
+                "it a jax.sharding.Mesh of devices",
+                "type",
+            )
     user_shape = tuple(x.shape)
     key_impl = None
     try:
@@ -879,6 +970,11 @@ def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:
         dtype = jax.dtypes.canonicalize_dtype(jnp.dtype(want))
     except TypeError as e:
         raise _LeafProblem(f"cannot use {want!r} as a destination dtype ({e})", "dtype") from None
+    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+        raise _LeafProblem(
+            f"cannot use {want!r} as a destination dtype: arrays of it cannot be on a device",
+            "dtype",
+        )
     if own or jnp.issubdtype(src, jnp.floating):
         return np.dtype(dtype)
     return src
@@ -903,8 +999,11 @@ def _dtype_entries(dtype: Any, src_tree: Any) -> tuple[list[Any], list[bool]]:
 def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
     if isinstance(sharding, NamedSharding):
         mesh = sharding.mesh
-        if not hasattr(mesh, "devices"):
-            raise LayoutError("the sharding's mesh is abstract (it has no devices)")
+        if isinstance(mesh, jax.sharding.AbstractMesh):
+            raise LayoutError(
+                "the sharding's mesh is an AbstractMesh (it has no devices): use a "
+                "jax.sharding.Mesh of devices"
+            )
         spec = tuple(sharding.spec)
         return Layout.from_mesh(
             shape,
@@ -920,7 +1019,7 @@ def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
 
 
 def _describe_sharding(s: NamedSharding) -> str:
-    mesh = dict(zip(s.mesh.axis_names, s.mesh.devices.shape, strict=True))
+    mesh = dict(zip(s.mesh.axis_names, s.mesh.axis_sizes, strict=True))
     return f"NamedSharding(mesh={mesh}, spec={s.spec})"
 
 

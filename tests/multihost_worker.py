@@ -26,7 +26,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxreshard as jr  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
+# The lost-peer cases shorten JAX's failure detection (heartbeat) and its wait for the lost
+# peer at exit (shutdown), as the README advises for jobs that must not hang.
+TIMEOUTS = {}
+if os.environ.get("WORKER_FAST_FAILURE"):
+    TIMEOUTS = {"heartbeat_timeout_seconds": 5, "shutdown_timeout_seconds": 5}
+jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID, **TIMEOUTS)
 
 # Devices of each process, in id order (ids are not contiguous across processes).
 BY_PROCESS = [
@@ -303,9 +308,105 @@ def case_crossed() -> None:
     raise AssertionError("plans called in different orders ran")
 
 
+# --------------------------------------------------------------------- every call's order
+
+
+def _two_plans():
+    """Plans A and B over both processes (trainer on 0, sampler on 1), and their sources."""
+    trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
+    sampler = mesh(BY_PROCESS[1], (4,), ("tp",))
+    full = {"a": data((16, 8), 21), "b": data((8, 32), 22)}
+    out = {}
+    for name, spec in (("a", P("tp")), ("b", P(None, "tp"))):
+        tree = {name: source(full[name], NamedSharding(trainer, P("fsdp", "tp")))}
+        dst = {name: NamedSharding(sampler, spec)}
+        out[name] = (jr.plan(tree, dst), tree, dst, {name: full[name]})
+    return out
+
+
+def case_order_ok() -> None:
+    """Many calls of two plans in the same order (calls and starts): every call is checked."""
+    plans = _two_plans()
+    for step in range(12):
+        for name in ("a", "b") if step % 2 else ("b", "a"):
+            plan, tree, dst, full = plans[name]
+            out = plan.start(tree).result() if step % 3 == 0 else plan(tree)
+            check(out, full, dst)
+    ok("order_ok", calls=24)
+
+
+def case_order_swapped() -> None:
+    """After agreeing on both plans, process 1 calls them in the other order: both raise."""
+    plans = _two_plans()
+    for name in ("a", "b"):
+        plan, tree, _, _ = plans[name]
+        plan(tree)
+    names = ["a", "b"] if PID == 0 else ["b", "a"]
+    start = time.monotonic()
+    try:
+        for name in names:
+            plan, tree, _, _ = plans[name]
+            plan(tree)
+    except jr.ReshardError:
+        print(f"ORDER raised after {time.monotonic() - start:.2f} s", flush=True)
+        raise
+    raise AssertionError("plans called in different orders ran")
+
+
+def case_lost() -> None:
+    """Process 1 dies between two refits; process 0's next call names it within the timeout
+    (JAXRESHARD_AGREEMENT_TIMEOUT_S, set by the test) instead of waiting in a collective."""
+    plans = _two_plans()
+    plan, tree, dst, full = plans["a"]
+    for _ in range(3):
+        check(plan(tree), full, dst)
+    if PID == 1:
+        print("LOST: process 1 exits now", flush=True)
+        os._exit(17)
+    start = time.monotonic()
+    try:
+        plan(tree)
+    except jr.ReshardError:
+        print(f"LOST raised after {time.monotonic() - start:.2f} s", flush=True)
+        raise
+    raise AssertionError("a call with a lost peer ran")
+
+
+def case_lost_in_transfer() -> None:
+    """Process 1 dies while refits are in flight: process 0 must not hang (what stops it, and
+    when, is printed for the test: an error from the collective or JAX's heartbeat)."""
+    trainer = mesh(BY_PROCESS[0], (4,), ("x",))
+    sampler = mesh(BY_PROCESS[1], (4,), ("x",))
+    full = data((4096, 1024), 31)
+    tree = {"w": source(full, NamedSharding(trainer, P("x")))}
+    plan = jr.plan(tree, {"w": NamedSharding(sampler, P(None, "x"))}, bucket_bytes=1 << 18)
+    out = plan(tree)
+    jax.block_until_ready(out)
+    if PID == 1:
+        import threading
+
+        threading.Timer(0.5, lambda: os._exit(17)).start()
+    start = time.monotonic()
+    try:
+        for _ in range(10_000):
+            out = plan(tree, donate=out)
+            jax.block_until_ready(out)
+    except Exception as e:
+        print(
+            f"IN_TRANSFER raised {type(e).__name__} after {time.monotonic() - start:.2f} s: "
+            f"{str(e).splitlines()[0][:300]}",
+            flush=True,
+        )
+        raise
+    raise AssertionError("10000 refits ran with a lost peer")
+
+
 SCENARIOS = {
     "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
+    "order": [case_order_ok, case_order_swapped],
+    "lost": [case_lost],
+    "lost_in_transfer": [case_lost_in_transfer],
 }
 
 if __name__ == "__main__":

@@ -240,3 +240,21 @@ def test_a_1gib_leaf_moves_with_no_more_transient_memory_than_its_staging(tmp_pa
     bound = devices * staging + (48 << 20)  # + XLA's and Python's own small allocations
     assert extra <= bound, f"peak extra {extra / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
     assert extra < (1 << 30) // 3  # far below a full replica
+
+
+def test_one_layout_spelled_two_ways_shares_one_cached_plan():
+    """``P("a", "b", None)`` and ``P("a", "b")`` place data alike (an optimizer step turns the
+    first into the second): the second reshard plans and compiles nothing."""
+    host = random_array((8, 4, 2), "float32")
+    long = sharding(tuple(range(4)), (2, 2), ("a", "b"), "a", "b", None)
+    short = sharding(tuple(range(4)), (2, 2), ("a", "b"), "a", "b")
+    assert long != short and long.is_equivalent_to(short, 3)
+    dst = sharding(*DST)
+    jr.clear_cache()
+    out = jr.reshard(jax.device_put(host, long), dst)
+    jax.block_until_ready(out)
+    with COMPILES as again:
+        out = jr.reshard(jax.device_put(host, short), dst, donate=out)
+        jax.block_until_ready(out)
+    assert again.count == 0
+    assert_exact(out, host, dst)

@@ -318,9 +318,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, processes: int, devices: int) -> Launch:
-    """Run tests/multihost_worker.py as ``processes`` local jax.distributed processes."""
+def launch(
+    scenario: str, processes: int, devices: int, env: dict[str, str] | None = None
+) -> Launch:
+    """Run tests/multihost_worker.py as ``processes`` local jax.distributed processes (with
+    ``env`` added to their environment)."""
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -433,6 +438,52 @@ def test_plans_called_in_different_orders_raise_instead_of_hanging(run_4x2):
         seconds = float(re.search(r"CROSSED raised after ([\d.]+) s", out).group(1))
         assert seconds < 10, seconds
     assert "waiting for each other in different plans" in run_4x2.outputs[0]
+
+
+@pytest.fixture(scope="module")
+def run_order() -> Launch:
+    return launch("order", 2, 4)
+
+
+@pytest.mark.multiprocess
+def test_every_call_is_checked_and_calls_in_order_pass(run_order):
+    run_order.case_ok("order_ok")
+
+
+@pytest.mark.multiprocess
+def test_agreed_plans_called_in_different_orders_raise_on_both_naming_both(run_order):
+    for pid, (rc, out) in enumerate(zip(run_order.returncodes, run_order.outputs, strict=True)):
+        assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"
+        assert "is not the same call everywhere" in out, out[-3000:]
+        assert "the plan of 1 leaves ['a']" in out and "the plan of 1 leaves ['b']" in out, out
+        seconds = float(re.search(r"ORDER raised after ([\d.]+) s", out).group(1))
+        assert seconds < 10, seconds
+
+
+@pytest.mark.multiprocess
+def test_a_peer_lost_between_refits_is_named_within_the_timeout():
+    lost = launch(
+        "lost", 2, 4, env={"JAXRESHARD_AGREEMENT_TIMEOUT_S": "4", "WORKER_FAST_FAILURE": "1"}
+    )
+    assert lost.returncodes[1] == 17, lost.outputs[1][-2000:]
+    out = lost.outputs[0]
+    assert lost.returncodes[0] != 0 and "jaxreshard.errors.ReshardError" in out, out[-3000:]
+    assert "for process 1 to make call" in out and "is lost" in out, out[-3000:]
+    seconds = float(re.search(r"LOST raised after ([\d.]+) s", out).group(1))
+    assert 3.5 < seconds < 15, seconds
+
+
+@pytest.mark.multiprocess
+def test_a_peer_lost_inside_a_transfer_stops_the_survivor_at_the_heartbeat_timeout():
+    """A peer that dies while refits are in flight leaves the survivor inside a collective;
+    jax.distributed's heartbeat (here heartbeat_timeout_seconds=5) aborts it: it never hangs."""
+    start = time.monotonic()
+    lost = launch("lost_in_transfer", 2, 4, env={"WORKER_FAST_FAILURE": "1"})
+    took = time.monotonic() - start
+    assert lost.returncodes[1] == 17, lost.outputs[1][-2000:]
+    assert lost.returncodes[0] != 0, lost.outputs[0][-3000:]
+    assert "heartbeat" in lost.outputs[0].lower(), lost.outputs[0][-3000:]
+    assert took < 60, took
 
 
 EXAMPLE_ARGS = ["--local", "2", "--devices", "2", "--steps", "2", "--width", "64"]

@@ -177,10 +177,17 @@ class Crossing:
         self._views: dict[Any, views.View] = {}
 
     def sources(self, src: Sequence[Any]) -> list[Any]:
-        """What the runtime reads: key data, and sources copied into device memory."""
+        """What the runtime reads: key data, sources copied into device memory, and every
+        array in exactly the planned sharding object. (An equivalent sharding spelled
+        otherwise, ``P("a", None)`` for ``P("a")``, would make ``jax.jit`` compile the
+        programs again: such arrays are re-wrapped, zero-copy.)"""
+        out = list(src) if self.plain else [_unwrap(x) for x in src]
+        for i, (x, b) in enumerate(zip(out, self.boundaries, strict=True)):
+            if isinstance(x, jax.Array) and x.sharding is not b.src and not b.stages_in:
+                if x.sharding != b.src:
+                    out[i] = self._view(x, b.src)
         if self.plain:
-            return list(src)
-        out = [_unwrap(x) for x in src]
+            return out
         staged = [i for i, b in enumerate(self.boundaries) if b.stages_in]
         shardings = [self.boundaries[i].src for i in staged]
         moved = self._copies.copy([out[i] for i in staged], shardings)
@@ -204,6 +211,19 @@ class Crossing:
                 x = self._view(x, b.dst)
             out.append(x)
         return out
+
+    def inner(self, out: Sequence[jax.Array]) -> list[jax.Array]:
+        """The runtime's view of results (`results` undone): key data, in device memory."""
+        if self.plain:
+            return list(out)
+        inner = [_unwrap(x) for x in out]
+        staged = [i for i, b in enumerate(self.boundaries) if b.stages_out]
+        moved = self._copies.copy(
+            [inner[i] for i in staged], [self.boundaries[i].dst for i in staged]
+        )
+        for i, x in zip(staged, moved, strict=True):
+            inner[i] = x
+        return inner
 
     def results(self, out: Sequence[jax.Array]) -> list[jax.Array]:
         """The caller's arrays: copied into their memory, in their sharding, keys wrapped."""

@@ -33,7 +33,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxreshard.errors import ReshardError
@@ -157,6 +157,7 @@ def agreement_timeout_s() -> float:
 class _State:
     agreed: set[str] = dataclasses.field(default_factory=set)
     rounds: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -347,6 +348,106 @@ class _Agreement:
             "tier="
         )
         return ReshardError("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------ call order
+
+_ORDER_PREFIX = "jaxreshard/order"
+_ORDER_POLL_S = 1.0  # the wait for a peer's call is cut into polls of this length
+_ORDER_BLOCK = 64  # calls per directory of keys (deleted together)
+
+
+def order_check_enabled() -> bool:
+    """Whether every call checks the call order (``JAXRESHARD_ORDER_CHECK=0`` turns it off)."""
+    return os.environ.get("JAXRESHARD_ORDER_CHECK", "1") != "0"
+
+
+def check_order(
+    plan: PlanIdentity, label: str, *, timeout_s: float | None = None, client: Any = None
+) -> None:
+    """Before every call of a plan: confirm that every involved process is making the same
+    call, the n-th call over the same group of processes being of the same plan everywhere.
+
+    Each involved process publishes ``(fingerprint, label)`` of its n-th call under the key
+    ``{_ORDER_PREFIX}/{group}/{n}/{process}`` of the ``jax.distributed`` key-value store and
+    reads its peers' (one write and one blocking read per peer: a few hundred microseconds on a
+    local coordinator). Plans called in different orders raise `ReshardError` on every
+    involved process as soon as both have published, naming both plans; a peer that does not
+    publish within ``timeout_s`` (default `agreement_timeout_s`) raises, naming the process.
+    No array data moves and no collective runs, so a refused call leaves everything intact.
+    """
+    import jax
+    from jax._src import distributed
+
+    if jax.process_count() == 1:
+        return
+    client = client if client is not None else distributed.global_state.client
+    if client is None:
+        return
+    me = jax.process_index()
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    group = involved_processes(plan.leaves, process_of)
+    if me not in group or len(group) == 1:
+        return
+    group_key = digest(group)[:16]
+    with _STATE.lock:
+        n = _STATE.calls[group_key]
+        _STATE.calls[group_key] = n + 1
+    # Keys in blocks of _ORDER_BLOCK calls, so that old ones go with one delete per block.
+    base = f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}"
+    mine = {"fp": plan.fingerprint[:16], "plan": label}
+    client.key_value_set(f"{base}/{n}/{me}", json.dumps(mine))
+    timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    for q in group:
+        if q == me:
+            continue
+        theirs = _wait_for(client, f"{base}/{n}/{q}", deadline)
+        if theirs is None:
+            raise ReshardError(
+                f"jaxreshard: process {me} waited {timeout_s:.0f} s for process {q} to make "
+                f"call #{n + 1} over processes {list(group)} ({label}); process {q} is lost, "
+                "stuck, or calling fewer plans than this one. No data was moved.\nHow to fix: "
+                "call the same plans in the same order on every involved process; if processes "
+                "are only slow to arrive, raise JAXRESHARD_AGREEMENT_TIMEOUT_S. A process that "
+                "died is also detected by jax.distributed's heartbeat (see the README's "
+                "'A lost process')"
+            )
+        theirs = json.loads(theirs)
+        if theirs["fp"] != mine["fp"]:
+            raise ReshardError(
+                f"jaxreshard: call #{n + 1} over processes {list(group)} is not the same call "
+                f"everywhere: process {me} (this one) calls {label} [{mine['fp'][:8]}], "
+                f"process {q} calls {theirs['plan']} [{theirs['fp'][:8]}]. No data was "
+                "moved.\nHow to fix: every involved process must call its plans in the same "
+                "order (the order of jr.reshard / plan calls and plan.start)"
+            )
+    block = n // _ORDER_BLOCK
+    if n % _ORDER_BLOCK == 0 and block >= 2:
+        # Every peer has published call n - 1, so it has read every key up to n - 2: the
+        # block before the previous one is no longer read by anyone.
+        _ignore_missing(client.key_value_delete, f"{_ORDER_PREFIX}/{group_key}/{block - 2}")
+
+
+def _ignore_missing(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # a peer deleted it first
+        if "NOT_FOUND" not in str(e).upper():
+            raise
+
+
+def _wait_for(client: Any, key: str, deadline: float) -> str | None:
+    """The value of ``key`` once a peer has set it; None when ``deadline`` passes first."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            return client.blocking_key_value_get(key, int(1000 * min(left, _ORDER_POLL_S)))
+        except Exception as e:  # DEADLINE_EXCEEDED: poll again until the deadline
+            if "DEADLINE" not in str(e).upper() and "TIMEOUT" not in str(e).upper():
+                raise
 
 
 def wait_local_processes(procs: Sequence[Any], timeout_s: float) -> None:

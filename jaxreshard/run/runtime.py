@@ -131,14 +131,20 @@ class Runtime:
     def run(
         self,
         src: Sequence[jax.Array | jax.ShapeDtypeStruct],
-        donate: Sequence[jax.Array] | None = None,
+        donate: Sequence[jax.Array | None] | None = None,
         profile: dict[str, float] | None = None,
+        before_collectives: Callable[[], None] | None = None,
     ) -> list[jax.Array]:
         """Move ``src`` (one array per leaf) into the destination layout.
 
         With ``donate`` (a previous result), its buffers receive the data and are consumed.
         The source arrays are only read. With ``profile`` (a dict), every phase is awaited and
         its wall time added under its name: a profile, not the fast path.
+
+        ``before_collectives`` runs once, after the first step's packs are dispatched and
+        before the first program that involves another device's data (so a check through the
+        host, such as the multi-process order check, overlaps the first packs). If it raises,
+        nothing but staging buffers has been written and the call stops there.
         """
         with self._lock:
             if self._steps is None:
@@ -148,8 +154,11 @@ class Runtime:
             dst = _Destinations(self, donate)
             srcs = _Sources(self, src)
             previous: list[jax.Array] = []
+            hook = [before_collectives] if before_collectives is not None else []
             for step in self._steps:
-                previous = self._run_step(step, srcs, dst, clock, previous)
+                previous = self._run_step(step, srcs, dst, clock, previous, hook)
+            if hook:
+                hook.pop()()
             return dst.finish()
 
     def _run_step(
@@ -159,8 +168,10 @@ class Runtime:
         dst: _Destinations,
         clock: _Clock,
         previous: list[jax.Array],
+        hook: list[Callable[[], None]],
     ) -> list[jax.Array]:
-        """Dispatch one step; returns what it wrote (for the next step's host sync)."""
+        """Dispatch one step; returns what it wrote (for the next step's host sync). Runs and
+        drops the pending ``hook`` before the step's transfer and unpacks."""
         if self.host_syncs and previous and step.transfer is not None:
             jax.block_until_ready(previous)  # see `waits_between_steps`
         if step.fresh and not dst.donated_all:
@@ -173,6 +184,8 @@ class Runtime:
             outs = call.fn(*call.table, *call.operands(src, dst), *call.staging(staging))
             call.collect(outs, sent)
         clock.mark("pack", list(sent.values()))
+        if hook:
+            hook.pop()()
         received: dict[tuple[int, int], jax.Array] = {}
         if step.transfer is not None:
             received = step.transfer.run(sent, staging)

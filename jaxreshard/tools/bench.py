@@ -1256,12 +1256,22 @@ class _Bench:
                 row["memcpy_bytes"] = ref.nbytes
             stages.append(row)
         self.step(f"stage profile {s.name}")
+        # Integrity on demand: plan.verify of the last result (first use compiles, untimed).
+        src = self.fresh_source(s)
+        out = _ready(s.plan(src, donate=s.prev))
+        s.prev = out
+        s.plan.verify(src, out)
+        verify_s = _median_time(lambda: s.plan.verify(src, out), self.args.profile_reps)
+        times = self.results[s.name].times_s if s.name in self.results else []
+        refit_s = statistics.median(times) if times else None
         return {
             "strategy": s.name,
             "reps": self.args.profile_reps,
             "phases_s": phases,
             "stages": stages,
             "sum_s": sum(phases.values()),
+            "verify_s": verify_s,
+            "verify_over_refit": verify_s / refit_s if refit_s else None,
         }
 
     def plan_arithmetic(self, s: JaxReshard) -> dict[str, Any]:
@@ -1927,7 +1937,7 @@ def _format_stages(st: dict[str, Any]) -> list[str]:
             ]
         )
     rows.append(["sum", _ms(st["sum_s"]), "", "", "", "", "", "phases awaited one by one"])
-    return [
+    lines = [
         f"   stage profile of {st['strategy']} (Plan.profile, median of {st['reps']}) vs a "
         "memcpy of each stage's bytes",
         *table(
@@ -1936,6 +1946,14 @@ def _format_stages(st: dict[str, Any]) -> list[str]:
             "lrrrrrrl",
         ),
     ]
+    if st.get("verify_s") is not None:
+        ratio = st.get("verify_over_refit")
+        lines.append(
+            f"   plan.verify (checksums of source and result on device, median of {st['reps']}): "
+            f"{_ms(st['verify_s']).strip()} ms"
+            + ("" if ratio is None else f" = {ratio:.2f}x the refit's median")
+        )
+    return lines
 
 
 def _format_plans(plans: Sequence[dict[str, Any]]) -> list[str]:
@@ -2129,6 +2147,13 @@ def targets(records: Sequence[dict[str, Any]], platform_name: str = "cpu") -> li
         ratio("many_leaves", "jaxreshard_8_leaves"),
         1.2,
     )
+    for name in family or ["disjoint"]:
+        st = next(iter(timing.get(name, {}).get("stage_profile", [])), None)
+        add(
+            f"verify ({name}): plan.verify <= 0.1x the refit",
+            st.get("verify_over_refit") if st else None,
+            0.1,
+        )
     asy = next((r for r in records if r.get("kind") == "async"), None)
     add(
         "async refit: exposed time (start + wait in result) <= 0.2x the synchronous refit, "

@@ -166,6 +166,7 @@ def _combine(per_process: list[dict[str, Any]], args: argparse.Namespace) -> dic
         "ratio_of_medians_over_broadcast": of_medians,
         "output": {n: "fresh" if n == BASELINE else "donated" for n in names},
         "first_call_s": {n: max(p["first_call_s"][n] for p in per_process) for n in names},
+        "order_check_s": max(p["order_check_s"] for p in per_process),
         "bytes": first["bytes"],
         "plans": first["plans"],
         # Per process and call: peak resident memory during the call beyond that just before.
@@ -209,6 +210,17 @@ def _format(r: dict[str, Any]) -> str:
         lines.append(
             f"  plan {n}: {p['rounds']} rounds in {p['buckets']} bucket(s), chunk "
             f"{_b(p['chunk_bytes'])}, staging {_b(p['staging_bytes'])} per device"
+        )
+    checked = [n for n in r["time_s"] if n.endswith("[no order check]")]
+    if checked:
+        with_check = checked[0].removesuffix("[no order check]")
+        a = r["time_s"][with_check]["median"]
+        b = r["time_s"][checked[0]]["median"]
+        lines.append(
+            f"  order check (every call under jax.distributed): {1e3 * r['order_check_s']:.2f} "
+            f"ms per call alone (50 in a row, slowest process) = "
+            f"{r['order_check_s'] / a:.1%} of the {with_check} refit; medians with / without "
+            f"it {a:.3f} / {b:.3f} s"
         )
     return "\n".join(lines)
 
@@ -309,8 +321,22 @@ def _worker(args: argparse.Namespace) -> None:
             for shard in out[m].addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), values(i, shard.index))
 
+    def without_order_check(plan: jr.Plan) -> Callable[[Any], Any]:
+        run = jaxreshard_with(plan)
+
+        def unchecked(previous: Any) -> Any:  # every process turns it off for this call
+            os.environ["JAXRESHARD_ORDER_CHECK"] = "0"
+            try:
+                return run(previous)
+            finally:
+                os.environ.pop("JAXRESHARD_ORDER_CHECK")
+
+        return unchecked
+
+    main_plan = next(iter(plans.values()))
     strategies: dict[str, Callable[[Any], Any]] = {
         **{name: jaxreshard_with(plan) for name, plan in plans.items()},
+        f"{next(iter(plans))}[no order check]": without_order_check(main_plan),
         BASELINE: run_broadcast,
     }
     barriers = iter(range(1 << 30))
@@ -353,6 +379,14 @@ def _worker(args: argparse.Namespace) -> None:
             rss_peak[name].append(max(0, _hwm() - rss_before[name][-1]))
     for name in strategies:
         check(results[name])
+    # The order check alone (what every call adds under jax.distributed): 50 checks in a row.
+    from jaxreshard.run.multihost import check_order
+
+    barrier()
+    start = time.perf_counter()
+    for _ in range(50):
+        check_order(main_plan.identity, "bench")
+    order_check_s = (time.perf_counter() - start) / 50
     tree_bytes = int(np.prod(shape)) * 4 * len(names)
     devices = n * k
     report = {
@@ -362,6 +396,7 @@ def _worker(args: argparse.Namespace) -> None:
         "sampler": f"tp{k} on process 1",
         "times": times,
         "first_call_s": first_call,
+        "order_check_s": order_check_s,
         "rss_peak": rss_peak,
         "rss_before": rss_before,
         "plans": {

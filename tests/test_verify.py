@@ -1,0 +1,120 @@
+"""Integrity on demand: ``plan(src, verify=True)`` / ``plan.verify(src, out)``.
+
+Specification: an exact result passes for every dtype, cast and layout; a result with one
+changed word, or with two rows swapped, is refused, naming the leaf and the device; the check
+reads the source and the result on device (nothing but the sums reaches the host).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from arrays import random_array, sharding
+
+import jaxreshard as jr
+from jaxreshard.run import views
+from jaxreshard.run.verify import box_checksum
+
+SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
+DST = (tuple(range(4, 8)), (2, 2), ("dp", "tp"))
+
+
+def tree():
+    host = {
+        "w": random_array((16, 8), "float32", 1),
+        "h": random_array((8, 4, 2), "bfloat16", 2),
+        "i": random_array((12,), "int8", 3),
+        "b": random_array((4, 4), "bool", 4),
+        "x": random_array((8, 8), "uint16", 5),
+    }
+    src = {
+        "w": jax.device_put(host["w"], sharding(*SRC, "fsdp", "tp")),
+        "h": jax.device_put(host["h"], sharding(*SRC, "tp")),
+        "i": jax.device_put(host["i"], sharding(*SRC, ("fsdp", "tp"))),
+        "b": jax.device_put(host["b"], sharding(*SRC)),
+        "x": jax.device_put(host["x"], sharding(*SRC, None, "fsdp")),
+    }
+    dst = {
+        "w": sharding(*DST, None, "tp"),
+        "h": sharding(*DST, "dp", None, "tp"),
+        "i": sharding(*DST),
+        "b": sharding(*DST, "tp"),
+        "x": sharding(*DST, ("dp", "tp")),
+    }
+    src["k"] = jax.device_put(jax.random.split(jax.random.key(3), 8), sharding(*SRC, "fsdp"))
+    dst["k"] = sharding(*DST, "tp")
+    return host, src, dst
+
+
+def with_shard(x: jax.Array, device: int, change) -> jax.Array:
+    """``x`` with the buffer on ``device`` replaced by ``change(its NumPy copy)``."""
+    bufs = views.by_device(x)
+    host = change(np.asarray(bufs[device]).copy())
+    bufs[device] = jax.device_put(host, bufs[device].sharding)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, views.ordered(bufs, x.sharding)
+    )
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_an_exact_result_passes_for_every_dtype_cast_and_layout(dtype):
+    _, src, dst = tree()
+    plan = jr.plan(src, dst, dtype=dtype)
+    out = plan(src, verify=True)
+    out = plan(src, donate=out, verify=True)
+    plan.verify(src, out)
+
+
+def test_one_changed_word_is_found_naming_the_leaf_and_the_device():
+    _, src, dst = tree()
+    plan = jr.plan(src, dst, dtype=jnp.bfloat16)
+    out = plan(src)
+
+    def flip(a):
+        a.view(np.uint16).reshape(-1)[3] ^= 1
+        return a
+
+    bad = dict(out, w=with_shard(out["w"], 6, flip))
+    with pytest.raises(jr.ReshardError, match=r"\['w'\]: device 6: the shard .* differs"):
+        plan.verify(src, bad)
+
+
+def test_data_in_the_wrong_place_is_found():
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    bad = dict(out, x=with_shard(out["x"], 5, lambda a: a[::-1].copy()))  # same words, moved
+    with pytest.raises(jr.ReshardError, match=r"\['x'\]: device 5"):
+        plan.verify(src, bad)
+
+
+def test_the_checksum_of_a_box_is_the_sum_of_its_parts():
+    """The property the check rests on: position weights make the sum additive."""
+    x = jnp.asarray(random_array((6, 10), "float32", 9))
+    whole = box_checksum(x, (0, 0), x.shape)
+    top = box_checksum(x[:2], (0, 0), x.shape)
+    bottom_left = box_checksum(x[2:, :4], (2, 0), x.shape)
+    bottom_right = box_checksum(x[2:, 4:], (2, 4), x.shape)
+    assert int(whole) == (int(top) + int(bottom_left) + int(bottom_right)) % 2**32
+    swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])
+    if not np.array_equal(np.asarray(x[0, 0]).view(np.uint32), np.asarray(x[0, 1]).view(np.uint32)):
+        assert int(box_checksum(swapped, (0, 0), x.shape)) != int(whole)
+
+
+def test_verify_reads_no_array_to_the_host():
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    plan.verify(src, out)  # compiles
+    with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard("disallow"):
+        plan.verify(src, out)  # only the sums come back (allowed explicitly inside)
+
+
+def test_host_memory_destinations_and_single_device_results_verify():
+    _, src, dst = tree()
+    dst = dict(dst, w=dst["w"].with_memory_kind("pinned_host"))
+    dst["i"] = jax.sharding.SingleDeviceSharding(jax.devices()[5])
+    plan = jr.plan(src, dst)
+    plan(src, verify=True)
