@@ -13,6 +13,7 @@ buffers: no full replica, no all-gather, no host round trip.
 
 from jaxreshard.api import (
     Plan,
+    QuantizedPlan,
     Refit,
     cached_plan,
     clear_cache,
@@ -24,11 +25,15 @@ from jaxreshard.errors import ReshardError, ReshardTypeError
 from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.schedule import PlanStats
 from jaxreshard.planning.topology import Topology
+from jaxreshard.quant import Fp8Blockwise, QuantizedArray
 
 __all__ = [
+    "Fp8Blockwise",
     "Layout",
     "Plan",
     "PlanStats",
+    "QuantizedArray",
+    "QuantizedPlan",
     "Refit",
     "ReshardError",
     "ReshardTypeError",

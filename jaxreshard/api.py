@@ -23,6 +23,7 @@ from jaxreshard.planning.lower import Lowered, lower, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, route
 from jaxreshard.planning.schedule import PlanStats, Schedule, build_plan_schedule, plan_stats
 from jaxreshard.planning.topology import Topology
+from jaxreshard.quant import Fp8Blockwise, QuantizedArray, Quantizer
 from jaxreshard.run import boundary
 from jaxreshard.run.boundary import Boundary, Crossing
 from jaxreshard.run.codec import wire_itemsize
@@ -569,7 +570,7 @@ def plan(
     topology: Topology | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     fallback: str | None = None,
-) -> Plan:
+) -> Plan | QuantizedPlan:
     """Plan moving ``src_tree`` into the layouts ``dst_shardings``.
 
     Args:
@@ -580,7 +581,10 @@ def plan(
       bucket_bytes: largest per-device staging buffer, per direction. Defaults to
         `default_bucket_bytes` of the destination's backend.
       dtype: destination dtype: one dtype, or a tree (prefix) of dtypes with None meaning
-        "keep". The cast runs on the senders, so narrowing halves the bytes sent.
+        "keep". The cast runs on the senders, so narrowing halves the bytes sent. An entry
+        standing for a subtree casts its floating leaves only. An `Fp8Blockwise` entry
+        quantizes its floating leaves on the senders into a `QuantizedArray` (fp8 values and
+        per-block float32 scales; `jaxreshard.quant`): the plan is then a `QuantizedPlan`.
       topology: optional `Topology` (fast domains, bandwidths) of the devices. With it,
         senders in the receiver's domain are preferred, cross-domain sends are balanced, bytes
         needed by several devices of a domain cross into it once and are relayed inside it
@@ -625,6 +629,17 @@ def plan(
     paths = [keystr(p) for p, _ in flat]
     dsts = _broadcast(dst_shardings, src_tree, "dst_shardings", lambda x: isinstance(x, Sharding))
     dtypes, named = _dtype_entries(dtype, src_tree)
+    if any(isinstance(d, Fp8Blockwise) for d in dtypes):
+        return _plan_quantized(
+            src_tree,
+            dsts,
+            dtypes,
+            named,
+            bucket_bytes=bucket_bytes,
+            topology=topology,
+            compiler_options=compiler_options,
+            fallback=fallback,
+        )
     problems, avals, leaves, boundaries, moved, fallen = [], [], [], [], [], []
     for i, ((path, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
         try:
@@ -688,6 +703,152 @@ def plan(
         moved,
         fallen,
     )
+
+
+# ------------------------------------------------------------------------------ FP8 plans
+
+
+class QuantizedPlan:
+    """A plan with `Fp8Blockwise` leaves (made by `plan`): quantize on the senders, then one
+    inner `Plan` moves every leaf, fp8 values and float32 scales included.
+
+    Calling it returns the destination tree with a `QuantizedArray` at each fp8 leaf; donate=
+    takes such a result. ``stats`` (values and scales both counted), ``describe()``,
+    ``lowered`` and the rest are the inner plan's (`inner`).
+    """
+
+    def __init__(
+        self,
+        inner: Plan,
+        treedef: Any,
+        paths: Sequence[str],
+        quantized: Sequence[int],
+        formats: Sequence[Fp8Blockwise],
+        avals: Sequence[tuple[tuple[int, ...], Any, Sharding]],
+        quantizer: Quantizer,
+    ) -> None:
+        self.inner = inner
+        self.treedef = treedef
+        self.paths = tuple(paths)
+        self.quantized = tuple(quantized)
+        self.formats = tuple(formats)
+        self._avals = tuple(avals)
+        self._quantizer = quantizer
+
+    def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
+        """Quantize the fp8 leaves on their devices and move the tree (see `Plan.__call__`)."""
+        return self.inner(self._quantize(src_tree), donate=donate, verify=verify)
+
+    def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
+        """`Plan.start` with the fp8 leaves quantized first (dispatched, not awaited)."""
+        return self.inner.start(self._quantize(src_tree), donate=donate)
+
+    def verify(self, src_tree: Any, out_tree: Any) -> None:
+        """`Plan.verify` of the values and scales against the senders' quantization (the
+        quantize program runs again: it is deterministic)."""
+        self.inner.verify(self._quantize(src_tree), out_tree)
+
+    def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
+        """`Plan.profile` of the move (the quantize program is not in the phases)."""
+        return self.inner.profile(self._quantize(src_tree), donate=donate)
+
+    def _quantize(self, src_tree: Any) -> Any:
+        """The inner plan's source: the tree with each fp8 leaf as its quantized pair."""
+        flat, treedef = jax.tree_util.tree_flatten(src_tree)
+        if treedef != self.treedef:
+            raise _structure_error("the source tree", src_tree, self.paths)
+        problems = []
+        for i, (shape, dtype, sharding) in zip(self.quantized, self._avals, strict=True):
+            problem = _array_problem(flat[i], shape, dtype, sharding)
+            if problem:
+                problems.append((self.paths[i], problem))
+        if problems:
+            raise leaf_error(
+                "these source leaves do not match the plan",
+                problems,
+                "call the plan with arrays of the planned shape, dtype and sharding",
+            )
+        pairs = self._quantizer([flat[i] for i in self.quantized])
+        inner = list(flat)
+        for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):
+            inner[i] = QuantizedArray(values, scales, fmt)
+        return jax.tree_util.tree_unflatten(self.treedef, inner)
+
+    def describe(self) -> str:
+        """The inner plan's summary, and the fp8 leaves' values and scales."""
+        lines = [self.inner.describe(), f"  {len(self.quantized)} fp8 leaf (leaves):"]
+        for i, fmt in zip(self.quantized[:20], self.formats, strict=False):
+            shape = self._avals[self.quantized.index(i)][0]
+            lines.append(
+                f"    {self.paths[i]}: {fmt.fmt.name}{list(shape)} values + float32"
+                f"{list(fmt.scale_shape(shape))} scales (block {fmt.block})"
+            )
+        return "\n".join(lines)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"QuantizedPlan({len(self.quantized)} fp8 leaves, inner={self.inner!r})"
+
+
+def _plan_quantized(
+    src_tree: Any, dsts: Sequence[Any], dtypes: Sequence[Any], named: Sequence[bool], **options: Any
+) -> QuantizedPlan:
+    """`plan` for a tree with `Fp8Blockwise` entries: checks the fp8 leaves, builds the
+    senders' quantize program and the inner plan over values, scales and the other leaves."""
+    from jaxreshard import quant
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
+    paths = [keystr(p) for p, _ in flat]
+    problems, quantized, formats, avals = [], [], [], []
+    inner_src, inner_dst, inner_dtype = [], [], []
+    src_scales, shapes = [], []
+    for i, ((_, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
+        if not isinstance(want, Fp8Blockwise):
+            inner_src.append(x)
+            inner_dst.append(dst)
+            floating = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(
+                x.dtype, jnp.floating
+            )
+            inner_dtype.append(want if want is None or own or floating else None)
+            continue
+        if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or not jnp.issubdtype(
+            x.dtype, jnp.floating
+        ):
+            problems.append((paths[i], "is not a floating jax.Array (only those quantize)"))
+            continue
+        if not isinstance(dst, NamedSharding) or not isinstance(x.sharding, NamedSharding):
+            problems.append((paths[i], "an fp8 leaf needs NamedSharding source and destination"))
+            continue
+        shape = tuple(x.shape)
+        why = quant.check_leaf(paths[i], shape, want, dst)
+        if why:
+            problems.append((paths[i], why))
+            continue
+        grid = want.scale_shape(shape)
+        s_src = quant.scale_sharding(x.sharding, shape, want)
+        s_dst = quant.scale_sharding(dst, shape, want)
+        values = jax.ShapeDtypeStruct(shape, want.fmt, sharding=x.sharding)
+        scales = jax.ShapeDtypeStruct(grid, jnp.float32, sharding=s_src)
+        inner_src.append(QuantizedArray(values, scales, want))
+        inner_dst.append(QuantizedArray(dst, s_dst, want))
+        inner_dtype.append(QuantizedArray(None, None, want))
+        quantized.append(i)
+        formats.append(want)
+        avals.append((shape, x.dtype, x.sharding))
+        src_scales.append(s_src)
+        shapes.append(shape)
+    if problems:
+        raise quant.refuse(problems)
+    inner = plan(
+        jax.tree_util.tree_unflatten(treedef, inner_src),
+        jax.tree_util.tree_unflatten(treedef, inner_dst),
+        dtype=jax.tree_util.tree_unflatten(treedef, inner_dtype),
+        **options,
+    )
+    quantizer = Quantizer(formats, shapes, [a[2] for a in avals], src_scales)
+    return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
 
 
 # ---------------------------------------------------------------------------- plan cache
@@ -800,7 +961,9 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
             dst_def,
             tuple(_sharding_key(d) for d in dst_leaves),
             dt_def,
-            tuple(None if d is None else jnp.dtype(d) for d in dt_leaves),
+            tuple(
+                d if d is None or isinstance(d, Fp8Blockwise) else jnp.dtype(d) for d in dt_leaves
+            ),
             bucket_bytes,
             topology,
         )
@@ -1048,8 +1211,9 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _is_dtype_like(x: Any) -> bool:
-    """A dtype leaf of a ``dtype=`` tree: a dtype, a scalar type such as jnp.bfloat16, a name."""
-    return isinstance(x, (str, np.dtype, type))
+    """A dtype leaf of a ``dtype=`` tree: a dtype, a scalar type such as jnp.bfloat16, a name,
+    or an `Fp8Blockwise` format."""
+    return isinstance(x, (str, np.dtype, type, Fp8Blockwise))
 
 
 def _broadcast(prefix: Any, full: Any, name: str, is_leaf: Callable[[Any], bool]) -> list[Any]:

@@ -1,0 +1,205 @@
+"""FP8 refit (`jr.Fp8Blockwise`): quantized on the senders, scales laid out for the sampler.
+
+The oracle is a NumPy quantizer written here from the format's definition (ml_dtypes' fp8
+types, round to nearest even): values and scales must equal it bit for bit on every layout,
+and the dequantized result lies within the format's rounding of each block's amax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from arrays import sharding
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxreshard as jr
+
+SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
+DST = (tuple(range(4, 8)), (4,), ("tp",))
+FMTS = {
+    jnp.dtype(jnp.float8_e4m3fn): (ml_dtypes.float8_e4m3fn, 448.0),
+    jnp.dtype(jnp.float8_e5m2): (ml_dtypes.float8_e5m2, 57344.0),
+}
+
+
+def reference(x: np.ndarray, block, fmt) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy quantizer: per block scale = amax * f32(1 / max) (1 for a zero block), values =
+    clip(x * (1 / scale)) rounded to fp8, in float32; ``block`` covers the trailing
+    dimensions."""
+    kind, fmax = FMTS[jnp.dtype(fmt)]
+    x = x.astype(np.float32)
+    if block is None:
+        amax = np.abs(x).max()
+        scale = np.float32(amax * np.float32(1 / fmax)) if amax > 0 else np.float32(1)
+        inverse = np.float32(1) / scale
+        return np.clip(x * inverse, -fmax, fmax).astype(kind), np.asarray(scale, np.float32)
+    blocks = (1,) * (x.ndim - len(block)) + tuple(block)
+    grid = tuple(n // b for n, b in zip(x.shape, blocks, strict=True))
+    split = [d for pair in zip(grid, blocks, strict=True) for d in pair]
+    xb = x.reshape(split)
+    inner = tuple(range(1, 2 * x.ndim, 2))
+    amax = np.abs(xb).max(axis=inner, keepdims=True)
+    scale = np.where(amax > 0, amax * np.float32(1 / fmax), np.float32(1)).astype(np.float32)
+    inverse = (np.float32(1) / scale).astype(np.float32)
+    values = np.clip(xb * inverse, -fmax, fmax).astype(kind).reshape(x.shape)
+    return values, scale.reshape(grid)
+
+
+def weights(shape, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 10)
+    x.reshape(-1)[::97] *= 30  # outliers, so blocks get different scales
+    return x
+
+
+def assert_matches_reference(q: jr.QuantizedArray, host: np.ndarray, block, fmt, dst) -> None:
+    values, scales = reference(host, block, fmt)
+    assert q.values.dtype == jnp.dtype(fmt) and q.values.sharding.is_equivalent_to(dst, host.ndim)
+    assert np.asarray(q.values).view(np.uint8).tobytes() == values.view(np.uint8).tobytes()
+    assert np.asarray(q.scales).tobytes() == scales.tobytes()
+    # within the format's rounding of each block's amax (3 mantissa bits: 1/16)
+    err = np.abs(np.asarray(q.dequantize()) - host)
+    bound = np.asarray(scales, np.float32) * FMTS[jnp.dtype(fmt)][1] / 16
+    if block is not None:
+        blocks = (1,) * (host.ndim - len(block)) + tuple(block)
+        for d, b in enumerate(blocks):
+            bound = np.repeat(bound, b, axis=d)
+    assert (err <= bound * (1 + 1e-6)).all()
+
+
+def test_deepseek_blocks_bit_for_bit_with_scales_on_each_values_device():
+    host = weights((512, 1024))
+    src = {"w": jax.device_put(host, sharding(*SRC, "fsdp", "tp"))}
+    dst = sharding(*DST, None, "tp")
+    plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise(block=(128, 128)))
+    out = plan(src)
+    q = out["w"]
+    assert isinstance(q, jr.QuantizedArray) and q.scales.shape == (4, 8)
+    assert_matches_reference(q, host, (128, 128), jnp.float8_e4m3fn, dst)
+    # each device holds the scales of its own values: columns 256 d .. 256 (d + 1) -> 2 d, 2 d + 1
+    for vs, ss in zip(q.values.addressable_shards, q.scales.addressable_shards, strict=True):
+        assert vs.device == ss.device
+        assert ss.index[1].start * 128 == vs.index[1].start
+    out = plan(src, donate=out)  # donation of a quantized result
+    assert_matches_reference(out["w"], host, (128, 128), jnp.float8_e4m3fn, dst)
+
+
+def test_bytes_sent_are_values_plus_scales_half_a_bf16_refit():
+    host = weights((1024, 1024))
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, None, "tp")
+    fp8 = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
+    bf16 = jr.plan(src, dst, dtype=jnp.bfloat16)
+    assert fp8.stats.bytes_sent == 1024 * 1024 + 4 * 8 * 8  # 1 B per value, 4 B per block
+    assert fp8.stats.bytes_sent <= 0.52 * bf16.stats.bytes_sent
+    assert fp8.stats.bytes_sent == fp8.stats.bytes_lower_bound
+    assert "float32[8, 8] scales" in fp8.describe()
+
+
+def test_blocks_straddling_source_shards_combine_their_partial_amax():
+    host = weights((384, 512), seed=3)  # 192 rows per fsdp shard: block rows 128-256 straddle
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, None, "tp")
+    plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
+    assert_matches_reference(plan(src), host, (128, 128), jnp.float8_e4m3fn, dst)
+
+
+@pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_per_tensor_scaling_and_both_formats(fmt):
+    host = weights((64, 96), seed=4)
+    src = jax.device_put(host, sharding(*SRC, "fsdp"))
+    dst = sharding(*DST, "tp")
+    out = jr.plan(src, dst, dtype=jr.Fp8Blockwise(block=None, fmt=fmt))(src)
+    assert out.scales.shape == ()
+    values, scale = reference(host, None, fmt)
+    assert np.asarray(out.values).view(np.uint8).tobytes() == values.view(np.uint8).tobytes()
+    assert np.asarray(out.scales).tobytes() == scale.tobytes()
+
+
+def test_expert_weights_are_blocked_per_expert_next_to_plain_leaves():
+    experts = weights((4, 256, 256), seed=5)
+    src = {
+        "experts": jax.device_put(experts, sharding(*SRC, "fsdp", None, "tp")),
+        "norm": jax.device_put(np.ones(256, np.float32), sharding(*SRC)),
+        "step": jax.device_put(np.int32(1001), sharding(*SRC)),
+    }
+    dst = {
+        "experts": sharding(*DST, "tp"),
+        "norm": sharding(*DST),
+        "step": sharding(*DST),
+    }
+    dtype = {"experts": jr.Fp8Blockwise(), "norm": jnp.bfloat16, "step": None}
+    out = jr.plan(src, dst, dtype=dtype)(src)
+    assert out["experts"].scales.shape == (4, 2, 2)
+    assert_matches_reference(out["experts"], experts, (128, 128), jnp.float8_e4m3fn, dst["experts"])
+    assert out["norm"].dtype == jnp.bfloat16 and int(out["step"]) == 1001
+
+
+def test_a_destination_that_cuts_blocks_is_refused_before_anything_moves():
+    host = weights((256, 256))
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    with pytest.raises(jr.ReshardError, match=r"destination shards cut blocks.*dimension 1"):
+        jr.plan(src, sharding(*DST, None, "tp"), dtype=jr.Fp8Blockwise())  # 64 columns each
+    with pytest.raises(jr.ReshardError, match="not multiples of the block"):
+        jr.plan(src, sharding(*DST), dtype=jr.Fp8Blockwise(block=(100, 100)))
+    ints = jax.device_put(np.zeros((128, 128), np.int32), sharding(*SRC))
+    with pytest.raises(jr.ReshardError, match="not a floating"):
+        jr.plan(ints, sharding(*DST), dtype=jr.Fp8Blockwise())
+    assert not src.is_deleted()
+
+
+def test_transfers_hold_collective_permutes_only_and_calls_compile_once():
+    host = weights((512, 512))
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    plan = jr.plan(src, sharding(*DST, None, "tp"), dtype=jr.Fp8Blockwise())
+    out = plan(src)
+    for text in plan.compiled_transfers():
+        assert "collective-permute" in text
+        assert not any(op in text for op in ("all-gather", "all-reduce", "all-to-all"))
+    from compiles import COMPILES
+
+    with COMPILES as again:
+        out = plan(src, donate=out)
+        jax.block_until_ready(out)
+    assert again.count == 0
+
+
+SPECS = {
+    "src": [("fsdp", "tp"), ("tp", "fsdp"), (None, "tp"), ("fsdp", None), (), (("fsdp", "tp"),)],
+    "dst": [(None, "tp"), ("tp", None), (), ("tp",)],
+}
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    src_spec=st.sampled_from(SPECS["src"]),
+    dst_spec=st.sampled_from(SPECS["dst"]),
+    rows=st.sampled_from([128, 256, 384]),
+    cols=st.sampled_from([128, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts_bit_for_bit(src_spec, dst_spec, rows, cols, seed):
+    host = weights((rows, cols), seed)
+    src = jax.device_put(host, sharding(*SRC, *src_spec))
+    dst = sharding(*DST, *dst_spec)
+    fmt = jr.Fp8Blockwise(block=(32, 32))
+    assert_matches_reference(jr.plan(src, dst, dtype=fmt)(src), host, (32, 32), fmt.fmt, dst)
+
+
+def test_start_verify_and_reshard_take_the_callers_tree():
+    host = weights((256, 512), seed=7)
+    src = {"w": jax.device_put(host, sharding(*SRC, "fsdp", "tp"))}
+    dst = sharding(*DST, None, "tp")
+    fmt = jr.Fp8Blockwise()
+    plan = jr.plan(src, dst, dtype=fmt)
+    spare = plan(src)
+    out = plan.start(src, donate=spare).result()
+    plan.verify(src, out)
+    assert_matches_reference(out["w"], host, (128, 128), fmt.fmt, dst)
+    again = jr.reshard(src, dst, dtype=fmt)
+    assert_matches_reference(again["w"], host, (128, 128), fmt.fmt, dst)
+    assert jr.cached_plan(src, dst, dtype=fmt) is jr.cached_plan(src, dst, dtype=fmt)
