@@ -803,7 +803,7 @@ def _plan_quantized(
     paths = [keystr(p) for p, _ in flat]
     problems, quantized, formats, avals = [], [], [], []
     inner_src, inner_dst, inner_dtype = [], [], []
-    src_scales, shapes = [], []
+    src_scales = []
     for i, ((_, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
         if not isinstance(want, Fp8Blockwise):
             inner_src.append(x)
@@ -822,7 +822,7 @@ def _plan_quantized(
             problems.append((paths[i], "an fp8 leaf needs NamedSharding source and destination"))
             continue
         shape = tuple(x.shape)
-        why = quant.check_leaf(paths[i], shape, want, dst)
+        why = quant.check_leaf(shape, want, dst)
         if why:
             problems.append((paths[i], why))
             continue
@@ -838,7 +838,6 @@ def _plan_quantized(
         formats.append(want)
         avals.append((shape, x.dtype, x.sharding))
         src_scales.append(s_src)
-        shapes.append(shape)
     if problems:
         raise quant.refuse(problems)
     inner = plan(
@@ -847,7 +846,7 @@ def _plan_quantized(
         dtype=jax.tree_util.tree_unflatten(treedef, inner_dtype),
         **options,
     )
-    quantizer = Quantizer(formats, shapes, [a[2] for a in avals], src_scales)
+    quantizer = Quantizer(formats, [a[2] for a in avals], src_scales)
     return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
 
 

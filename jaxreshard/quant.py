@@ -32,7 +32,6 @@ blocks is refused before anything moves.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,7 +154,7 @@ def dequantize(values: jax.Array, scales: jax.Array, fmt: Fp8Blockwise) -> jax.A
     return (values.astype(jnp.float32).reshape(split) * expanded).reshape(shape)
 
 
-def check_leaf(path: str, shape: Sequence[int], fmt: Fp8Blockwise, dst: Sharding) -> str | None:
+def check_leaf(shape: Sequence[int], fmt: Fp8Blockwise, dst: Sharding) -> str | None:
     """Why ``fmt`` cannot apply to a leaf of ``shape`` with destination ``dst`` (None: it can)."""
     if fmt.block is None:
         return None
@@ -213,21 +212,16 @@ class Quantizer:
     def __init__(
         self,
         formats: Sequence[Fp8Blockwise],
-        shapes: Sequence[tuple[int, ...]],
         src_shardings: Sequence[Sharding],
         scale_shardings: Sequence[Sharding],
     ) -> None:
         self.formats = tuple(formats)
-        values_out = tuple(
-            s.with_memory_kind(s.memory_kind) if isinstance(s, NamedSharding) else s
-            for s in src_shardings
-        )
+        values_out = tuple(src_shardings)  # the values stay in the source layout
 
         def run(*xs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
             return tuple(quantize(x, f) for x, f in zip(xs, self.formats, strict=True))
 
         self._fn = jax.jit(run, out_shardings=tuple(zip(values_out, scale_shardings, strict=True)))
-        self.shapes = tuple(shapes)
 
     def __call__(self, xs: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
         return list(self._fn(*xs)) if xs else []
@@ -241,8 +235,3 @@ def refuse(problems: list[tuple[str, str]]) -> ReshardError:
         "give those leaves a plain dtype (jnp.bfloat16, None), another block size, or a "
         "destination whose shards hold whole blocks",
     )
-
-
-def block_count(shape: Sequence[int], fmt: Fp8Blockwise) -> int:
-    """Number of scales of a leaf."""
-    return math.prod(fmt.scale_shape(shape))
