@@ -24,6 +24,7 @@ multi-controller job need not agree on which leaves take which path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -149,17 +150,17 @@ class Boundary:
     user_dst: Sharding
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def stages_in(self) -> bool:
         """The source is not in device memory: copied there first."""
         return not in_device_memory(self.user_src)
 
-    @property
+    @functools.cached_property
     def stages_out(self) -> bool:
         """The destination is not in device memory: filled there, then copied."""
         return not in_device_memory(self.user_dst)
 
-    @property
+    @functools.cached_property
     def rewraps(self) -> bool:
         """The result is re-wrapped into the caller's (non-named, or other-memory) sharding."""
         return self.stages_out or not isinstance(self.user_dst, NamedSharding)
