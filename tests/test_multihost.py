@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -27,6 +25,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from launch import run_local
 
 import jaxreshard as jr
 from jaxreshard.planning.layout import Layout
@@ -98,6 +97,7 @@ def test_fingerprint_does_not_depend_on_hash_seed_or_process():
         """
         import sys
         sys.path.insert(0, sys.argv[1])
+        sys.path.insert(0, sys.argv[1] + "/tests")  # the helpers the test module imports
         from tests.test_multihost import _fingerprint, _leaves
         print(_fingerprint(_leaves()))
         """
@@ -312,69 +312,27 @@ class Launch:
             assert f"CASE {name} OK" in out, f"process {pid}:\n{out[-4000:]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
     scenario: str, processes: int, devices: int, env: dict[str, str] | None = None
 ) -> Launch:
     """Run tests/multihost_worker.py as ``processes`` local jax.distributed processes (with
     ``env`` added to their environment)."""
-    extra = env or {}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        logs = [open(Path(tmp) / f"{i}.log", "w+") for i in range(processes)]
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(WORKER),
-                    scenario,
-                    str(i),
-                    str(processes),
-                    str(port),
-                    str(devices),
-                ],
-                stdout=logs[i],
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=ROOT,
-            )
-            for i in range(processes)
-        ]
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        first_failure = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-                first_failure = now
-            # A failed process leaves its peers waiting in collectives: stop them soon after.
-            if now > deadline or (first_failure is not None and now > first_failure + FAIL_GRACE_S):
-                break
-            time.sleep(0.1)
-        timed_out = any(p.poll() is None for p in procs)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append("".join(line for line in log if not line.startswith("[Gloo]")))
-            log.close()
-    if timed_out:
+    run = run_local(
+        WORKER,
+        scenario,
+        processes,
+        devices,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        grace_s=FAIL_GRACE_S,
+        env=env,
+    )
+    if run.killed:
         pytest.fail(
             f"{scenario}: processes still running (hung?) after {LAUNCH_TIMEOUT_S} s, or "
             f"{FAIL_GRACE_S} s after another one failed\n"
-            + "\n".join(f"--- process {i}\n{o[-3000:]}" for i, o in enumerate(outputs))
+            + "\n".join(f"--- process {i}\n{o[-3000:]}" for i, o in enumerate(run.outputs))
         )
-    return Launch([p.returncode for p in procs], outputs)
+    return Launch(run.returncodes, run.outputs)
 
 
 @pytest.fixture(scope="module")

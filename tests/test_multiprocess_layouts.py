@@ -16,17 +16,10 @@ when every process exits 0 within the timeout and reports each case.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
-
-from jaxreshard.run.multihost import wait_local_processes
+from launch import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_layouts_worker.py"
@@ -60,43 +53,15 @@ class Launch:
                 assert f"CASE {case} OK" in out, f"process {pid} did not report {case}\n{out}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(
     scenario: str, processes: int, devices: int, timeout_s: float = LAUNCH_TIMEOUT_S
 ) -> Launch:
     """Run the worker as ``processes`` local jax.distributed processes of ``devices`` each;
-    once one fails (or the timeout passes) the others are killed (wait_local_processes)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    port = _free_port()
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        logs = [open(Path(tmp) / f"{i}.log", "w+") for i in range(processes)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, *map(str, (i, processes, port, devices))],
-                stdout=logs[i],
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=ROOT,
-            )
-            for i in range(processes)
-        ]
-        wait_local_processes(procs, timeout_s=timeout_s)
-        seconds = time.monotonic() - start
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append("".join(line for line in log if not line.startswith("[Gloo]")))
-            log.close()
+    once one fails (or the timeout passes) the others are killed."""
+    run = run_local(WORKER, scenario, processes, devices, timeout_s=timeout_s, grace_s=0)
     # Killed at the deadline (rather than after a peer's failure): no process failed on its own.
-    timed_out = seconds >= timeout_s and not any(p.returncode > 0 for p in procs)
-    return Launch(scenario, [p.returncode for p in procs], outputs, seconds, timed_out, timeout_s)
+    timed_out = run.killed and not any(rc > 0 for rc in run.returncodes)
+    return Launch(scenario, run.returncodes, run.outputs, run.seconds, timed_out, timeout_s)
 
 
 @pytest.fixture(scope="module")
