@@ -147,6 +147,26 @@ def involved_processes(
 # --------------------------------------------------------------------------------- agreement
 
 
+def _involvement(plan: PlanIdentity, client: Any) -> tuple[Any, int, tuple[int, ...]] | None:
+    """``(client, this process, the involved processes)`` when this process must talk to
+    others about ``plan``; None in a single process, without the distributed runtime, or when
+    this process is alone in (or not part of) the plan."""
+    import jax
+    from jax._src import distributed
+
+    if jax.process_count() == 1:
+        return None
+    client = client if client is not None else distributed.global_state.client
+    if client is None:
+        return None  # multi-process without the distributed runtime: nothing to talk through
+    me = jax.process_index()
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    group = involved_processes(plan.leaves, process_of)
+    if me not in group or len(group) == 1:
+        return None
+    return client, me, group
+
+
 def agreement_timeout_s() -> float:
     """The current wait limit for absent peers (see `DEFAULT_AGREEMENT_TIMEOUT_S`)."""
     value = os.environ.get("JAXRESHARD_AGREEMENT_TIMEOUT_S")
@@ -177,19 +197,10 @@ def agree(plan: PlanIdentity, *, timeout_s: float | None = None, client: Any = N
         blocked in the agreement of another plan involving this process, or a peer that has not
         arrived within ``timeout_s`` (default `agreement_timeout_s`).
     """
-    import jax
-    from jax._src import distributed
-
-    if jax.process_count() == 1:
+    found = _involvement(plan, client)
+    if found is None:
         return
-    client = client if client is not None else distributed.global_state.client
-    if client is None:
-        return  # multi-process without the distributed runtime: nothing to talk through
-    me = jax.process_index()
-    process_of = {d.id: d.process_index for d in jax.devices()}
-    group = involved_processes(plan.leaves, process_of)
-    if me not in group or len(group) == 1:
-        return
+    client, me, group = found
     fp = plan.fingerprint
     with _STATE.lock:
         if fp in _STATE.agreed:
@@ -376,19 +387,10 @@ def check_order(
     publish within ``timeout_s`` (default `agreement_timeout_s`) raises, naming the process.
     No array data moves and no collective runs, so a refused call leaves everything intact.
     """
-    import jax
-    from jax._src import distributed
-
-    if jax.process_count() == 1:
+    found = _involvement(plan, client)
+    if found is None:
         return
-    client = client if client is not None else distributed.global_state.client
-    if client is None:
-        return
-    me = jax.process_index()
-    process_of = {d.id: d.process_index for d in jax.devices()}
-    group = involved_processes(plan.leaves, process_of)
-    if me not in group or len(group) == 1:
-        return
+    client, me, group = found
     group_key = digest(group)[:16]
     with _STATE.lock:
         n = _STATE.calls[group_key]
