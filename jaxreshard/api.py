@@ -88,8 +88,9 @@ class Plan:
         bucket_bytes: int,
         topology: Topology,
         compiler_options: Mapping[str, Any] | None = None,
-        boundaries: Sequence[Boundary] = (),
-        moved: Sequence[int] | None = None,
+        *,
+        boundaries: Sequence[Boundary],
+        moved: Sequence[int],
         fallback: Sequence[tuple[int, Sharding]] = (),
     ) -> None:
         self.treedef = treedef
@@ -99,12 +100,9 @@ class Plan:
         self.leaves = tuple(leaves)
         # Which leaves of the caller's tree the planner moves (``leaves`` and the lists above
         # follow them), and which go through ``jax.device_put`` (``fallback="device_put"``).
-        self.moved = tuple(range(len(self.leaves)) if moved is None else moved)
+        self.moved = tuple(moved)
         self.fallback = tuple(fallback)
-        self.boundaries = tuple(boundaries) or tuple(
-            Boundary(None, s, d, s, d, shape)
-            for (shape, _, s), d in zip(self.src_avals, self.dst_shardings, strict=True)
-        )
+        self.boundaries = tuple(boundaries)
         self._crossing = Crossing(self.boundaries)
         self.assignment = assignment
         self.schedule = schedule
@@ -631,7 +629,8 @@ def plan(
     dtypes, named = _dtype_entries(dtype, src_tree)
     if any(isinstance(d, Fp8Blockwise) for d in dtypes):
         return _plan_quantized(
-            src_tree,
+            flat,
+            treedef,
             dsts,
             dtypes,
             named,
@@ -699,9 +698,9 @@ def plan(
         int(bucket_bytes),
         topology,
         compiler_options,
-        boundaries,
-        moved,
-        fallen,
+        boundaries=boundaries,
+        moved=moved,
+        fallback=fallen,
     )
 
 
@@ -793,13 +792,18 @@ class QuantizedPlan:
 
 
 def _plan_quantized(
-    src_tree: Any, dsts: Sequence[Any], dtypes: Sequence[Any], named: Sequence[bool], **options: Any
+    flat: Sequence[tuple[Any, Any]],
+    treedef: Any,
+    dsts: Sequence[Any],
+    dtypes: Sequence[Any],
+    named: Sequence[bool],
+    **options: Any,
 ) -> QuantizedPlan:
-    """`plan` for a tree with `Fp8Blockwise` entries: checks the fp8 leaves, builds the
-    senders' quantize program and the inner plan over values, scales and the other leaves."""
+    """`plan` for a tree with `Fp8Blockwise` entries (``flat``: the source's leaves with their
+    paths): checks the fp8 leaves, builds the senders' quantize program and the inner plan over
+    values, scales and the other leaves."""
     from jaxreshard import quant
 
-    flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
     problems, quantized, formats, avals = [], [], [], []
     inner_src, inner_dst, inner_dtype = [], [], []
@@ -808,10 +812,11 @@ def _plan_quantized(
         if not isinstance(want, Fp8Blockwise):
             inner_src.append(x)
             inner_dst.append(dst)
-            floating = isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(
-                x.dtype, jnp.floating
-            )
-            inner_dtype.append(want if want is None or own or floating else None)
+            # The inner plan gets a full dtype tree (every entry at its leaf): apply the
+            # subtree rule here.
+            array = isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+            takes = want is not None and (own or (array and _takes_cast(x.dtype, own)))
+            inner_dtype.append(want if takes else None)
             continue
         if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or not jnp.issubdtype(
             x.dtype, jnp.floating
@@ -902,7 +907,7 @@ def cached_plan(
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
     options = tuple(sorted((compiler_options or {}).items()))
-    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options, fallback))
+    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback)
     found = None
     if key is not None:
         with _CACHE_LOCK:
@@ -933,22 +938,22 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology: Any) -> Any:
+def _cache_key(
+    src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, options: Any, fallback: Any
+) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(src_tree)
-    if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
-        if topology[-1] is None:
-            return None  # let plan() report it
-        try:  # fallback leaves: their kind and shape are part of the signature
-            signature = tuple(
-                (x.shape, x.dtype, _sharding_key(x.sharding))
-                if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-                else (type(x), np.shape(x), np.result_type(x))
-                for x in leaves
-            )
-        except (TypeError, ValueError):
-            return None
-    else:
-        signature = tuple((x.shape, x.dtype, _sharding_key(x.sharding)) for x in leaves)
+    arrays = (jax.Array, jax.ShapeDtypeStruct)
+    if fallback is None and not all(isinstance(x, arrays) for x in leaves):
+        return None  # let plan() report it
+    try:  # fallback leaves (not arrays): their kind and shape are part of the signature
+        signature = tuple(
+            (x.shape, x.dtype, _sharding_key(x.sharding))
+            if isinstance(x, arrays)
+            else (type(x), np.shape(x), np.result_type(x))
+            for x in leaves
+        )
+    except (TypeError, ValueError):
+        return None
     dst_leaves, dst_def = jax.tree_util.tree_flatten(dst, is_leaf=lambda x: isinstance(x, Sharding))
     dt_leaves, dt_def = jax.tree_util.tree_flatten(
         dtype, is_leaf=lambda x: x is None or _is_dtype_like(x)
@@ -964,7 +969,8 @@ def _cache_key(src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, topology:
                 d if d is None or isinstance(d, Fp8Blockwise) else jnp.dtype(d) for d in dt_leaves
             ),
             bucket_bytes,
-            topology,
+            options,
+            fallback,
         )
         hash(key)
     except TypeError:
@@ -1137,25 +1143,23 @@ def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:
             f"cannot use {want!r} as a destination dtype: arrays of it cannot be on a device",
             "dtype",
         )
-    if own or jnp.issubdtype(src, jnp.floating):
-        return np.dtype(dtype)
-    return src
+    return np.dtype(dtype) if _takes_cast(src, own) else src
+
+
+def _takes_cast(src: Any, own: bool) -> bool:
+    """Whether a leaf of dtype ``src`` takes its ``dtype=`` entry: always at its own position,
+    only when floating for an entry standing for a subtree."""
+    return own or bool(jnp.issubdtype(src, jnp.floating))
 
 
 def _dtype_entries(dtype: Any, src_tree: Any) -> tuple[list[Any], list[bool]]:
     """Each leaf's ``dtype=`` entry, and whether the entry stands at the leaf itself (rather
     than for a subtree holding it)."""
-    n = len(jax.tree_util.tree_leaves(src_tree))
     if dtype is None:
+        n = len(jax.tree_util.tree_leaves(src_tree))
         return [None] * n, [False] * n
-    is_leaf = lambda x: x is None or _is_dtype_like(x)  # noqa: E731
-    entries = _broadcast(dtype, src_tree, "dtype", is_leaf)
-    prefix_def = jax.tree_util.tree_structure(dtype, is_leaf=is_leaf)
-    own = []
-    for sub in prefix_def.flatten_up_to(src_tree):
-        at_leaf = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(sub))
-        own.extend([at_leaf] * len(jax.tree_util.tree_leaves(sub)))
-    return entries, own
+    pairs = _prefix_entries(dtype, src_tree, "dtype", lambda x: x is None or _is_dtype_like(x))
+    return [value for value, _ in pairs], [own for _, own in pairs]
 
 
 def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
@@ -1217,6 +1221,14 @@ def _is_dtype_like(x: Any) -> bool:
 
 def _broadcast(prefix: Any, full: Any, name: str, is_leaf: Callable[[Any], bool]) -> list[Any]:
     """Broadcast a tree prefix onto ``full``'s leaves, as jax.jit does for ``out_shardings``."""
+    return [value for value, _ in _prefix_entries(prefix, full, name, is_leaf)]
+
+
+def _prefix_entries(
+    prefix: Any, full: Any, name: str, is_leaf: Callable[[Any], bool]
+) -> list[tuple[Any, bool]]:
+    """For each leaf of ``full``: the entry of the tree prefix that stands for it, and whether
+    that entry stands at the leaf itself (rather than for a subtree holding it)."""
     prefix_leaves, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=is_leaf)
     try:
         subtrees = prefix_def.flatten_up_to(full)
@@ -1229,7 +1241,9 @@ def _broadcast(prefix: Any, full: Any, name: str, is_leaf: Callable[[Any], bool]
         ) from None
     out = []
     for value, sub in zip(prefix_leaves, subtrees, strict=True):
-        out.extend([value] * len(jax.tree_util.tree_leaves(sub)))
+        leaves, structure = jax.tree_util.tree_flatten(sub)
+        at_leaf = jax.tree_util.treedef_is_leaf(structure)
+        out.extend([(value, at_leaf)] * len(leaves))
     return out
 
 
