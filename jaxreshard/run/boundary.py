@@ -176,6 +176,8 @@ class Crossing:
         )
         self._copies = _MemoryCopies()
         self._views: dict[Any, views.View] = {}
+        self._staged_in = [i for i, b in enumerate(self.boundaries) if b.stages_in]
+        self._staged_out = [i for i, b in enumerate(self.boundaries) if b.stages_out]
 
     def sources(self, src: Sequence[Any]) -> list[Any]:
         """What the runtime reads: key data, sources copied into device memory, and every
@@ -187,13 +189,8 @@ class Crossing:
             if isinstance(x, jax.Array) and x.sharding is not b.src and not b.stages_in:
                 if x.sharding != b.src:
                     out[i] = self._view(x, b.src)
-        if self.plain:
-            return out
-        staged = [i for i, b in enumerate(self.boundaries) if b.stages_in]
-        shardings = [self.boundaries[i].src for i in staged]
-        moved = self._copies.copy([out[i] for i in staged], shardings)
-        for i, x in zip(staged, moved, strict=True):
-            out[i] = x
+        if not self.plain:
+            self._copy(out, self._staged_in, [self.boundaries[i].src for i in self._staged_in])
         return out
 
     def donations(self, old: Sequence[jax.Array]) -> list[jax.Array | None]:
@@ -218,12 +215,7 @@ class Crossing:
         if self.plain:
             return list(out)
         inner = [_unwrap(x) for x in out]
-        staged = [i for i, b in enumerate(self.boundaries) if b.stages_out]
-        moved = self._copies.copy(
-            [inner[i] for i in staged], [self.boundaries[i].dst for i in staged]
-        )
-        for i, x in zip(staged, moved, strict=True):
-            inner[i] = x
+        self._copy(inner, self._staged_out, [self.boundaries[i].dst for i in self._staged_out])
         return inner
 
     def results(self, out: Sequence[jax.Array]) -> list[jax.Array]:
@@ -231,12 +223,8 @@ class Crossing:
         if self.plain:
             return list(out)
         out = list(out)
-        staged = [i for i, b in enumerate(self.boundaries) if b.stages_out]
-        moved = self._copies.copy(
-            [out[i] for i in staged], [self.boundaries[i].user_dst for i in staged]
-        )
-        for i, x in zip(staged, moved, strict=True):
-            out[i] = x
+        staged = self._staged_out
+        self._copy(out, staged, [self.boundaries[i].user_dst for i in staged])
         for i, b in enumerate(self.boundaries):
             x = out[i]
             if b.rewraps and not b.stages_out:
@@ -245,6 +233,15 @@ class Crossing:
                 x = jax.random.wrap_key_data(x, impl=b.key_impl)
             out[i] = x
         return out
+
+    def _copy(
+        self, arrays: list[Any], staged: Sequence[int], shardings: Sequence[Sharding]
+    ) -> None:
+        """Replace ``arrays[i]`` for each ``i`` of ``staged`` by its copy in the memory kind of
+        the matching sharding (one program per local device)."""
+        moved = self._copies.copy([arrays[i] for i in staged], shardings)
+        for i, x in zip(staged, moved, strict=True):
+            arrays[i] = x
 
     def _view(self, x: jax.Array, sharding: Sharding) -> jax.Array:
         """``x``'s buffers as an array of ``sharding`` (same boxes on the same devices)."""
@@ -276,8 +273,11 @@ class _MemoryCopies:
             return []
         per_device: dict[Any, list[tuple[int, jax.Array]]] = defaultdict(list)
         live = [i for i, x in enumerate(arrays) if isinstance(x, jax.Array)]
+        devices_of: dict[int, list[int]] = {}
         for i in live:
-            for d, buf in views.by_device(arrays[i]).items():
+            bufs = views.by_device(arrays[i])
+            devices_of[i] = list(bufs)
+            for d, buf in bufs.items():
                 per_device[d].append((i, buf))
         moved: dict[tuple[int, int], jax.Array] = {}
         for d, items in per_device.items():
@@ -293,6 +293,6 @@ class _MemoryCopies:
         out = list(arrays)
         for i in live:
             x, s = arrays[i], shardings[i]
-            mine = {d: moved[i, d] for d in views.by_device(x)}
+            mine = {d: moved[i, d] for d in devices_of[i]}
             out[i] = views.View(x.shape, x.dtype, s)(views.ordered(mine, s))
         return out

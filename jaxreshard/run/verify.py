@@ -99,6 +99,10 @@ class Verifier:
         self.leaves = tuple(leaves)
         self.paths = tuple(paths)
         self._src_jobs, self._expected_of = self._source_jobs()
+        self._dst_jobs: dict[int, list[Job]] = defaultdict(list)  # every destination shard
+        for i, leaf in enumerate(self.leaves):
+            for device, box in zip(leaf.dst.devices, leaf.dst.boxes, strict=True):
+                self._dst_jobs[device].append((i, tuple((0, e - s) for s, e in box), box))
         self._fns: dict[Any, Any] = {}
 
     def _source_jobs(self) -> tuple[dict[int, list[Job]], list[list[tuple[int, int]]]]:
@@ -133,12 +137,8 @@ class Verifier:
         for device, jobs in self._src_jobs.items():
             args = [src_buffers[i][device] for i, _, _ in jobs]
             sums[device] = self._run(("src", device), jobs, args, cast=True)
-        dst_jobs: dict[int, list[Job]] = defaultdict(list)
-        for i, leaf in enumerate(self.leaves):
-            for device, box in zip(leaf.dst.devices, leaf.dst.boxes, strict=True):
-                dst_jobs[device].append((i, tuple((0, e - s) for s, e in box), box))
         got = {}
-        for device, jobs in dst_jobs.items():
+        for device, jobs in self._dst_jobs.items():
             args = [dst_buffers[i][device] for i, _, _ in jobs]
             got[device] = self._run(("dst", device), jobs, args, cast=False)
         with jax.transfer_guard_device_to_host("allow"):
@@ -152,7 +152,7 @@ class Verifier:
                 want_of[i, box] = total
                 n += 1
         problems = []
-        for device, jobs in dst_jobs.items():
+        for device, jobs in self._dst_jobs.items():
             for k, (i, _, box) in enumerate(jobs):
                 if int(got[device][k]) != want_of[i, box]:
                     problems.append(
