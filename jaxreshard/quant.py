@@ -166,9 +166,8 @@ def check_leaf(shape: Sequence[int], fmt: Fp8Blockwise, dst: Sharding) -> str | 
         return (
             f"dimension(s) {bad} of shape {tuple(shape)} are not multiples of the block {fmt.block}"
         )
-    for index in dst.devices_indices_map(tuple(shape)).values():
-        for d, (sl, b) in enumerate(zip(index, blocks, strict=True)):
-            start, stop, _ = sl.indices(shape[d])
+    for spans in _spans(dst, shape).values():
+        for d, ((start, stop), b) in enumerate(zip(spans, blocks, strict=True)):
             if start % b or stop % b:
                 return (
                     f"the destination shards cut blocks: dimension {d} is split at {start}:{stop}, "
@@ -177,14 +176,21 @@ def check_leaf(shape: Sequence[int], fmt: Fp8Blockwise, dst: Sharding) -> str | 
     return None
 
 
+def _spans(sharding: Sharding, shape: Sequence[int]) -> dict[Any, list[tuple[int, int]]]:
+    """Each device's ``(start, stop)`` along every dimension of an array of ``shape``."""
+    return {
+        device: [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)]
+        for device, index in sharding.devices_indices_map(tuple(shape)).items()
+    }
+
+
 def scale_sharding(sharding: Sharding, shape: Sequence[int], fmt: Fp8Blockwise) -> Sharding:
     """The scales' sharding: the values' own over the grid of blocks when it divides it (each
     device then holds the scales of its values), else replicated on the same devices."""
     grid = fmt.scale_shape(shape)
     if isinstance(sharding, NamedSharding):
-        candidate = NamedSharding(sharding.mesh, sharding.spec, memory_kind=sharding.memory_kind)
-        if fmt.block is not None and _fits(candidate, shape, grid, fmt):
-            return candidate
+        if fmt.block is not None and _fits(sharding, shape, grid, fmt):
+            return sharding
         return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
     raise ReshardError(f"an Fp8Blockwise leaf needs a NamedSharding, got {type(sharding).__name__}")
 
@@ -192,18 +198,15 @@ def scale_sharding(sharding: Sharding, shape: Sequence[int], fmt: Fp8Blockwise) 
 def _fits(s: NamedSharding, shape: Sequence[int], grid: Sequence[int], fmt: Fp8Blockwise) -> bool:
     """Whether ``s`` over ``grid`` gives every device the blocks of its values' shard."""
     try:
-        values = s.devices_indices_map(tuple(shape))
-        scales = s.devices_indices_map(tuple(grid))
+        values, scales = _spans(s, shape), _spans(s, grid)
     except ValueError:
         return False
     blocks = fmt.blocks(shape)
-    for device, index in values.items():
-        for d, (sl, b) in enumerate(zip(index, blocks, strict=True)):
-            start, stop, _ = sl.indices(shape[d])
-            g0, g1, _ = scales[device][d].indices(grid[d])
-            if start % b or stop % b or (start // b, stop // b) != (g0, g1):
-                return False
-    return True
+    return all(
+        start % b == 0 and stop % b == 0 and (start // b, stop // b) == scale_span
+        for device, spans in values.items()
+        for (start, stop), b, scale_span in zip(spans, blocks, scales[device], strict=True)
+    )
 
 
 class Quantizer:
