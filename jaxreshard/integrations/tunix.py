@@ -81,8 +81,9 @@ def reshard_pytree(
       ReshardError: before anything moves, naming each leaf jaxreshard cannot move.
     """
     del use_experimental_pre_reshard
-    dst = _destinations(source, target)
-    old = _old_buffers(source, target) if _DONATE_TARGET else None
+    flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
+    dst = _destinations(source, target, flat)
+    old = _old_buffers(source, [x for _, x in flat]) if _DONATE_TARGET else None
     plan = _plan(source, dst, cache_plan)
     out = _run(plan, source, old)
     with _LOCK:
@@ -178,7 +179,15 @@ def _is_target_leaf(x: Any) -> bool:
     return isinstance(x, (Sharding, jax.Array))
 
 
-def _destinations(source: Any, target: Any) -> Any:
+def _on_source_structure(source: Any, leaves: list[Any]) -> Any:
+    """``leaves`` laid onto the source's tree structure, or None when their counts differ."""
+    structure = jax.tree_util.tree_structure(source)
+    if structure.num_leaves != len(leaves):
+        return None
+    return jax.tree_util.tree_unflatten(structure, leaves)
+
+
+def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
     """The target's shardings, in the source's tree structure.
 
     Tunix builds source and target from two models (``nnx.state`` of each), whose tree nodes
@@ -186,9 +195,8 @@ def _destinations(source: Any, target: Any) -> Any:
     laid onto the source's structure when their counts agree (else the target is used as a
     prefix, as ``jax.device_put`` does).
     """
-    paths_and_leaves = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
     problems, shardings = [], []
-    for path, x in paths_and_leaves:
+    for path, x in flat:
         if isinstance(x, Sharding):
             shardings.append(x)
         elif isinstance(x, jax.Array):
@@ -204,24 +212,20 @@ def _destinations(source: Any, target: Any) -> Any:
             "give each target leaf a jax.Array or a jax.sharding.Sharding",
             cls=ReshardTypeError,
         )
-    structure = jax.tree_util.tree_structure(source)
-    if structure.num_leaves == len(shardings):
-        return jax.tree_util.tree_unflatten(structure, shardings)
+    laid = _on_source_structure(source, shardings)
+    if laid is not None:
+        return laid
     return jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf), shardings
     )
 
 
-def _old_buffers(source: Any, target: Any) -> Any:
-    """The target's arrays in the source's structure, to donate; None if any leaf is not a
-    live array."""
-    leaves = jax.tree_util.tree_leaves(target, is_leaf=_is_target_leaf)
-    structure = jax.tree_util.tree_structure(source)
-    if structure.num_leaves != len(leaves):
-        return None
+def _old_buffers(source: Any, leaves: list[Any]) -> Any:
+    """The target's arrays (``leaves``) in the source's structure, to donate; None if any is
+    not a live array."""
     if not all(isinstance(x, jax.Array) and not x.is_deleted() for x in leaves):
         return None
-    return jax.tree_util.tree_unflatten(structure, leaves)
+    return _on_source_structure(source, leaves)
 
 
 def _plan(source: Any, dst: Any, cache_plan: bool) -> api.Plan:
