@@ -1256,23 +1256,25 @@ class _Bench:
                 row["memcpy_bytes"] = ref.nbytes
             stages.append(row)
         self.step(f"stage profile {s.name}")
-        # Integrity on demand: plan.verify of the last result (first use compiles, untimed).
-        src = self.fresh_source(s)
-        out = _ready(s.plan(src, donate=s.prev))
-        s.prev = out
-        s.plan.verify(src, out)
-        verify_s = _median_time(lambda: s.plan.verify(src, out), self.args.profile_reps)
-        times = self.results[s.name].times_s if s.name in self.results else []
-        refit_s = statistics.median(times) if times else None
         return {
             "strategy": s.name,
             "reps": self.args.profile_reps,
             "phases_s": phases,
             "stages": stages,
             "sum_s": sum(phases.values()),
-            "verify_s": verify_s,
-            "verify_over_refit": verify_s / refit_s if refit_s else None,
+            **self.verify_cost(s),
         }
+
+    def verify_cost(self, s: JaxReshard) -> dict[str, Any]:
+        """`Plan.verify` of a fresh result (median of ``--profile-reps`` after one untimed
+        use, which compiles), against the refit's median in this run."""
+        src = self.fresh_source(s)
+        out = _ready(s.plan(src, donate=s.prev))
+        s.prev = out
+        verify_s = _median_time(lambda: s.plan.verify(src, out), self.args.profile_reps)
+        times = self.results[s.name].times_s if s.name in self.results else []
+        refit_s = statistics.median(times) if times else None
+        return {"verify_s": verify_s, "verify_over_refit": verify_s / refit_s if refit_s else None}
 
     def plan_arithmetic(self, s: JaxReshard) -> dict[str, Any]:
         """The plan's `PlanStats` (computed, not measured), plus host syncs counted in a call."""
