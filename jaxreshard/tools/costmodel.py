@@ -1,21 +1,32 @@
-"""A cost model for reshard schedules on a `Topology`: modeled time, lower bound, baselines.
+"""A cost model for reshard schedules on a cluster: modeled time, physical bound, baselines.
 
-The model (pure arithmetic, no devices):
+Pure arithmetic on integer device ids (no devices). Bandwidths and costs come from a
+`Topology` (the fabric the planner saw) and a `Profile` (what a run pays beyond the wire).
 
-- A *link* is a device's connection to another device: inside its fast domain it moves
-  ``topology.intra_bandwidth`` bytes/s, across domains ``topology.inter_bandwidth`` (one NIC
-  per device). Links are full duplex and the fabrics non-blocking.
-- A schedule runs its collective-permute rounds one after the other. In a round every device
-  sends at most one message and receives at most one, all of the round's slot size; the round
-  lasts as long as its slowest message, ``slot_bytes / bandwidth``, plus ``round_latency``.
-  Modeled time is the sum over rounds (`schedule_cost`).
-- The *lower bound* (`lower_bound`) holds for any schedule in this model in which destination
-  devices are the only receivers (sources only send, as in every reshard scheme here and in
-  NCCL's): a device receives one message at a time, and a domain takes bytes in only through
-  its destination devices' NICs. See `lower_bound` for the terms.
-- The *baselines* are priced in the same model, each as the best its own scheme can do there
-  (bandwidth-optimal, pipelined collectives with one channel per NIC), so the speedups reported
-  against them are conservative: `allgather_broadcast`, `rank0_broadcast`, `direct`.
+- **Modeled time** (`modeled_time`) prices a schedule the way the executor runs it: bucket after
+  bucket, each a pack (senders copy into staging), its collective-permute rounds one after the
+  other, and an unpack (receivers copy out), plus a fixed cost per bucket and the local copies.
+  A round lasts as long as its slowest message at the link's *efficiency* (a fraction of peak),
+  plus the round latency. `schedule_cost` is the rounds alone at peak bandwidth: the
+  planner's own objective, not a prediction.
+- **Physical bound** (`physical_bound`) holds for *any* schedule on the hardware, at peak
+  bandwidth, every link of every device running at once:
+
+  ``max( need(d) / (B_nvl + B_nic)`` over destination devices ``d``,
+  ``only(s) / (B_nvl + B_nic)`` over source devices ``s`` (bytes only ``s`` holds that another
+  device needs), ``import(g) / (N(g) B_nic)`` and ``export(g) / (N(g) B_nic)`` over domains
+  ``g`` ``)``
+
+  where ``import(g)`` counts the distinct bytes some destination device of ``g`` lacks and no
+  device of ``g`` holds, ``export(g)`` the distinct bytes only ``g`` holds that another domain
+  needs, and ``N(g)`` every device of ``g`` in the cluster (trainer GPUs' NICs may import too).
+  `round_model_bound` is a bound only for schedules whose receivers are the destination devices
+  and take one message at a time: it is kept, under that name, for the planner's tests.
+- **Baselines**, each the best its own scheme can do in the same model (links at the same
+  efficiency; no pack or per-bucket costs unless said), so the ratios against them are
+  conservative: `allgather_broadcast` (every trainer NIC a root, pipelined chunks),
+  `direct_round_robin` (point-to-point, sources in turn), `m2n_like` (balanced senders, one
+  fan-out inside each domain, stages in order: the NCCL M2N scheme), and `rank0_broadcast`.
 """
 
 from __future__ import annotations
@@ -23,12 +34,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxreshard.planning.layout import box_size
-from jaxreshard.planning.route import LeafSpec
+from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
 from jaxreshard.planning.schedule import RoundPlan, Schedule
-from jaxreshard.planning.topology import Topology
+from jaxreshard.planning.topology import Profile, Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +94,11 @@ class LowerBound:
     bytes_cross_needed: int
 
 
-def lower_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBound:
-    """The largest of these times (each a floor under every schedule in the model):
+def round_model_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBound:
+    """A bound for the schedules this planner's round model makes (destination devices are the
+    only receivers, each takes one message at a time, and a domain takes bytes in only through
+    its destination devices' NICs): not a hardware bound (see `physical_bound`). The largest
+    of:
 
     - each destination device's missing bytes over the intra-domain bandwidth (its fastest);
     - each source device's bytes that only it holds and someone else needs, likewise;
@@ -127,27 +141,220 @@ def lower_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBound:
     return LowerBound(seconds, binding, sum(p.cross_in.values()))
 
 
+def physical_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBound:
+    """A floor under any schedule on this hardware (formula in the module docstring).
+
+    Every device's NVLink and NIC run at peak at once; any NIC of a domain may import (a
+    byte can enter through one device and be relayed over NVLink); a byte needed in several
+    domains must enter each of them but leaves its own domain once (it could be relayed on
+    outside). No latency or per-bucket cost is added: it is a pure bandwidth bound.
+    """
+    p = _profile(leaves, topology)
+    bi, bx = topology.intra_bandwidth, topology.inter_bandwidth
+    terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
+    terms += [
+        (n / (bi + bx), f"device {d} receives {n / 1e9:.2f} GB over NVLink + NIC")
+        for d, n in p.need.items()
+    ]
+    terms += [
+        (n / (bi + bx), f"device {s} sends {n / 1e9:.2f} GB only it holds")
+        for s, n in p.sole_out.items()
+    ]
+    for g, n in p.cross_in.items():
+        nics = len(topology.members[g])
+        terms.append((n / (nics * bx), f"domain {g} imports {n / 1e9:.2f} GB over its {nics} NICs"))
+    for g, n in p.cross_out.items():
+        nics = len(topology.members[g])
+        terms.append((
+            n / (nics * bx),
+            f"domain {g} exports {n / 1e9:.2f} GB only it holds over its {nics} NICs",
+        ))  # fmt: skip
+    seconds, binding = max(terms)
+    return LowerBound(seconds, binding, sum(p.cross_in.values()))
+
+
+# ----------------------------------------------------------------------------- modeled time
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeledTime:
+    """A schedule priced as the executor runs it (`modeled_time`), in seconds.
+
+    Attributes:
+      seconds: the total: the sum of the parts below.
+      transfer: the collective-permute rounds (links at their efficiency, plus latency).
+      pack: senders copying into staging, bucket by bucket (the busiest device or host).
+      unpack: receivers copying out of staging, likewise.
+      local: the bytes destination devices copy from their own source shards.
+      overhead: what launch gaps and host work add to the devices' copies and rounds.
+      buckets: buckets priced.
+      rounds: rounds priced.
+    """
+
+    seconds: float
+    transfer: float
+    pack: float
+    unpack: float
+    local: float
+    overhead: float
+    buckets: int
+    rounds: int
+
+
+def modeled_time(
+    schedule: Schedule | RoundPlan,
+    topology: Topology,
+    profile: Profile,
+    *,
+    leaves: Sequence[LeafSpec] | None = None,
+    local: Sequence[LocalCopy] = (),
+) -> ModeledTime:
+    """Price ``schedule`` bucket by bucket, as the executor runs it.
+
+    On the devices a bucket is its pack, its rounds and its unpack one after the other, plus
+    a launch gap per program (three); nothing of one bucket overlaps the next. On the host a
+    bucket costs ``bucket_overhead``: where the host runs ahead (GPUs) a bucket takes the
+    longer of the two, else (CPU) their sum. The ``local`` copies come last.
+
+    A round takes ``latency + slot / (bandwidth x efficiency)`` of its slowest link; where the
+    profile says a host's devices share its cores (CPU), also at least the round's bytes
+    between that host's devices over ``host_link_bandwidth``. Pack and unpack copy, per
+    device, what it sends or receives in the bucket (`_Copies`). With a `Schedule` and its
+    ``leaves``, each message's segments are counted (bytes, narrow elements, boxes); a
+    `RoundPlan` has no segments, so its slots are counted as wide bytes in one box each.
+
+    The parts reported add up to ``seconds``: ``overhead`` is what launches and host work add
+    beyond the devices' copies and rounds.
+    """
+    bw = {
+        True: topology.inter_bandwidth * profile.inter_efficiency,
+        False: topology.intra_bandwidth * profile.intra_efficiency,
+    }
+    host = topology.host_of
+    with_segments = leaves is not None and isinstance(schedule, Schedule)
+    transfer = pack = unpack = overhead = 0.0
+    buckets = rounds = 0
+    for b, bucket in enumerate(schedule.rounds_by_bucket()):
+        sent, got = _Copies(), _Copies()
+        moved = 0.0
+        for size, pairs in bucket:
+            link = size / bw[any(topology.crosses(s, d) for s, d in pairs)]
+            if profile.host_link_bandwidth is not None:
+                on_host: dict[int, int] = defaultdict(int)
+                for s, d in pairs:
+                    if host[s] == host[d]:
+                        on_host[host[s]] += size
+                link = max(link, max(on_host.values(), default=0) / profile.host_link_bandwidth)
+            moved += profile.round_latency + link
+            if not with_segments:
+                for s, d in pairs:
+                    sent.add(s, size, narrow=False)
+                    got.add(d, size, narrow=False)
+            rounds += 1
+        # Arrays the bucket's programs take: staging (pack writes it, the transfer reads and
+        # receives into it, unpack reads it), and the leaves pack reads and unpack writes.
+        arrays = 4 * len(bucket)
+        if with_segments:
+            assert leaves is not None and isinstance(schedule, Schedule)
+            read, written = set(), set()
+            for m in schedule.buckets[b].messages:
+                for seg in m.segments:
+                    narrow = _narrow(leaves[seg.leaf])
+                    sent.add(m.src, seg.nbytes, narrow=narrow)
+                    got.add(m.dst, seg.nbytes, narrow=narrow)
+                    read.add((seg.leaf, seg.from_dst))
+                    written.add(seg.leaf)
+            arrays += len(read) + len(written)
+        packed, unpacked = sent.time(host, profile), got.time(host, profile)
+        device = packed + moved + unpacked + 3 * profile.launch_overhead
+        host_work = profile.bucket_overhead + arrays * profile.argument_overhead
+        if profile.host_runs_ahead:
+            extra = max(device, host_work) - (packed + moved + unpacked)
+        else:
+            extra = device + host_work - (packed + moved + unpacked)
+        transfer, pack, unpack, overhead = (
+            transfer + moved,
+            pack + packed,
+            unpack + unpacked,
+            overhead + extra,
+        )
+        buckets += 1
+    copies = _Copies()
+    for c in local:
+        leaf = leaves[c.leaf] if leaves is not None else None
+        n = box_size(c.box) * (leaf.itemsize if leaf is not None else 1)
+        copies.add(c.device, n, narrow=leaf is not None and _narrow(leaf))
+    local_s = copies.time(host, profile)
+    total = transfer + pack + unpack + local_s + overhead
+    return ModeledTime(total, transfer, pack, unpack, local_s, overhead, buckets, rounds)
+
+
+def _narrow(leaf: LeafSpec) -> bool:
+    """Whether the leaf's copies take the narrow-element path (below 4 bytes, or a cast)."""
+    return leaf.itemsize < 4 or leaf.src_dtype != leaf.dst_dtype
+
+
+class _Copies:
+    """What each device copies in one step: wide bytes, narrow bytes and boxes."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+
+    def add(self, device: int, nbytes: int, *, narrow: bool) -> None:
+        entry = self.by_device[device]
+        entry[int(narrow)] += nbytes
+        entry[2] += 1
+
+    def time(self, host: Mapping[int, int], profile: Profile) -> float:
+        """Seconds for every device's copies at once: the slowest device, or where a host's
+        devices share it (``host_copy_bandwidth``), the slowest host doing all of its own."""
+        narrow_bw = profile.narrow_copy_bandwidth
+        if profile.host_copy_bandwidth is None:
+            groups = {d: [e] for d, e in self.by_device.items()}
+            wide_bw = profile.copy_bandwidth
+        else:
+            groups = defaultdict(list)
+            for d, e in self.by_device.items():
+                groups[host[d]].append(e)
+            wide_bw = profile.host_copy_bandwidth
+        narrow_bw = wide_bw if narrow_bw is None else narrow_bw
+        return max(
+            (
+                sum(w for w, _, _ in es) / wide_bw
+                + sum(n for _, n, _ in es) / narrow_bw
+                + sum(c for _, _, c in es) * profile.copy_overhead
+                for es in groups.values()
+            ),
+            default=0.0,
+        )
+
+
 # -------------------------------------------------------------------------------- baselines
 
 
-def allgather_broadcast(leaves: Sequence[LeafSpec], topology: Topology) -> float:
-    """All-gather then broadcast, the common default: every source device all-gathers the full
-    arrays, then the first source device broadcasts them to every destination device, which
-    keeps its slice.
+def allgather_broadcast(
+    leaves: Sequence[LeafSpec], topology: Topology, profile: Profile, *, chunk_bytes: int
+) -> float:
+    """All-gather, then broadcast, as a competent engineer builds it: the source devices
+    all-gather the full arrays, and every source device is the root of ``1/S`` of them (all
+    trainer NICs send); the broadcast is a pipelined tree of chunks, so each byte enters each
+    destination domain once and is spread inside it over NVLink, and every destination device
+    receives the full arrays (it keeps its slice). The two phases are pipelined by chunks:
+    the time is the slower phase, plus a round latency per chunk of the roots' share.
 
-    Priced as bandwidth-optimal pipelined collectives: the all-gather takes the longest of each
-    source device receiving what it lacks (intra bandwidth) and each domain importing what its
-    source devices lack through their NICs; the broadcast the longest of each destination
-    device receiving the full arrays, each destination domain importing them through its
-    destination devices' NICs, and the root's domain exporting them through the NICs of the
-    communicator's devices there (the root and any destination device beside it). One round
-    latency per ring step.
+    Each phase is priced at its tightest link, all links at their efficiency and at once:
+
+    - gather: each source device's missing bytes over its NVLink + NIC; each domain's missing
+      bytes over its source devices' NICs;
+    - broadcast: each destination device's full arrays over its NVLink + NIC; each destination
+      domain's import over its devices' NICs; the export over every source NIC.
     """
     full = sum(math.prod(leaf.shape) * leaf.itemsize for leaf in leaves)
-    bi, bx = topology.intra_bandwidth, topology.inter_bandwidth
+    bi, bx = _effective(topology, profile)
+    both = bi + bx if profile.overlap_links else bi
+    dom = topology.domain_of
     src = sorted({d for leaf in leaves for d in leaf.src.devices})
     dst = sorted({d for leaf in leaves for d in leaf.dst.devices})
-    dom = topology.domain_of
     own: dict[int, int] = defaultdict(int)
     held_in: dict[int, int] = defaultdict(int)
     for leaf in leaves:
@@ -157,26 +364,26 @@ def allgather_broadcast(leaves: Sequence[LeafSpec], topology: Topology) -> float
                 own[s] += nbytes
             for g in {dom[s] for s in replicas}:
                 held_in[g] += nbytes
-    src_in: dict[int, int] = defaultdict(int)
+    src_nics: dict[int, int] = defaultdict(int)
     for s in src:
-        src_in[dom[s]] += 1
+        src_nics[dom[s]] += 1
     gather = max(
-        [(full - own[s]) / bi for s in src]
-        + [(full - held_in[g]) / (n * bx) for g, n in src_in.items() if full > held_in[g]]
+        [0.0]
+        + [(full - own[s]) / both for s in src]
+        + [(full - held_in[g]) / (n * bx) for g, n in src_nics.items() if len(src_nics) > 1]
     )
-    root = src[0]
-    dst_in: dict[int, int] = defaultdict(int)
+    dst_nics: dict[int, int] = defaultdict(int)
     for d in dst:
-        dst_in[dom[d]] += d != root
-    times = [full / bi]
-    for g, n in dst_in.items():
-        if g != dom[root] and n:
-            times.append(full / (n * bx))
-    if any(dom[d] != dom[root] for d in dst):
-        times.append(full / ((1 + dst_in[dom[root]]) * bx))
-    broadcast = max(times)
-    latency = (len(src) - 1 + len(dst)) * topology.round_latency
-    return gather + broadcast + latency
+        dst_nics[dom[d]] += 1
+    remote = [g for g in dst_nics if g not in src_nics]
+    broadcast = max(
+        [0.0]  # colocated: after the all-gather every destination device holds everything
+        + [full / both for d in dst if d not in src]
+        + [full / (len(topology.members[g]) * bx) for g in remote]
+        + ([full / (len(src) * bx)] if remote else [])
+    )
+    chunks = math.ceil(full / len(src) / chunk_bytes)
+    return max(gather, broadcast) + 2 * chunks * topology.round_latency
 
 
 def rank0_broadcast(leaves: Sequence[LeafSpec], topology: Topology) -> float:
@@ -201,36 +408,93 @@ def rank0_broadcast(leaves: Sequence[LeafSpec], topology: Topology) -> float:
     return seconds + messages * topology.round_latency
 
 
-def direct(leaves: Sequence[LeafSpec], topology: Topology, *, chunk_bytes: int) -> float:
-    """Direct point-to-point without balancing or fan-out: every destination device fetches
-    each part it lacks from the first device (lowest id) holding it, whatever its domain.
+def direct_round_robin(
+    leaves: Sequence[LeafSpec], topology: Topology, profile: Profile, *, chunk_bytes: int
+) -> float:
+    """Direct point-to-point, no fan-out: every destination device fetches each part it lacks
+    from the replicas that hold it in turn (destination devices in id order take the next
+    replica), whatever its domain.
 
-    Priced generously as the busiest device's serial link time, sending or receiving (no round
-    schedule of these messages can be shorter), plus a round latency per ``chunk_bytes`` of
-    that device's traffic.
+    Priced generously as the busiest device's link time (NIC and NVLink at once where the
+    profile allows, each at its efficiency), sending or receiving, plus a round latency per
+    ``chunk_bytes`` of that device's traffic: no schedule of these messages is shorter.
     """
-    send: dict[int, float] = defaultdict(float)
-    recv: dict[int, float] = defaultdict(float)
-    sent: dict[int, int] = defaultdict(int)
-    got: dict[int, int] = defaultdict(int)
+    bi, bx = _effective(topology, profile)
+    load: dict[tuple[int, bool], int] = defaultdict(int)  # (device, crosses) -> bytes
     for leaf in leaves:
         for dst_box, holders in leaf.dst.replicas.items():
             for _, replicas, common in leaf.src.overlapping(dst_box):
                 nbytes = box_size(common) * leaf.itemsize
-                for d in holders:
-                    if d in replicas:
-                        continue
-                    s = replicas[0]
-                    t = nbytes / topology.bandwidth(s, d)
-                    send[s] += t
-                    recv[d] += t
-                    sent[s] += nbytes
-                    got[d] += nbytes
-    if not send:
+                wanting = [d for d in holders if d not in replicas]
+                for k, d in enumerate(wanting):
+                    s = replicas[k % len(replicas)]
+                    cross = topology.crosses(s, d)
+                    load[s, cross] += nbytes
+                    load[-1 - d, cross] += nbytes  # receivers keyed apart from senders
+    return _busiest_link_time(load, bi, bx, profile, topology.round_latency, chunk_bytes)
+
+
+def m2n_like(
+    leaves: Sequence[LeafSpec],
+    assignment: Assignment,
+    topology: Topology,
+    profile: Profile,
+    *,
+    staging_bytes: int = 256 << 20,
+) -> float:
+    """An NCCL-M2N-like schedule: balanced senders and one fan-out inside each domain (the
+    pieces of a `route(..., fan_out=True)` assignment), its stages one after the other, each
+    priced at its busiest device's links (NIC and NVLink at once, at their efficiency), plus
+    pack and unpack of every byte at ``copy_bandwidth`` and a bucket cost per
+    ``staging_bytes`` of the busiest device's traffic (M2N stages 256 MiB per communicator).
+    """
+    bi, bx = _effective(topology, profile)
+    seconds = 0.0
+    stages: dict[int, dict[tuple[int, bool], int]] = defaultdict(lambda: defaultdict(int))
+    for p in assignment.pieces:
+        nbytes = box_size(p.box) * leaves[p.leaf].itemsize
+        cross = topology.crosses(p.src, p.dst)
+        stages[p.stage][p.src, cross] += nbytes
+        stages[p.stage][-1 - p.dst, cross] += nbytes
+    for load in stages.values():
+        seconds += _busiest_link_time(load, bi, bx, profile, topology.round_latency, staging_bytes)
+        per_device: dict[int, int] = defaultdict(int)
+        for (d, _), n in load.items():
+            per_device[d] += n
+        busiest = max(per_device.values(), default=0)
+        seconds += 2 * busiest / profile.copy_bandwidth  # pack on the sender, unpack on arrival
+        seconds += math.ceil(busiest / staging_bytes) * profile.bucket_overhead
+    return seconds
+
+
+def _effective(topology: Topology, profile: Profile) -> tuple[float, float]:
+    return (
+        topology.intra_bandwidth * profile.intra_efficiency,
+        topology.inter_bandwidth * profile.inter_efficiency,
+    )
+
+
+def _busiest_link_time(
+    load: Mapping[tuple[int, bool], int],
+    bi: float,
+    bx: float,
+    profile: Profile,
+    latency: float,
+    chunk_bytes: int,
+) -> float:
+    """The busiest device's time over its NVLink (``bi``) and NIC (``bx``): at once where the
+    profile allows, else one after the other; plus a latency per chunk of its bytes."""
+    per: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for (d, cross), n in load.items():
+        per[d][int(cross)] += n
+    if not per:
         return 0.0
-    busiest = max(*send.values(), *recv.values())
-    rounds = max(math.ceil(n / chunk_bytes) for n in (*sent.values(), *got.values()))
-    return busiest + rounds * topology.round_latency
+    times, chunks = [], 0
+    for intra, cross in per.values():
+        a, b = intra / bi, cross / bx
+        times.append(max(a, b) if profile.overlap_links else a + b)
+        chunks = max(chunks, math.ceil((intra + cross) / chunk_bytes))
+    return max(times) + chunks * latency
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -26,10 +26,12 @@ innermost, so a TP group is a run of consecutive device ids):
   routers and MLA's down-projections are replicated. Attention projections split by whole heads;
   with fewer KV heads than TP ranks each KV head is replicated over TP / heads ranks (vLLM).
   Experts split their intermediate features when there is no EP.
-- ``EP``: experts are split over EP ranks (then not over TP: expert TP is 1). When EP equals the
-  product of the innermost non-pipeline axes it is folded over them (Megatron's MoE parallel
-  folding: "TP2 EP16 PP4" on 64 GPUs has DP8 x TP2 = 16 expert ranks per stage); otherwise it
-  is a mesh axis of its own.
+- ``EP``: experts are split over EP ranks (then not over TP: expert TP is 1). The written axes
+  multiply: "EP16 DP2 PP4" is 128 GPUs, EP an axis of its own. Given a device count the
+  written axes do not fill, EP folds over each pipeline stage's other axes (Megatron's MoE
+  parallel folding, expert rank = stage rank mod EP) and an unwritten DP fills the rest:
+  "TP2 EP16 PP4" on 64 GPUs has DP8 x TP2 = 16 expert ranks per stage, "EP16 PP4" on 128 GPUs
+  DP32 per stage with each expert shard on 2 devices.
 - ``FSDP``: every parameter is split on its first per-layer dimension that divides evenly
   (PyTorch FSDP2 shards dimension 0 of each parameter).
 - ``DP``, ``CP``: replicas (context parallelism does not split parameters). With an explicit
@@ -40,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 import re
 import resource
 import sys
@@ -57,7 +61,7 @@ from jaxreshard.planning.schedule import (
     plan_rounds,
     plan_stats,
 )
-from jaxreshard.planning.topology import PROFILES, Topology
+from jaxreshard.planning.topology import PROFILES, Profile, Topology
 from jaxreshard.tools import costmodel
 
 MiB = 1 << 20
@@ -149,15 +153,23 @@ def _ends(vocab: int, h: int, tied: bool) -> list[Param]:
     return out
 
 
-def deepseek_v3() -> Model:
-    """DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers, hidden 7168, the first 3
-    dense (intermediate 18432), then 256 routed + 1 shared experts (moe_intermediate 2048) with a
-    router and its correction bias; MLA with q_lora_rank 1536, kv_lora_rank 512, 128 heads,
-    qk_nope 128, qk_rope 64, v_head 128; vocab 129280, untied. The multi-token-prediction layer
-    is not part of the 671B and is left out."""
-    L, h, dense, vocab = 61, 7168, 3, 129280
-    heads, q_rank, kv_rank, nope, rope, v_dim = 128, 1536, 512, 128, 64, 128
-    experts, moe_inter, dense_inter = 256, 2048, 18432
+def _mla_moe(
+    name: str,
+    source: str,
+    *,
+    layers: int,
+    dense: int,
+    heads: int,
+    experts: int,
+    vocab: int,
+    h: int = 7168,
+    dense_inter: int = 18432,
+    moe_inter: int = 2048,
+) -> Model:
+    """A DeepSeek-V3-style model: MLA attention (q_lora_rank 1536, kv_lora_rank 512, qk_nope
+    128, qk_rope 64, v_head 128), ``dense`` dense layers first, then MoE layers of ``experts``
+    routed experts + 1 shared expert with a router and its correction bias; untied head."""
+    L, q_rank, kv_rank, nope, rope, v_dim = layers, 1536, 512, 128, 64, 128
     A, D, M = (0, L), (0, dense), (dense, L - dense)
     n_moe = L - dense
     params = [
@@ -178,7 +190,28 @@ def deepseek_v3() -> Model:
         *_dense_mlp("moe.shared", M, h, moe_inter),
         *_ends(vocab, h, tied=False),
     ]  # fmt: skip
-    return Model("DeepSeek-V3", L, tuple(params), "deepseek-ai/DeepSeek-V3 config.json")
+    return Model(name, L, tuple(params), source)
+
+
+def deepseek_v3() -> Model:
+    """DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers, hidden 7168, the first 3
+    dense (intermediate 18432), then 256 routed + 1 shared experts (moe_intermediate 2048);
+    MLA with 128 heads; vocab 129280, untied. The multi-token-prediction layer is not part of
+    the 671B and is left out."""
+    return _mla_moe(
+        "DeepSeek-V3", "deepseek-ai/DeepSeek-V3 config.json",
+        layers=61, dense=3, heads=128, experts=256, vocab=129280,
+    )  # fmt: skip
+
+
+def kimi_k2() -> Model:
+    """Kimi-K2 (moonshotai/Kimi-K2-Instruct config.json): DeepSeek-V3's architecture with 61
+    layers, hidden 7168, the first layer dense (intermediate 18432), 384 routed + 1 shared
+    experts (moe_intermediate 2048), MLA with 64 heads, vocab 163840, untied."""
+    return _mla_moe(
+        "Kimi-K2", "moonshotai/Kimi-K2-Instruct config.json",
+        layers=61, dense=1, heads=64, experts=384, vocab=163840,
+    )  # fmt: skip
 
 
 def qwen3_235b() -> Model:
@@ -220,6 +253,7 @@ def qwen3_4b() -> Model:
 
 MODELS: dict[str, Callable[[], Model]] = {
     "deepseek-v3": deepseek_v3,
+    "kimi-k2": kimi_k2,
     "qwen3-235b-a22b": qwen3_235b,
     "llama-3.1-70b": llama31_70b,
     "qwen3-4b": qwen3_4b,
@@ -271,21 +305,33 @@ def parse_strategy(text: str, devices: int | None = None) -> Strategy:
         size[key] = int(n)
     ep = size.pop("ep", 1)
     base = math.prod(size.values())
-    if devices is not None and base * ep != devices:
+    ep_axes: tuple[str, ...] = ("ep",)
+    if devices is None or base * ep == devices:
+        if ep > 1:
+            size["ep"] = ep  # an axis of its own: "EP16 DP16 PP4" is 1024 devices
+    else:
+        # EP folds over a pipeline stage's other axes (Megatron's MoE parallel folding), and
+        # an unwritten DP fills what the written axes leave: "EP16 PP4" on 128 devices is
+        # DP32 per stage, each expert shard on 2 of its 32 devices.
         if devices % base:
             raise ValueError(f"layout {text!r} does not fit {devices} devices")
-        size["dp"] = size.get("dp", 1) * (devices // base)  # the DP left unwritten
-    ep_axes: tuple[str, ...] = ("ep",)
-    if ep > 1:
-        inner = [a for a in reversed(MESH_ORDER) if a in size and a != "pp" and size[a] > 1]
-        product = 1
-        for i, a in enumerate(inner):
-            product *= size[a]
-            if product == ep:
-                ep_axes = tuple(reversed(inner[: i + 1]))
-                break
-        if ep_axes == ("ep",):
-            size["ep"] = ep
+        if devices > base:
+            if "dp" in size:
+                raise ValueError(
+                    f"layout {text!r} lays out {base * ep} devices, not {devices}; write the "
+                    "DP that fills them, or leave DP out"
+                )
+            size["dp"] = devices // base
+        inner = [a for a in MESH_ORDER if a in size and a != "pp" and size[a] > 1]
+        stage = math.prod(size[a] for a in inner)
+        if ep > 1:
+            if stage % ep:
+                raise ValueError(
+                    f"layout {text!r}: EP{ep} must divide the {stage} devices of a pipeline "
+                    f"stage to fold over them (or make EP an axis of its own: {base * ep} "
+                    "devices)"
+                )
+            ep_axes = tuple(inner)
     axes = tuple((a, size[a]) for a in MESH_ORDER if size.get(a, 1) > 1)
     strategy = Strategy(text, axes, ep, ep_axes)
     if devices is not None and strategy.num_devices != devices:
@@ -332,6 +378,7 @@ def layout(param: Param, model: Model, strategy: Strategy, device_ids: Sequence[
             rank = 0
             for a in strategy.ep_axes:
                 rank = rank * size[a] + coord[a]
+            rank %= strategy.ep  # folded: expert ranks repeat over the stage (expert DP)
             box[param.expert_dim] = _part(box[param.expert_dim], strategy.ep, rank, 1, param)
         tp = size.get("tp", 1)
         if tp > 1 and param.tp_dim is not None and not split_experts:
@@ -369,7 +416,7 @@ def _part(span: tuple[int, int], ways: int, rank: int, unit: int, param: Param) 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    """A published reshard setup to reproduce."""
+    """A reshard setup to reproduce: a published one, or one an audit asked for."""
 
     name: str
     model: str
@@ -379,6 +426,7 @@ class Scenario:
     src_devices: int | None = None
     dst_devices: int | None = None
     colocated: bool = False
+    bytes_per_param: int = 2
     published: str = ""
     note: str = ""
 
@@ -393,9 +441,31 @@ SCENARIOS: dict[str, Scenario] = {
             "TP8 DP16",
             "gb200-nvl72",
             published=(
-                "NCCL M2N on GB200 NVL72, 128 -> 128 GPUs: 1447 ms (direct point-to-point: "
-                "3838 ms). NeMo-RL refit, H100, PP16xEP16 -> TP32xDP8 (another setup): 2.4-2.8 s"
+                "NCCL M2N on GB200 NVL72, 128 -> 128 GPUs: 1447 ms measured (direct "
+                "point-to-point: 3838 ms measured)"
             ),
+        ),
+        Scenario(
+            "deepseek-v3-512",
+            "deepseek-v3",
+            "EP16 DP2 PP4",
+            "TP8 DP64",
+            "gb200-nvl72",
+            published="no published figure (the sampler has four times the trainer's GPUs)",
+        ),
+        Scenario(
+            "nemo-rl-deepseek-v3",
+            "deepseek-v3",
+            "EP16 PP16",
+            "TP32 DP8",
+            "h100",
+            src_devices=256,
+            dst_devices=256,
+            published=(
+                "NeMo-RL refit (nccl_reshard), DeepSeek-V3 on H100, EP16 PP16 -> TP32 DP8: "
+                "2.39-2.83 s measured for the whole refit"
+            ),
+            note="NeMo-RL sends only the bulk FFN weights through M2N; here every weight moves",
         ),
         Scenario(
             "qwen3-235b",
@@ -407,9 +477,36 @@ SCENARIOS: dict[str, Scenario] = {
             dst_devices=64,
             published=(
                 "NCCL M2N on GB200 NVL72, 64 -> 64 GPUs (TP2 CP2 EP16 PP4 -> TP8 DP8): 989 ms "
-                "(direct point-to-point: 2175 ms)"
+                "measured (direct point-to-point: 2175 ms measured)"
             ),
             note="trainer CP2 x DP4 modeled as DP8 (context parallelism does not split weights)",
+        ),
+        Scenario(
+            "qwen3-235b-128",
+            "qwen3-235b-a22b",
+            "TP2 EP16 PP4",
+            "TP8 DP16",
+            "gb200-nvl72",
+            src_devices=64,
+            dst_devices=128,
+            published="no published figure (the sampler has twice the trainer's GPUs)",
+        ),
+        Scenario(
+            "kimi-k2-fp8",
+            "kimi-k2",
+            "EP64 PP4",
+            "TP16 DP8",
+            "h100",
+            bytes_per_param=1,
+            published=(
+                "Perplexity: Kimi-K2 from 256 BF16 training GPUs to 128 FP8 inference GPUs in "
+                "1.3 s measured (RDMA one-sided writes; their layouts are not published)"
+            ),
+            note=(
+                "FP8 at the destination: 1 byte per parameter on the wire, quantized on the "
+                "senders (jr.Fp8Blockwise); the float32 scales of 128 x 128 blocks (0.02% more "
+                "bytes) are left out; layouts are this project's choice"
+            ),
         ),
         Scenario(
             "llama-3.1-70b",
@@ -432,34 +529,149 @@ SCENARIOS: dict[str, Scenario] = {
                 "fully replicated DP8 would hold every TP8 shard already: 0 bytes to move"
             ),
         ),
+        Scenario(
+            "deepseek-v3-4096",
+            "deepseek-v3",
+            "EP32 DP16 PP4",
+            "TP8 DP256",
+            "gb200-nvl72",
+            published="planning at scale: 4,096 virtual GPUs",
+        ),
     )
 }
+
+PLACEMENTS = ("rack-aligned", "contiguous")
+"""``rack-aligned``: the sampler's devices start on a fast domain (rack) of their own, as
+clusters allocate them; ``contiguous``: they follow the trainer's ids, sharing its last rack."""
 
 # ------------------------------------------------------------------------------- simulation
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """Everything the table reports for one simulated reshard."""
+    """Everything the table reports for one simulated reshard (seconds unless said)."""
 
     title: str
     model: Model
     src: Strategy
     dst: Strategy
     topology: Topology
+    profile: Profile
+    placement: str
     stats: PlanStats
     rounds: RoundPlan
-    cost: costmodel.ScheduleCost
+    modeled: costmodel.ModeledTime
+    rounds_only: costmodel.ScheduleCost
     bound: costmodel.LowerBound
-    allgather_broadcast: float
-    rank0_broadcast: float
-    direct: float
+    round_model_bound: costmodel.LowerBound
+    baselines: dict[str, float]
     planning_seconds: float
     full_planning_seconds: float | None
     peak_rss_bytes: int
     stages: dict[int, int]
     published: str
     note: str
+
+    @property
+    def ratio(self) -> float:
+        """Modeled time (overheads included) over the physical bound."""
+        return self.modeled.seconds / self.bound.seconds if self.bound.seconds else 1.0
+
+    def record(self, scenario: str = "") -> dict[str, object]:
+        """A JSON-ready summary (`--json`)."""
+        s = self.stats
+        return {
+            "scenario": scenario or self.title.split(":")[0],
+            "title": self.title,
+            "model": self.model.name,
+            "params": self.model.num_params,
+            "src": self.src.text,
+            "dst": self.dst.text,
+            "src_gpus": self.src.num_devices,
+            "dst_gpus": self.dst.num_devices,
+            "topology": self.topology.name,
+            "placement": self.placement,
+            "bytes": {
+                "destination_total": s.bytes_total,
+                "already_local": s.bytes_local,
+                "sent": s.bytes_sent,
+                "lower_bound": s.bytes_lower_bound,
+                "cross_domain": s.bytes_cross_domain,
+                "intra_domain_direct": s.bytes_sent - s.bytes_cross_domain - s.bytes_relayed,
+                "intra_domain_relayed": s.bytes_relayed,
+                "must_cross": self.bound.bytes_cross_needed,
+            },
+            "modeled_s": self.modeled.seconds,
+            "modeled_parts_s": {
+                "transfer": self.modeled.transfer,
+                "pack": self.modeled.pack,
+                "unpack": self.modeled.unpack,
+                "local": self.modeled.local,
+                "bucket_overhead": self.modeled.overhead,
+            },
+            "rounds_only_s": self.rounds_only.seconds,
+            "lower_bound_s": self.bound.seconds,
+            "lower_bound_binding": self.bound.binding,
+            "round_model_bound_s": self.round_model_bound.seconds,
+            "modeled_over_bound": self.ratio,
+            "baselines": dict(self.baselines),
+            "planning_s": self.planning_seconds,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "buckets": s.buckets,
+            "rounds": s.rounds,
+            "published": self.published,
+            "note": self.note,
+        }
+
+
+def device_ids(
+    src_devices: int,
+    dst_devices: int,
+    domain_size: int,
+    *,
+    colocated: bool,
+    placement: str,
+    src_unit: int = 1,
+    dst_unit: int = 1,
+) -> tuple[list[int], list[int]]:
+    """Cluster slots of the trainer and the sampler (see `PLACEMENTS`).
+
+    Rack-aligned, each side takes the fewest racks that hold it, spread as evenly as whole
+    units allow (a unit: a host, or a TP group in whole hosts, which never straddles racks),
+    the sampler's racks after the trainer's: 128 GPUs on 72-GPU racks are 64 + 64, and 512 are
+    8 racks of 64, not 7 full racks and 8 GPUs alone in an eighth.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; known: {PLACEMENTS}")
+    if placement == "contiguous":
+        src = list(range(src_devices))
+        first = 0 if colocated else src_devices
+        return src, list(range(first, first + dst_devices))
+    src, racks = _spread(src_devices, domain_size, src_unit, first_rack=0)
+    if colocated:
+        return src, src[:dst_devices]
+    dst, _ = _spread(dst_devices, domain_size, dst_unit, first_rack=racks)
+    return src, dst
+
+
+def _spread(n: int, size: int, unit: int, *, first_rack: int) -> tuple[list[int], int]:
+    """``n`` slots over the fewest racks of ``size`` from ``first_rack`` that hold them in whole
+    ``unit``s, the units dealt out as evenly as they go; returns the slots and racks used."""
+    unit = max(1, min(unit, size))
+    units, per_rack = math.ceil(n / unit), size // unit
+    racks = math.ceil(units / per_rack)
+    base, extra = divmod(units, racks)
+    ids: list[int] = []
+    for r in range(racks):
+        start = (first_rack + r) * size
+        take = min((base + (r < extra)) * unit, n - len(ids))
+        ids.extend(range(start, start + take))
+    return ids, racks
+
+
+def _unit(strategy: Strategy, host: int) -> int:
+    """The placement unit of a side: its TP group in whole hosts (or one host)."""
+    return math.lcm(host, strategy.size.get("tp", 1))
 
 
 def simulate(
@@ -471,6 +683,7 @@ def simulate(
     src_devices: int | None = None,
     dst_devices: int | None = None,
     colocated: bool = False,
+    placement: str = "rack-aligned",
     domain_size: int | None = None,
     bucket_bytes: int = GPU_BUCKET_BYTES,
     itemsize: int = 2,
@@ -482,34 +695,46 @@ def simulate(
 ) -> Result:
     """Plan ``model_name`` from layout ``src`` to ``dst`` on a virtual cluster and price it.
 
-    Source devices are ids ``0 ..``; destination devices follow them, or are the same ids
-    when ``colocated``.
+    Source devices are cluster slots ``0 ..``; destination devices start on the next rack
+    (``placement="rack-aligned"``), right after them (``"contiguous"``), or are the same
+    slots when ``colocated``. ``itemsize`` is the bytes per parameter at the destination.
 
-    Planning time covers layouts, sender choice and fan-out (`topology.assign`), chunk sizes
-    and round colouring (`schedule.plan_rounds`) and `plan_stats`; not the cost model's work.
-    `plan_rounds` makes exactly the rounds, slot sizes and buckets `build_schedule` (and so
-    `jaxreshard.plan`) makes, without cutting pieces into each message's segments, which the
-    cost model does not need. With ``materialize``, `build_schedule` runs too (its stats are
-    checked equal) and ``full_planning_seconds`` is what `jaxreshard.plan` would spend.
+    Planning time covers layouts, sender choice and fan-out (`route`), chunk sizes and round
+    colouring (`schedule.plan_rounds`) and `plan_stats`; not the cost model's work.
+    `plan_rounds` makes exactly the rounds, slot sizes and buckets `build_schedule` makes,
+    without cutting pieces into each message's segments, which the cost model does not need.
+    With ``materialize``, `build_schedule` runs too (its stats are checked equal) and
+    ``full_planning_seconds`` is what cutting the segments adds.
     """
     if model_name not in MODELS:
         raise ValueError(f"unknown model {model_name!r}; known: {sorted(MODELS)}")
+    if topology_name not in PROFILES:
+        raise ValueError(f"unknown topology {topology_name!r}; known: {sorted(PROFILES)}")
     model = MODELS[model_name]()
     s = parse_strategy(src, src_devices)
     d = parse_strategy(dst, dst_devices)
-    src_ids = list(range(s.num_devices))
-    first_dst = 0 if colocated else s.num_devices
-    dst_ids = list(range(first_dst, first_dst + d.num_devices))
-    total = max(src_ids + dst_ids) + 1
-    topo = Topology.profile(topology_name, total, domain_size=domain_size)
-    dtype = {1: "int8", 2: "bfloat16", 4: "float32"}.get(itemsize, f"{itemsize}-byte")
+    profile = PROFILES[topology_name]
+    size = profile.domain_size if domain_size is None else domain_size
+    src_ids, dst_ids = device_ids(
+        s.num_devices,
+        d.num_devices,
+        size,
+        colocated=colocated,
+        placement=placement,
+        src_unit=_unit(s, min(profile.host_size, size)),
+        dst_unit=_unit(d, min(profile.host_size, size)),
+    )
+    topo = Topology.profile(
+        topology_name, ids=sorted(set(src_ids) | set(dst_ids)), domain_size=domain_size
+    )
+    dtype = {1: "float8", 2: "bfloat16", 4: "float32"}.get(itemsize, f"{itemsize}-byte")
     start = time.perf_counter()
     leaves = [
         LeafSpec(
             p.name,
             layout(p, model, s, src_ids),
             layout(p, model, d, dst_ids),
-            dtype,
+            "bfloat16",
             dtype,
             itemsize,
         )
@@ -532,21 +757,36 @@ def simulate(
         assert plan_stats(leaves, assignment, schedule, crosses=topo.crosses) == stats
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stages: dict[int, int] = {}
-    for p in assignment.pieces:
-        stages[p.stage] = stages.get(p.stage, 0) + 1
+    for piece in assignment.pieces:
+        stages[piece.stage] = stages.get(piece.stage, 0) + 1
+    m2n = assignment if fan_out else assign(leaves, topo, fan_out=True)
+    baselines = {
+        "all-gather + broadcast": costmodel.allgather_broadcast(
+            leaves, topo, profile, chunk_bytes=bucket_bytes
+        ),
+        "direct p2p (round-robin)": costmodel.direct_round_robin(
+            leaves, topo, profile, chunk_bytes=bucket_bytes
+        ),
+        "M2N-like (stages in order)": costmodel.m2n_like(leaves, m2n, topo, profile),
+        "rank-0 broadcast": costmodel.rank0_broadcast(leaves, topo),
+    }
     return Result(
         title=title or f"{model.name}: {src} -> {dst}",
         model=model,
         src=s,
         dst=d,
         topology=topo,
+        profile=profile,
+        placement="colocated" if colocated else placement,
         stats=stats,
         rounds=rounds,
-        cost=costmodel.schedule_cost(rounds, topo),
-        bound=costmodel.lower_bound(leaves, topo),
-        allgather_broadcast=costmodel.allgather_broadcast(leaves, topo),
-        rank0_broadcast=costmodel.rank0_broadcast(leaves, topo),
-        direct=costmodel.direct(leaves, topo, chunk_bytes=bucket_bytes),
+        modeled=costmodel.modeled_time(
+            rounds, topo, profile, leaves=leaves, local=assignment.local
+        ),
+        rounds_only=costmodel.schedule_cost(rounds, topo),
+        bound=costmodel.physical_bound(leaves, topo),
+        round_model_bound=costmodel.round_model_bound(leaves, topo),
+        baselines=baselines,
         planning_seconds=planning,
         full_planning_seconds=full_seconds,
         peak_rss_bytes=peak,
@@ -565,6 +805,7 @@ def run_scenario(name: str, **overrides: object) -> Result:
         "src_devices": sc.src_devices,
         "dst_devices": sc.dst_devices,
         "colocated": sc.colocated,
+        "itemsize": sc.bytes_per_param,
         "title": f"{name}: {sc.src} -> {sc.dst}",
         "published": sc.published,
         "note": sc.note,
@@ -586,24 +827,32 @@ def _gb(n: int | float) -> str:
 
 def format_result(r: Result) -> str:
     """The report of one simulation, as a two-column table."""
-    s, c, b = r.stats, r.cost, r.bound
+    s, m, b = r.stats, r.modeled, r.bound
     domains = len({r.topology.domain_of[i] for i in r.topology.devices})
     relayed = s.bytes_relayed
     intra_direct = s.bytes_sent - s.bytes_cross_domain - relayed
+    p = r.profile
     rows = [
         ("model", f"{r.model.name}, {r.model.num_params / 1e9:,.1f} B parameters "
                   f"({len(r.model.params)} stacked leaves), {r.model.source}"),
         ("layouts", f"{r.src.text} ({r.src.num_devices} GPUs) -> {r.dst.text} "
-                    f"({r.dst.num_devices} GPUs)"),
+                    f"({r.dst.num_devices} GPUs), placement {r.placement}"),
         ("topology", f"{r.topology.name}: {len(r.topology.devices)} GPUs in {domains} domains, "
                      f"{r.topology.intra_bandwidth / 1e9:g} GB/s inside, "
                      f"{r.topology.inter_bandwidth / 1e9:g} GB/s across, per GPU per direction"),
-        ("modeled time", _ms(c.seconds)),
-        ("lower bound", f"{_ms(b.seconds)}  (modeled / bound = {c.seconds / b.seconds:.3f}; "
-                        f"binding: {b.binding})" if b.seconds else _ms(0)),
-        ("all-gather + broadcast", _speedup(r.allgather_broadcast, c.seconds)),
-        ("rank-0 broadcast", _speedup(r.rank0_broadcast, c.seconds)),
-        ("direct p2p (no balance)", _speedup(r.direct, c.seconds)),
+        ("overheads", f"links at {p.intra_efficiency:.0%} / {p.inter_efficiency:.0%} of peak, "
+                      f"copies {p.copy_bandwidth / 1e9:,.0f} GB/s per GPU, "
+                      f"{p.bucket_overhead * 1e6:.0f} us per bucket, "
+                      f"{p.round_latency * 1e6:.0f} us per round"),
+        ("modeled time", f"{_ms(m.seconds)} (rounds {_ms(m.transfer)}, pack {_ms(m.pack)}, "
+                         f"unpack {_ms(m.unpack)}, local {_ms(m.local)}, buckets "
+                         f"{_ms(m.overhead)}; stages in order, nothing overlapped)"),
+        ("physical bound", f"{_ms(b.seconds)}  (modeled / bound = {r.ratio:.3f}; binding: "
+                           f"{b.binding})" if b.seconds else _ms(0)),
+        ("round-model bound", f"{_ms(r.round_model_bound.seconds)} (destination NICs only, "
+                              f"one message at a time; rounds alone at peak: "
+                              f"{_ms(r.rounds_only.seconds)})"),
+        *((name, _speedup(t, m.seconds)) for name, t in r.baselines.items()),
         ("bytes: destination", f"{_gb(s.bytes_total)} total, {_gb(s.bytes_local)} already local"),
         ("bytes: sent", f"{_gb(s.bytes_sent)} (= lower bound {_gb(s.bytes_lower_bound)}: "
                         f"{s.bytes_sent == s.bytes_lower_bound})"),
@@ -611,10 +860,8 @@ def format_result(r: Result) -> str:
                                   f"(must cross: {_gb(b.bytes_cross_needed)}), intra-domain "
                                   f"direct {_gb(intra_direct)}, intra-domain relayed "
                                   f"{_gb(relayed)}"),
-        ("bytes: wire", f"{_gb(c.wire_bytes_cross)} cross + {_gb(c.wire_bytes_intra)} intra "
-                        f"(padding {(s.bytes_wire - s.bytes_sent) / max(1, s.bytes_sent):.2%})"),
-        ("rounds", f"{c.rounds} ({c.slow_rounds} with cross-domain messages) in {s.buckets} "
-                   f"buckets, chunk {s.chunk_bytes / MiB:.1f} MiB; pieces per stage {r.stages}"),
+        ("rounds", f"{m.rounds} in {s.buckets} buckets, chunk {s.chunk_bytes / MiB:.1f} MiB; "
+                   f"pieces per stage {r.stages}"),
         ("busiest device", f"sends {_gb(s.max_device_send_bytes)}, receives "
                            f"{_gb(s.max_device_recv_bytes)}"),
         ("planning", f"{r.planning_seconds:.2f} s to rounds"
@@ -632,23 +879,31 @@ def format_result(r: Result) -> str:
 
 
 def _speedup(baseline: float, ours: float) -> str:
-    return f"{_ms(baseline)}  (plan is {baseline / ours:.1f}x faster)" if ours else _ms(baseline)
+    return f"{_ms(baseline)}  ({baseline / ours:.2f}x the modeled plan)" if ours else _ms(baseline)
 
 
 def summary(results: Sequence[Result]) -> str:
-    """One line per scenario: modeled, bound, ratio, baselines."""
+    """One line per scenario: modeled (overheads included), physical bound, their ratio and
+    the baselines as multiples of the modeled time. Every figure is modeled."""
     head = (
-        f"{'scenario':<36} {'modeled':>11} {'bound':>11} {'ratio':>6} {'AG+bcast':>11} "
-        f"{'x':>6} {'rank0':>11} {'direct':>11} {'plan s':>7}"
+        f"{'scenario':<22} {'placement':<12} {'modeled':>11} {'bound':>11} {'ratio':>6} "
+        f"{'AG+bcast':>9} {'direct':>7} {'M2N-like':>9} {'plan s':>7}"
     )
     lines = [head]
     for r in results:
-        ratio = r.cost.seconds / r.bound.seconds if r.bound.seconds else 1.0
-        ag = r.allgather_broadcast / r.cost.seconds if r.cost.seconds else float("inf")
+        t = r.modeled.seconds or float("inf")
+        ag, dp, m2n = (
+            r.baselines[k] / t
+            for k in (
+                "all-gather + broadcast",
+                "direct p2p (round-robin)",
+                "M2N-like (stages in order)",
+            )
+        )
         lines.append(
-            f"{r.title.split(':')[0]:<36} {_ms(r.cost.seconds):>11} {_ms(r.bound.seconds):>11} "
-            f"{ratio:>6.3f} {_ms(r.allgather_broadcast):>11} {ag:>6.1f} "
-            f"{_ms(r.rank0_broadcast):>11} {_ms(r.direct):>11} {r.planning_seconds:>7.2f}"
+            f"{r.title.split(':')[0]:<22} {r.placement:<12} {_ms(r.modeled.seconds):>11} "
+            f"{_ms(r.bound.seconds):>11} {r.ratio:>6.2f} "
+            f"{ag:>8.2f}x {dp:>6.2f}x {m2n:>8.2f}x {r.planning_seconds:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -667,49 +922,80 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--src-devices", type=int, help="source GPUs (fills an unwritten DP)")
     parser.add_argument("--dst-devices", type=int, help="destination GPUs")
     parser.add_argument("--colocated", action="store_true", help="same GPUs for both")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="rack-aligned")
     parser.add_argument("--domain-size", type=int, help="GPUs per fast domain (override)")
     parser.add_argument("--bucket-mib", type=float, default=GPU_BUCKET_BYTES / MiB)
-    parser.add_argument("--bytes-per-param", type=int, default=2, help="2 for bf16")
+    parser.add_argument(
+        "--bytes-per-param", type=int, help="at the destination: 2 for bf16, 1 for fp8"
+    )
     parser.add_argument("--no-fan-out", action="store_true", help="direct sends only")
     parser.add_argument(
         "--materialize",
         action="store_true",
         help="also cut the messages' segments (build_schedule, as jaxreshard.plan) and time it",
     )
+    parser.add_argument("--json", metavar="PATH", help="write one record per scenario")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure a CPU profile here and check the model against the executor on the bench "
+        "scenarios (8 simulated CPU devices; about 2 minutes)",
+    )
     args = parser.parse_args(argv)
+    if args.calibrate:
+        return _calibrate(args.json)
     common: dict[str, object] = {
         "bucket_bytes": int(args.bucket_mib * MiB),
-        "itemsize": args.bytes_per_param,
         "fan_out": not args.no_fan_out,
         "materialize": args.materialize,
+        "placement": args.placement,
     }
+    if args.bytes_per_param:
+        common["itemsize"] = args.bytes_per_param
     if args.domain_size:
         common["domain_size"] = args.domain_size
-    results = []
+    results: list[tuple[str, Result]] = []
     if args.all or args.scenario:
-        for name in sorted(SCENARIOS) if args.all else [args.scenario]:
-            results.append(run_scenario(name, **common))
-            print(format_result(results[-1]), flush=True)
+        for name in SCENARIOS if args.all else [args.scenario]:
+            results.append((name, run_scenario(name, **common)))
+            print(format_result(results[-1][1]), flush=True)
             print(flush=True)
     else:
         if not (args.model and args.src and args.dst):
             parser.error("give --scenario NAME, --all, or --model, --src and --dst")
-        results.append(
-            simulate(
-                args.model,
-                args.src,
-                args.dst,
-                args.topology,
-                src_devices=args.src_devices,
-                dst_devices=args.dst_devices,
-                colocated=args.colocated,
-                **common,  # type: ignore[arg-type]
-            )
+        r = simulate(
+            args.model,
+            args.src,
+            args.dst,
+            args.topology,
+            src_devices=args.src_devices,
+            dst_devices=args.dst_devices,
+            colocated=args.colocated,
+            **common,  # type: ignore[arg-type]
         )
-        print(format_result(results[-1]))
+        results.append(("", r))
+        print(format_result(r))
     if len(results) > 1:
-        print(summary(results))
+        print(summary([r for _, r in results]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.record(name) for name, r in results], f, indent=1)
     return 0
+
+
+def _calibrate(json_path: str | None) -> int:
+    """``--calibrate``: see `jaxreshard.tools.calibrate`. The simulated CPU devices must be
+    asked for before JAX starts its backend, which importing it does not do."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    from jaxreshard.tools import calibrate
+
+    record = calibrate.run()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0 if all(c["within"] for c in record["checks"]) else 1
 
 
 if __name__ == "__main__":

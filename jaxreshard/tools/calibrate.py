@@ -1,0 +1,443 @@
+"""Calibrate the cost model on this machine's CPU devices, then check it against the executor.
+
+    python -m jaxreshard.simulate --calibrate            # 8 simulated CPU devices
+
+Two steps, both on JAX's CPU backend:
+
+1. **Measure a CPU profile** with microbenchmarks that know nothing of the planner: a jitted copy
+   into a donated buffer (one device alone, and all devices at once: the host's copy speed), a
+   collective-permute round over the union mesh at two message sizes (its latency and the
+   host's aggregate message bandwidth, with 4 pairs; one pair alone for a single link), and a
+   refit of a one-bucket, 4 KiB plan (the fixed cost of one bucket, less its modeled rounds).
+2. **Predict and measure** the bench scenarios: each is planned by `jaxreshard.plan`, priced by
+   `costmodel.modeled_time` from its schedule with the measured profile, and timed (donated
+   refits). The model must land within +-30% of the measurement on each.
+
+Every time is the lower of two medians (`_median`), microbenchmarks and scenarios alike.
+
+Nothing here is used by the library; it is the check that the cluster model's structure (rounds,
+pack, unpack, per-bucket costs) describes a real executor run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxreshard as jr
+from jaxreshard.planning.topology import GB, PROFILES, Profile, Topology
+from jaxreshard.tools import bench, costmodel
+
+TOLERANCE = 0.30
+"""The model must predict each scenario's measured time within this fraction."""
+
+SCENARIOS = (
+    "disjoint",
+    "disjoint_gpt32k",
+    "disjoint_gpt32k_blocks",
+    "disjoint_gpt32k_embed",
+    "colocated",
+    "many_leaves",
+    "replicated_src",
+    "replicated_dst",
+    "cast",
+    "big_leaf",
+)
+"""The bench's timing scenarios (`jaxreshard.tools.bench.SCENARIOS`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One scenario: the model's prediction against the measured refit."""
+
+    scenario: str
+    modeled: costmodel.ModeledTime
+    measured_s: float
+    buckets: int
+
+    @property
+    def ratio(self) -> float:
+        return self.modeled.seconds / self.measured_s
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- the profile
+
+
+def _median(fn: Any, reps: int, passes: int = 2) -> float:
+    """The lower of ``passes`` medians of ``reps`` awaited calls (after one untimed call): load
+    from elsewhere on the machine only ever adds time, so the quieter pass is the figure."""
+    jax.block_until_ready(fn())
+    medians = []
+    for _ in range(passes):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+    return min(medians)
+
+
+class _Permute:
+    """One collective-permute round over a union mesh, into a donated receive buffer, as the
+    runtime's transfer program runs it (`jaxreshard.run.runtime`)."""
+
+    def __init__(
+        self, devices: Sequence[jax.Device], pairs: Sequence[tuple[int, int]], nbytes: int
+    ):
+        n = len(devices)
+        words = max(1, nbytes // 4)
+        mesh = Mesh(np.array(list(devices)), ("g",))
+        s = NamedSharding(mesh, P("g"))
+        make = jax.jit(lambda: jnp.ones((n * words,), jnp.uint32), out_shardings=s)
+        self.x, self.y = make(), make()
+
+        def body(x: jax.Array, y: jax.Array) -> jax.Array:
+            return lax.ppermute(x, "g", list(pairs))
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g"), P("g")), out_specs=P("g"))
+        self.fn = jax.jit(mapped, donate_argnums=1, keep_unused=True)
+
+    def __call__(self) -> jax.Array:
+        self.y = self.fn(self.x, self.y)
+        return self.y
+
+
+class _ManyCopies:
+    """``boxes`` copies of ``box_bytes`` each on every device (a pack-like program: slices of a
+    source at offsets read from a table, written into a donated buffer), or one copy of them
+    all. The offsets are data, as in the executor's programs, so XLA cannot merge the copies."""
+
+    def __init__(self, devices: Sequence[jax.Device], boxes: int, box_bytes: int, *, one: bool):
+        n, words = len(devices), box_bytes // 4
+        mesh = Mesh(np.array(list(devices)), ("g",))
+        s = NamedSharding(mesh, P("g"))
+        make = jax.jit(lambda: jnp.ones((n * boxes * words,), jnp.uint32), out_shardings=s)
+        self.x, self.y = make(), make()
+        order = np.random.default_rng(0).permutation(boxes).astype(np.int32) * words
+        self.starts = jax.device_put(np.tile(order, n), s)
+
+        def body(x: jax.Array, y: jax.Array, starts: jax.Array) -> jax.Array:
+            if one:
+                return lax.dynamic_update_slice(y, x, (np.int32(0),))
+            for i in range(boxes):
+                piece = lax.dynamic_slice(x, (starts[i],), (words,))
+                y = lax.dynamic_update_slice(y, piece, (np.int32(i * words),))
+            return y
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g"), P("g"), P("g")), out_specs=P("g"))
+        self.fn = jax.jit(mapped, donate_argnums=1)
+
+    def __call__(self) -> jax.Array:
+        self.y = self.fn(self.x, self.y, self.starts)
+        return self.y
+
+
+class _BoxCopy:
+    """Half the columns of a float32 matrix written into a donated flat buffer (a pack), on
+    the first ``k`` devices at once: the executor copies boxes, not whole buffers."""
+
+    def __init__(self, devices: Sequence[jax.Device], nbytes: int):
+        n = len(devices)
+        rows, cols = 1024, max(2, nbytes // 4 // 1024 * 2)
+        mesh = Mesh(np.array(list(devices)), ("g",))
+        s2, s1 = NamedSharding(mesh, P("g", None)), NamedSharding(mesh, P("g"))
+        half = cols // 2
+        self.x = jax.jit(lambda: jnp.ones((n * rows, cols), jnp.float32), out_shardings=s2)()
+        self.y = jax.jit(lambda: jnp.zeros((n * rows * half,), jnp.float32), out_shardings=s1)()
+
+        def body(x: jax.Array, y: jax.Array) -> jax.Array:
+            return lax.dynamic_update_slice(y, x[:, half:].reshape(-1), (np.int32(0),))
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g", None), P("g")), out_specs=P("g"))
+        self.fn = jax.jit(mapped, donate_argnums=1)
+        self.nbytes = n * rows * half * 4
+
+    def __call__(self) -> jax.Array:
+        self.y = self.fn(self.x, self.y)
+        return self.y
+
+
+class _NarrowCopy:
+    """Narrow elements on every device at once, the two ways a bf16 refit copies them:
+    ``cast``: half the columns of a float32 matrix, cast to bfloat16 and written as 32-bit
+    words into a donated flat buffer (a casting pack); else: 32-bit words written as
+    bfloat16 into half the columns of a donated bf16 matrix (an unpack into a bf16 shard)."""
+
+    def __init__(self, devices: Sequence[jax.Device], nbytes: int, *, cast: bool):
+        n = len(devices)
+        rows, cols = 1024, max(4, nbytes // 2 // 1024)  # ``nbytes`` of bf16 in half the columns
+        cols -= cols % 4
+        mesh = Mesh(np.array(list(devices)), ("g",))
+        s2, s1 = NamedSharding(mesh, P("g", None)), NamedSharding(mesh, P("g"))
+        half = cols // 2
+        if cast:
+            self.x = jax.jit(lambda: jnp.ones((n * rows, cols), jnp.float32), out_shardings=s2)()
+            self.y = jax.jit(
+                lambda: jnp.zeros((n * rows * half // 2,), jnp.uint32), out_shardings=s1
+            )()
+
+            def body(x: jax.Array, y: jax.Array) -> jax.Array:
+                bf = x[:, half:].astype(jnp.bfloat16).reshape(-1, 2)
+                words = lax.bitcast_convert_type(bf, jnp.uint32)
+                return lax.dynamic_update_slice(y, words, (np.int32(0),))
+
+            specs = (P("g", None), P("g"))
+        else:
+            self.x = jax.jit(
+                lambda: jnp.ones((n * rows * half // 2,), jnp.uint32), out_shardings=s1
+            )()
+            self.y = jax.jit(lambda: jnp.zeros((n * rows, cols), jnp.bfloat16), out_shardings=s2)()
+
+            def body(x: jax.Array, y: jax.Array) -> jax.Array:
+                bf = lax.bitcast_convert_type(x, jnp.bfloat16).reshape(rows, half)
+                return lax.dynamic_update_slice(y, bf, (np.int32(0), np.int32(half)))
+
+            specs = (P("g"), P("g", None))
+        out = specs[1]
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
+        self.fn = jax.jit(mapped, donate_argnums=1)
+        self.nbytes = n * rows * half * 2
+
+    def __call__(self) -> jax.Array:
+        self.y = self.fn(self.x, self.y)
+        return self.y
+
+
+class _ManyArguments:
+    """One in-place program over ``k`` donated arrays, each sharded over every device: what a
+    pack or unpack pays per leaf it takes, beyond its bytes."""
+
+    def __init__(self, devices: Sequence[jax.Device], k: int):
+        mesh = Mesh(np.array(list(devices)), ("g",))
+        s = NamedSharding(mesh, P("g"))
+        n = len(devices)
+        make = jax.jit(lambda: jnp.zeros((n * 256,), jnp.uint32), out_shardings=s)
+        self.xs = [make() for _ in range(k)]
+        self.fn = jax.jit(
+            lambda *xs: tuple(x.at[0].set(1) for x in xs), donate_argnums=tuple(range(k))
+        )
+
+    def __call__(self) -> Any:
+        self.xs = list(self.fn(*self.xs))
+        return self.xs
+
+
+def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile:
+    """A CPU `Profile` measured on ``devices`` (see the module docstring)."""
+    n = len(devices)
+    big = 16 << 20
+    alone, together = _BoxCopy(devices[:1], big), _BoxCopy(devices, big)
+    copy_one = alone.nbytes / _median(alone, reps)
+    copy_all = together.nbytes / _median(together, reps)
+    half = n // 2
+    pairs = [(i, half + i) for i in range(half)]
+    latency = _median(_Permute(devices, pairs, 4 << 10), reps)  # 4 KiB: the bytes are nothing
+    t_large = _median(_Permute(devices, pairs, big), reps)
+    host_link = len(pairs) * big / max(t_large - latency, 1e-9)
+    t_pair = _median(_Permute(devices, [(0, half)], big), reps)
+    link = big / max(t_pair - latency, 1e-9)
+    packs, unpacks = _NarrowCopy(devices, big, cast=True), _NarrowCopy(devices, big, cast=False)
+    narrow = 2 * packs.nbytes / (_median(packs, reps) + _median(unpacks, reps))
+    args = 128
+    per_argument = max(
+        0.0,
+        (_median(_ManyArguments(devices, args), reps) - _median(_ManyArguments(devices, 1), reps))
+        / (args - 1),
+    )
+    boxes, box = 128, 16 << 10
+    t_many = _median(_ManyCopies(devices, boxes, box, one=False), reps)
+    t_one = _median(_ManyCopies(devices, boxes, box, one=True), reps)
+    per_copy = max(0.0, (t_many - t_one) / (boxes * n))
+    measured = dataclasses.replace(
+        PROFILES["cpu"],
+        name="cpu (measured)",
+        domain_size=n,
+        host_size=n,
+        intra_bandwidth=link,
+        inter_bandwidth=link,
+        round_latency=latency,
+        copy_bandwidth=copy_one,
+        host_copy_bandwidth=copy_all,
+        host_link_bandwidth=host_link,
+        narrow_copy_bandwidth=narrow,
+        copy_overhead=per_copy,
+        argument_overhead=per_argument,
+        bucket_overhead=0.0,
+        sources=(
+            ("intra_bandwidth", "measured: one collective-permute pair of 16 MiB"),
+            ("round_latency", "measured: a collective-permute round of 4 pairs of 4 KiB"),
+            (
+                "copy_bandwidth",
+                "measured: 16 MiB of half the columns of a matrix copied into "
+                "a donated buffer, one device",
+            ),
+            ("host_copy_bandwidth", f"measured: the same on all {n} devices at once"),
+            ("host_link_bandwidth", "measured: 4 pairs of 16 MiB, less the latency"),
+            (
+                "narrow_copy_bandwidth",
+                "measured: a f32 -> bf16 cast and a bf16 copy of 16 MiB "
+                "per device, all devices at once",
+            ),
+            (
+                "copy_overhead",
+                f"measured: {boxes} copies of 16 KiB against one, per copy summed over the host",
+            ),
+            ("bucket_overhead", "measured: a one-bucket 4 KiB refit less its modeled rounds"),
+        ),
+    )
+    return dataclasses.replace(measured, bucket_overhead=_bucket_overhead(devices, measured, reps))
+
+
+def _bucket_overhead(devices: Sequence[jax.Device], profile: Profile, reps: int) -> float:
+    half = len(devices) // 2
+    src = NamedSharding(Mesh(np.array(devices[:half]), ("a",)), P("a"))
+    dst = NamedSharding(Mesh(np.array(devices[half:]), ("b",)), P(None))
+    x = jax.jit(lambda: jnp.ones((1024,), jnp.float32), out_shardings=src)()
+    plan = jr.plan(x, dst)
+    out = [plan(x)]
+
+    def step() -> jax.Array:
+        out[0] = plan(x, donate=out[0])
+        return out[0]
+
+    measured = _median(step, reps * 4)
+    bare = modeled(plan, profile).seconds
+    return max(0.0, (measured - bare) / max(1, plan.stats.buckets))
+
+
+def modeled(plan: jr.Plan, profile: Profile) -> costmodel.ModeledTime:
+    """``plan``'s schedule priced with ``profile`` on its own devices."""
+    topology: Topology = dataclasses.replace(
+        plan.topology,
+        intra_bandwidth=profile.intra_bandwidth,
+        inter_bandwidth=profile.inter_bandwidth,
+        round_latency=profile.round_latency,
+    )
+    return costmodel.modeled_time(
+        plan.schedule, topology, profile, leaves=plan.leaves, local=plan.assignment.local
+    )
+
+
+# -------------------------------------------------------------------------------- the check
+
+
+def check(
+    names: Sequence[str], profile: Profile, devices: Sequence[jax.Device], args: Any, reps: int
+) -> list[Check]:
+    """Model and measure each bench scenario of ``names``."""
+    out = []
+    for name in names:
+        sc = bench.SCENARIOS[name]
+        assert sc.tree is not None
+        tree = sc.tree(args)
+        src_sh, dst_sh = bench.shardings(tree, sc.layouts(len(devices)), devices)
+        src = bench.make_source(tree, src_sh)
+        plan = jr.plan(src, dst_sh, dtype=sc.dtype)
+        out_tree = [plan(src)]
+
+        def step(plan: jr.Plan = plan, src: Any = src, out_tree: list[Any] = out_tree) -> Any:
+            out_tree[0] = plan(src, donate=out_tree[0])
+            return out_tree[0]
+
+        measured = _median(step, reps)
+        out.append(Check(name, modeled(plan, profile), measured, plan.stats.buckets))
+        jax.block_until_ready(out_tree[0])
+        for leaf in (*jax.tree.leaves(out_tree[0]), *jax.tree.leaves(src)):
+            leaf.delete()
+        plan.free_staging()
+    return out
+
+
+def format_profile(p: Profile) -> str:
+    rows = [
+        ("one link (a pair alone)", f"{p.intra_bandwidth / GB:.2f} GB/s"),
+        ("round latency", f"{p.round_latency * 1e3:.3f} ms"),
+        ("messages on the host, together", f"{(p.host_link_bandwidth or math.inf) / GB:.2f} GB/s"),
+        ("copy, one device", f"{p.copy_bandwidth / GB:.2f} GB/s"),
+        ("copy, every device together", f"{(p.host_copy_bandwidth or math.inf) / GB:.2f} GB/s"),
+        ("bf16 / cast copy, together", f"{(p.narrow_copy_bandwidth or math.inf) / GB:.2f} GB/s"),
+        ("per box copied", f"{p.copy_overhead * 1e6:.2f} us"),
+        ("per array a program takes", f"{p.argument_overhead * 1e6:.2f} us"),
+        ("per bucket", f"{p.bucket_overhead * 1e3:.3f} ms"),
+    ]
+    return "\n".join(f"  {k:<32} {v}" for k, v in rows)
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    head = (
+        f"  {'scenario':<24} {'buckets':>7} {'modeled':>9} {'measured':>9} {'ratio':>6}  "
+        "parts (rounds / pack / unpack / local / buckets, ms)"
+    )
+    lines = [head]
+    for c in checks:
+        m = c.modeled
+        parts = " / ".join(
+            f"{x * 1e3:.1f}" for x in (m.transfer, m.pack, m.unpack, m.local, m.overhead)
+        )
+        lines.append(
+            f"  {c.scenario:<24} {c.buckets:>7} {m.seconds * 1e3:>7.1f}ms "
+            f"{c.measured_s * 1e3:>7.1f}ms "
+            f"{c.ratio:>6.2f}  {parts}  {'within' if c.within else 'OUTSIDE'} +-{TOLERANCE:.0%}"
+        )
+    return "\n".join(lines)
+
+
+def run(
+    *, names: Sequence[str] = SCENARIOS, reps: int = 7, size_mib: float | None = None
+) -> dict[str, Any]:
+    """Measure the profile, check every scenario, print both; returns them as a JSON record."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        raise SystemExit(
+            "the calibration needs several devices: run with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        )
+    argv = ["--no-progress"] + ([] if size_mib is None else ["--size-mib", str(size_mib)])
+    args = bench.parse_args(argv)
+    profile = measure_profile(devices)
+    print(f"CPU profile measured on {len(devices)} {devices[0].platform} devices:")
+    print(format_profile(profile), flush=True)
+    checks = check(names, profile, devices, args, reps)
+    print("\nmodel (with that profile) against the measured executor, median of donated refits:")
+    print(format_checks(checks))
+    return {
+        "profile": {
+            f.name: getattr(profile, f.name)
+            for f in dataclasses.fields(profile)
+            if f.name not in ("sources", "source")
+        },
+        "checks": [
+            {
+                "scenario": c.scenario,
+                "modeled_s": c.modeled.seconds,
+                "measured_s": c.measured_s,
+                "ratio": c.ratio,
+                "within": c.within,
+                "buckets": c.buckets,
+                "parts_s": {
+                    "transfer": c.modeled.transfer,
+                    "pack": c.modeled.pack,
+                    "unpack": c.modeled.unpack,
+                    "local": c.modeled.local,
+                    "bucket_overhead": c.modeled.overhead,
+                },
+            }
+            for c in checks
+        ],
+    }
