@@ -68,9 +68,9 @@ PLANNER_MUTANTS = [
                 "                        local.append(LocalCopy(index, d, common))",
             ),
             (
-                "                        senders = _closest(replicas, d, closeness)\n",
-                "                        senders = _closest(\n"
-                "                            tuple(s for s in replicas if s != d), d, closeness\n"
+                "                        senders = closeness(replicas, d)\n",
+                "                        senders = closeness(\n"
+                "                            tuple(s for s in replicas if s != d), d\n"
                 "                        )\n",
             ),
         ),
@@ -97,7 +97,7 @@ PLANNER_MUTANTS = [
         "route-no-pair-preference",
         ROUTE,
         (
-            ("(s, demand.dst) in pairs", "(s, demand.dst) in ()"),
+            ("near = paired_with[demand.dst]", "near: set[int] = set()"),
             ("(s, d.dst) in pairs", "(s, d.dst) in ()"),
         ),
         (f"{T_ROUTE}::test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf",),

@@ -11,6 +11,7 @@ import math
 from collections import defaultdict
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import assert_reference_exact, leaf_spec
@@ -144,9 +145,22 @@ def test_mixed_dtypes_keep_elements_whole_across_chunks():
     check_plan(leaves, bucket_bytes=48)
 
 
-def test_colour_rounds_meets_the_konig_bound():
+def _random_multigraphs():
+    """Multigraphs of the shapes the colouring takes shortcuts on, and a plain one."""
     rng = np.random.default_rng(1)
-    mult = {(int(s), int(d)): int(rng.integers(1, 4)) for s in range(6) for d in range(6, 12)}
+    plain = {(int(s), int(d)): int(rng.integers(1, 4)) for s in range(6) for d in range(6, 12)}
+    groups = {}  # relay stages: disjoint groups, every device sends to and receives from the rest
+    for g, (k, n) in enumerate([(3, 5), (4, 7), (2, 1), (5, 6)]):
+        members = range(10 * g, 10 * g + k)
+        groups |= {(s, d): n + int(rng.integers(0, 2)) for s in members for d in members if s != d}
+    equal = {(s, d): 6 for s in range(4) for d in range(4) if s != d}  # one common factor
+    nearly = {(s, d): 9 + (s + d) % 2 for s in range(5) for d in range(5, 10)}
+    return {"plain": plain, "groups": groups, "equal": equal, "nearly-equal": nearly}
+
+
+@pytest.mark.parametrize("name", sorted(_random_multigraphs()))
+def test_colour_rounds_meets_the_konig_bound(name):
+    mult = _random_multigraphs()[name]
     rounds = colour_rounds(mult)
     send = defaultdict(int)
     recv = defaultdict(int)
@@ -154,13 +168,13 @@ def test_colour_rounds_meets_the_konig_bound():
         send[s] += n
         recv[d] += n
     assert len(rounds) == max(*send.values(), *recv.values())
-    seen = defaultdict(set)
+    seen = defaultdict(list)
     for entries in rounds:
         assert len({s for (s, _), _ in entries}) == len(entries)
         assert len({d for (_, d), _ in entries}) == len(entries)
         for pair, k in entries:
-            seen[pair].add(k)
-    assert {p: len(ks) for p, ks in seen.items()} == mult
+            seen[pair].append(k)
+    assert {p: sorted(ks) for p, ks in seen.items()} == {p: list(range(n)) for p, n in mult.items()}
 
 
 @st.composite

@@ -390,3 +390,26 @@ def test_results_are_deterministic():
     b = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
     assert a.rounds == b.rounds and a.stats == b.stats
     assert np.isclose(a.modeled.seconds, b.modeled.seconds)
+
+
+def test_calibration_prices_a_real_plans_schedule(devices):
+    """`--calibrate` prices `jr.plan`'s own schedule: every bucket and round of it, each
+    message's segments (a cast leaf takes the narrow path), and the parts add up."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxreshard as jr
+    from jaxreshard.tools import calibrate
+
+    src = NamedSharding(Mesh(np.array(devices[:4]).reshape(2, 2), ("f", "t")), P("f", "t"))
+    dst = NamedSharding(Mesh(np.array(devices[4:]), ("t",)), P(None, "t"))
+    tree = {"w": jax.jit(lambda: jnp.ones((256, 512), jnp.float32), out_shardings=src)()}
+    plan = jr.plan(tree, {"w": dst}, bucket_bytes=64 << 10)
+    slow = dataclasses.replace(PROFILES["cpu"], narrow_copy_bandwidth=1e6)
+    m = calibrate.modeled(plan, slow)
+    assert (m.buckets, m.rounds) == (plan.stats.buckets, plan.stats.rounds) and m.buckets > 1
+    assert m.seconds == pytest.approx(m.transfer + m.pack + m.unpack + m.local + m.overhead)
+    cast = jr.plan(tree, {"w": dst}, bucket_bytes=64 << 10, dtype=jnp.bfloat16)
+    assert calibrate.modeled(cast, slow).pack > 10 * calibrate.modeled(cast, PROFILES["cpu"]).pack

@@ -34,7 +34,10 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 def box_size(box: Box) -> int:
     """Number of elements in a box (1 for the scalar box ``()``)."""
-    return math.prod(box_shape(box))
+    n = 1
+    for start, stop in box:  # called millions of times when planning thousands of GPUs
+        n *= stop - start
+    return n
 
 
 def intersect(a: Box, b: Box) -> Box | None:

@@ -20,6 +20,7 @@ of the devices that hold it, chosen with the plan's `Topology` (`route`):
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -123,10 +124,16 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
         optimum[sender] += nbytes
     plain = _hand_out(demands, dict(quota), None)
     paired = _hand_out(demands, dict(quota), max(optimum.values(), default=0))
-    options = [_rotate(demands), paired, plain]
-    best = min(_busiest(sent) for sent in options)
-    balanced = [sent for sent in options if _busiest(sent) <= best * (1 + BALANCE_SLACK)]
-    chosen = min(balanced, key=lambda sent: (_pairs(sent), _busiest(sent), _shapes(sent)))
+    options = [(sent, _busiest(sent)) for sent in (_rotate(demands), paired, plain)]
+    best = min(busiest for _, busiest in options)
+    balanced = [
+        (_pairs(sent), busiest, sent)
+        for sent, busiest in options
+        if busiest <= best * (1 + BALANCE_SLACK)
+    ]
+    fewest = min((pairs, busiest) for pairs, busiest, _ in balanced)
+    tied = [sent for pairs, busiest, sent in balanced if (pairs, busiest) == fewest]
+    chosen = tied[0] if len(tied) == 1 else min(tied, key=_shapes)  # shapes: only for ties
     return sorted((s.piece for s in chosen), key=lambda p: (p.src, p.dst, p.leaf, p.box))
 
 
@@ -193,6 +200,27 @@ def _hand_out(
     )
     paired_with: dict[int, set[int]] = defaultdict(set)  # receiver -> its senders so far
     members: dict[tuple[int, ...], frozenset[int]] = {}
+    heaps: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+
+    def key(group: tuple[int, ...], s: int) -> tuple[int, int, int]:
+        return (quota[group, s], -load[s], -s)
+
+    def most_left(group: tuple[int, ...]) -> int:
+        """The member with the most quota left (then the least loaded, then the lowest id),
+        from a lazy heap of negated keys: keys only ever fall (quotas shrink, loads grow), so
+        a top entry whose key is still current is the best; a stale one goes back updated."""
+        heap = heaps.get(group)
+        if heap is None:
+            heap = heaps[group] = [(-quota[group, s], load[s], s) for s in group]
+            heapq.heapify(heap)
+        while True:
+            stored = heap[0]
+            s = stored[2]
+            now = (-quota[group, s], load[s], s)
+            if now == stored:
+                return s
+            heapq.heapreplace(heap, now)
+
     for demand in ordered:
         group = demand.candidates
         paired = []
@@ -205,7 +233,10 @@ def _hand_out(
                 member = members.get(group) or members.setdefault(group, frozenset(group))
                 paired = [s for s in near if s in member]
             paired = [s for s in paired if load[s] + demand.nbytes <= limit]
-        best = max(paired or group, key=lambda s: (quota[group, s], -load[s], -s))
+        if paired or len(group) < 8:
+            best = max(paired or group, key=lambda s: key(group, s))
+        else:
+            best = most_left(group)
         if len(group) == 1 or paired or quota[group, best] >= demand.nbytes:
             parts = [(best, demand.box)]
         else:

@@ -763,7 +763,9 @@ def _class_rounds(
                 busy_dst[d] |= 1 << r
                 left[s, d] -= 1
         new = colour_rounds({p: n for p, n in left.items() if n})
-        rounds = [(chunk, [(p, full[p] - left[p] + k) for p, k in entries]) for entries in new]
+        if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
+            new = [[(p, full[p] - left[p] + k) for p, k in entries] for entries in new]
+        rounds = [(chunk, entries) for entries in new]
         tails = {p: n % chunk for p, n in mine.items() if n % chunk}
         for size, entries in rounds + _tail_rounds(tails, full, chunk if ladder else None):
             r = len(out)
@@ -924,14 +926,49 @@ def colour_rounds(
 
     The colours used at each device are kept as one integer bit mask, so finding a free colour
     is a few integer operations even with thousands of rounds (a 256-device plan of a 671B
-    model has ~10^5 chunks in ~10^3 rounds).
+    model has ~10^5 chunks in ~10^3 rounds). Without ``order``, parts that share no device are
+    coloured apart, and a graph whose pairs share a chunk count (or all but a remainder) is
+    coloured once and repeated, in each case with no more rounds than the busiest device's
+    count: thousands of GPUs' relay stages become many small colourings.
     """
-    send_deg: dict[int, int] = defaultdict(int)
-    recv_deg: dict[int, int] = defaultdict(int)
-    for (s, d), n in multiplicity.items():
-        send_deg[s] += n
-        recv_deg[d] += n
-    colours = max([*send_deg.values(), *recv_deg.values(), 0])
+    if order is None:
+        # Parts that share no device are coloured apart and their rounds laid side by side:
+        # round r of the whole is round r of every part, so it still takes as many rounds as
+        # its busiest device (each part needs its own busiest device's count). A relay stage
+        # falls apart into its fan-out groups, each small.
+        parts = _components(multiplicity)
+        if len(parts) > 1:
+            merged: list[list[tuple[tuple[int, int], int]]] = []
+            for part in parts:
+                for r, entries in enumerate(colour_rounds(part)):
+                    if r == len(merged):
+                        merged.append([])
+                    merged[r].extend(entries)
+            return [sorted(entries) for entries in merged]
+    # A multigraph whose multiplicities share a factor g is g copies of a smaller one: colour
+    # that once and run each of its rounds g times (the pairs of one fan-out group all carry
+    # the same number of chunks: thousands of chunks become a few edges).
+    g = functools.reduce(math.gcd, multiplicity.values(), 0)
+    base = min(multiplicity.values(), default=0)
+    if g == 1 and base > 1 and order is None:
+        # Nearly equal multiplicities (one fan-out group's parts differ by a chunk): colour
+        # every pair once, run those rounds ``base`` times, then colour what is left. Used only
+        # where it needs no more rounds than the whole: the once-each graph is regular.
+        once = {p: 1 for p in multiplicity}
+        rest = {p: n - base for p, n in multiplicity.items() if n > base}
+        if base * _max_degree(once) + _max_degree(rest) == _max_degree(multiplicity):
+            each = colour_rounds(once)
+            repeated = [[(p, copy) for p, _ in entries] for copy in range(base) for entries in each]
+            left = colour_rounds(rest) if rest else []
+            return repeated + [[(p, base + k) for p, k in entries] for entries in left]
+    if g > 1:
+        reduced = colour_rounds({p: n // g for p, n in multiplicity.items()}, order)
+        return [  # copy c moves chunks c * n/g .. of each pair, in stream order
+            [(p, copy * (multiplicity[p] // g) + k) for p, k in entries]
+            for copy in range(g)
+            for entries in reduced
+        ]
+    colours = _max_degree(multiplicity)
     every = (1 << colours) - 1
     g = _Colouring()
     for s, d in order if order is not None else sorted(multiplicity):
@@ -961,6 +998,40 @@ def colour_rounds(
             seen[pair] += 1
         out.append(entries)
     return out
+
+
+def _max_degree(multiplicity: Mapping[tuple[int, int], int]) -> int:
+    """The most chunks one device sends, or receives."""
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    for (s, d), n in multiplicity.items():
+        send[s] += n
+        recv[d] += n
+    return max([*send.values(), *recv.values(), 0])
+
+
+def _components(
+    multiplicity: Mapping[tuple[int, int], int],
+) -> list[dict[tuple[int, int], int]]:
+    """The pairs split into groups that share no device (union-find on device ids), each in
+    sorted pair order, the groups in order of their first pair."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for s, d in multiplicity:
+        a, b = find(s), find(d)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    groups: dict[int, dict[tuple[int, int], int]] = {}
+    for pair in sorted(multiplicity):
+        groups.setdefault(find(pair[0]), {})[pair] = multiplicity[pair]
+    return list(groups.values())
 
 
 def _lowest_free(used: int) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
@@ -66,7 +66,7 @@ def schedule_cost(schedule: Schedule | RoundPlan, topology: Topology) -> Schedul
     size over its slowest message's bandwidth, plus the round latency."""
     seconds, rounds, slow = 0.0, 0, 0
     wire = {True: 0, False: 0}
-    for bucket in schedule.rounds_by_bucket():
+    for bucket in _buckets(schedule):
         for size, pairs in bucket:
             n_cross = sum(topology.crosses(s, d) for s, d in pairs)
             wire[True] += n_cross * size
@@ -234,7 +234,7 @@ def modeled_time(
     with_segments = leaves is not None and isinstance(schedule, Schedule)
     transfer = pack = unpack = overhead = 0.0
     buckets = rounds = 0
-    for b, bucket in enumerate(schedule.rounds_by_bucket()):
+    for b, bucket in enumerate(_buckets(schedule)):
         sent, got = _Copies(), _Copies()
         moved = 0.0
         for size, pairs in bucket:
@@ -246,10 +246,12 @@ def modeled_time(
                         on_host[host[s]] += size
                 link = max(link, max(on_host.values(), default=0) / profile.host_link_bandwidth)
             moved += profile.round_latency + link
-            if not with_segments:
+            if not with_segments:  # each slot one wide box (inlined: millions at scale)
                 for s, d in pairs:
-                    sent.add(s, size, narrow=False)
-                    got.add(d, size, narrow=False)
+                    sent.wide[s] += size
+                    sent.boxes[s] += 1
+                    got.wide[d] += size
+                    got.boxes[d] += 1
             rounds += 1
         # Arrays the bucket's programs take: staging (pack writes it, the transfer reads and
         # receives into it, unpack reads it), and the leaves pack reads and unpack writes.
@@ -289,6 +291,20 @@ def modeled_time(
     return ModeledTime(total, transfer, pack, unpack, local_s, overhead, buckets, rounds)
 
 
+def _buckets(schedule: Schedule | RoundPlan) -> Iterator[Sequence[tuple[int, Sequence[Pair]]]]:
+    """Per bucket, its rounds as ``(slot_bytes, pairs)``: `rounds_by_bucket`, without sorting
+    a `RoundPlan`'s pairs (the cost model does not need their order; a 4,096-GPU plan has
+    millions)."""
+    if isinstance(schedule, RoundPlan):
+        for b in schedule.buckets:
+            yield [(size, [p for p, _ in entries]) for size, entries in b.rounds]
+    else:
+        yield from schedule.rounds_by_bucket()
+
+
+Pair = tuple[int, int]
+
+
 def _narrow(leaf: LeafSpec) -> bool:
     """Whether the leaf's copies take the narrow-element path (below 4 bytes, or a cast)."""
     return leaf.itemsize < 4 or leaf.src_dtype != leaf.dst_dtype
@@ -298,35 +314,39 @@ class _Copies:
     """What each device copies in one step: wide bytes, narrow bytes and boxes."""
 
     def __init__(self) -> None:
-        self.by_device: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.wide: dict[int, int] = defaultdict(int)
+        self.narrow: dict[int, int] = defaultdict(int)
+        self.boxes: dict[int, int] = defaultdict(int)
 
     def add(self, device: int, nbytes: int, *, narrow: bool) -> None:
-        entry = self.by_device[device]
-        entry[int(narrow)] += nbytes
-        entry[2] += 1
+        (self.narrow if narrow else self.wide)[device] += nbytes
+        self.boxes[device] += 1
 
     def time(self, host: Mapping[int, int], profile: Profile) -> float:
         """Seconds for every device's copies at once: the slowest device, or where a host's
         devices share it (``host_copy_bandwidth``), the slowest host doing all of its own."""
-        narrow_bw = profile.narrow_copy_bandwidth
-        if profile.host_copy_bandwidth is None:
-            groups = {d: [e] for d, e in self.by_device.items()}
-            wide_bw = profile.copy_bandwidth
-        else:
-            groups = defaultdict(list)
-            for d, e in self.by_device.items():
-                groups[host[d]].append(e)
+        if not self.boxes:
+            return 0.0
+        wide, narrow, boxes = self.wide, self.narrow, self.boxes
+        wide_bw = profile.copy_bandwidth
+        if profile.host_copy_bandwidth is not None:  # sum each host's devices
             wide_bw = profile.host_copy_bandwidth
-        narrow_bw = wide_bw if narrow_bw is None else narrow_bw
-        return max(
-            (
-                sum(w for w, _, _ in es) / wide_bw
-                + sum(n for _, n, _ in es) / narrow_bw
-                + sum(c for _, _, c in es) * profile.copy_overhead
-                for es in groups.values()
-            ),
-            default=0.0,
+            wide, narrow, boxes = (_by_host(x, host) for x in (wide, narrow, boxes))
+        narrow_bw = (
+            wide_bw if profile.narrow_copy_bandwidth is None else profile.narrow_copy_bandwidth
         )
+        per = profile.copy_overhead
+        return max(
+            wide.get(k, 0) / wide_bw + narrow.get(k, 0) / narrow_bw + n * per
+            for k, n in boxes.items()
+        )
+
+
+def _by_host(per_device: Mapping[int, int], host: Mapping[int, int]) -> dict[int, int]:
+    out: dict[int, int] = defaultdict(int)
+    for d, n in per_device.items():
+        out[host[d]] += n
+    return out
 
 
 # -------------------------------------------------------------------------------- baselines

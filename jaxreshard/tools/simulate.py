@@ -1,14 +1,16 @@
 """Plan reshards of real models on virtual GPU clusters and price them with the cost model.
 
     python -m jaxreshard.simulate --scenario deepseek-v3
-    python -m jaxreshard.simulate --all
+    python -m jaxreshard.simulate --all --json out.json
     python -m jaxreshard.simulate --model llama-3.1-70b --src FSDP64 --dst "TP8 DP8" \\
-        --topology h100
+        --topology h100 --placement contiguous
     python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + build_schedule time
+    python -m jaxreshard.simulate --calibrate  # the model against this machine's executor
 
-Nothing runs on a device (importing the package still loads JAX): layouts are built on integer
-device ids, the planner and scheduler run as `jaxreshard.plan` runs them, and
-`jaxreshard.costmodel` prices the schedule, the lower bound and the baselines.
+Nothing runs on a device (importing the package still loads JAX; ``--calibrate`` aside):
+layouts are built on integer device ids, the planner and scheduler run as `jaxreshard.plan`
+runs them, and `jaxreshard.tools.costmodel` prices the schedule (overheads included), the
+physical bound and the baselines. Every time it prints is modeled.
 
 Parameter inventories follow the models' public configs (Hugging Face ``config.json``); each
 kind of layer weight is one leaf stacked over its layers, so pipeline parallelism is a sharded
