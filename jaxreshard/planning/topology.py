@@ -103,6 +103,26 @@ _BUCKET = (
     "so this overlaps the devices' work"
 )
 
+
+def _gpu_sources(copy_bandwidth: str) -> tuple[tuple[str, str], ...]:
+    """The sources of a GPU profile's figures; only the HBM speed differs between them."""
+    return (
+        ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
+        ("intra_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+        ("inter_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+        ("copy_bandwidth", copy_bandwidth),
+        ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
+        ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
+        ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
+        ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
+        ("launch_overhead", _LAUNCH),
+        ("bucket_overhead", _BUCKET),
+        ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
+        ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
+        ("overlap_links", "NVLink and the NIC are separate engines; NCCL drives both at once"),
+    )
+
+
 PROFILES: dict[str, Profile] = {
     "h100": Profile(
         name="h100",
@@ -122,24 +142,9 @@ PROFILES: dict[str, Profile] = {
         launch_overhead=5e-6,
         bucket_overhead=150e-6,
         argument_overhead=2e-6,
-        sources=(
-            ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
-            ("intra_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
-            ("inter_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
-            (
-                "copy_bandwidth",
-                "H100 SXM5 datasheet: HBM3 3.35 TB/s; a copy reads and writes "
-                "each byte (half of it), at 85% of peak (assumption)",
-            ),
-            ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
-            ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
-            ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
-            ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
-            ("launch_overhead", _LAUNCH),
-            ("bucket_overhead", _BUCKET),
-            ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
-            ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
-            ("overlap_links", "NVLink and the NIC are separate engines; NCCL drives both at once"),
+        sources=_gpu_sources(
+            "H100 SXM5 datasheet: HBM3 3.35 TB/s; a copy reads and writes each byte (half of "
+            "it), at 85% of peak (assumption)"
         ),
     ),
     "cpu": Profile(
@@ -209,24 +214,9 @@ PROFILES: dict[str, Profile] = {
         launch_overhead=5e-6,
         bucket_overhead=150e-6,
         argument_overhead=2e-6,
-        sources=(
-            ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
-            ("intra_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
-            ("inter_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
-            (
-                "copy_bandwidth",
-                "GB200 NVL72 specifications: HBM3e 8 TB/s per GPU; a copy reads "
-                "and writes each byte, at 85% of peak (assumption)",
-            ),
-            ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
-            ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
-            ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
-            ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
-            ("launch_overhead", _LAUNCH),
-            ("bucket_overhead", _BUCKET),
-            ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
-            ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
-            ("overlap_links", "NVLink and the NIC are separate engines; NCCL drives both at once"),
+        sources=_gpu_sources(
+            "GB200 NVL72 specifications: HBM3e 8 TB/s per GPU; a copy reads and writes each "
+            "byte, at 85% of peak (assumption)"
         ),
     ),
 }

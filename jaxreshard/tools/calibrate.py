@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,18 +77,10 @@ class Check:
 
 
 def _median(fn: Any, reps: int, passes: int = 2) -> float:
-    """The lower of ``passes`` medians of ``reps`` awaited calls (after one untimed call): load
-    from elsewhere on the machine only ever adds time, so the quieter pass is the figure."""
-    jax.block_until_ready(fn())
-    medians = []
-    for _ in range(passes):
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return min(medians)
+    """The lower of ``passes`` medians (`bench._median_time`: ``reps`` awaited calls after an
+    untimed one): load from elsewhere on the machine only ever adds time, so the quieter pass
+    is the figure."""
+    return min(bench._median_time(fn, reps) for _ in range(passes))
 
 
 class _Permute:
@@ -387,9 +377,7 @@ def format_checks(checks: Sequence[Check]) -> str:
     lines = [head]
     for c in checks:
         m = c.modeled
-        parts = " / ".join(
-            f"{x * 1e3:.1f}" for x in (m.transfer, m.pack, m.unpack, m.local, m.overhead)
-        )
+        parts = " / ".join(f"{x * 1e3:.1f}" for x in m.parts().values())
         lines.append(
             f"  {c.scenario:<24} {c.buckets:>7} {m.seconds * 1e3:>7.1f}ms "
             f"{c.measured_s * 1e3:>7.1f}ms "
@@ -430,13 +418,7 @@ def run(
                 "ratio": c.ratio,
                 "within": c.within,
                 "buckets": c.buckets,
-                "parts_s": {
-                    "transfer": c.modeled.transfer,
-                    "pack": c.modeled.pack,
-                    "unpack": c.modeled.unpack,
-                    "local": c.modeled.local,
-                    "bucket_overhead": c.modeled.overhead,
-                },
+                "parts_s": c.modeled.parts(),
             }
             for c in checks
         ],

@@ -41,6 +41,9 @@ from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
 from jaxreshard.planning.schedule import RoundPlan, Schedule
 from jaxreshard.planning.topology import Profile, Topology
 
+Pair = tuple[int, int]
+"""``(sender, receiver)`` device ids."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleCost:
@@ -200,6 +203,16 @@ class ModeledTime:
     buckets: int
     rounds: int
 
+    def parts(self) -> dict[str, float]:
+        """The parts of ``seconds`` by name (JSON records)."""
+        return {
+            "transfer": self.transfer,
+            "pack": self.pack,
+            "unpack": self.unpack,
+            "local": self.local,
+            "bucket_overhead": self.overhead,
+        }
+
 
 def modeled_time(
     schedule: Schedule | RoundPlan,
@@ -300,9 +313,6 @@ def _buckets(schedule: Schedule | RoundPlan) -> Iterator[Sequence[tuple[int, Seq
             yield [(size, [p for p, _ in entries]) for size, entries in b.rounds]
     else:
         yield from schedule.rounds_by_bucket()
-
-
-Pair = tuple[int, int]
 
 
 def _narrow(leaf: LeafSpec) -> bool:
