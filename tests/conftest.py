@@ -9,6 +9,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest
+from hypothesis import settings
+
+# The same examples on every run (CI and here): a property test that asserts how its examples
+# are distributed, or that fails on a rare example, must not pass or fail by chance. Set
+# HYPOTHESIS_PROFILE=explore to draw fresh examples.
+settings.register_profile("fixed", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 # A script (the mutation check, tests/mutants.md), not a test module: never collect it.
 collect_ignore = ["mutants.py"]

@@ -12,6 +12,7 @@ import math
 from collections import Counter, defaultdict
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy)
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -282,3 +283,88 @@ def test_random_layouts_lower_exactly():
     print(f"distribution: {dict(seen)}")
     # Measured: 60-75% over runs of 80 examples.
     assert seen["several senders, receivers and steps"] >= 0.5 * seen["examples"], seen
+
+
+# ------------------------------------------------------------------- pipelined relays (stage 1)
+
+TWO_DOMAINS = Topology.from_groups([range(4), range(4, 8)])
+
+
+def _relays_forward_only_what_arrived(leaves, schedule):
+    """Oracle: walking the buckets in order, every relay segment (read from its sender's
+    destination shard) lies inside what that sender had received in earlier buckets."""
+    from oracles import mask
+
+    got: dict[tuple[int, int], np.ndarray] = {}
+    for bucket in schedule.buckets:
+        for m in bucket.messages:
+            for seg in m.segments:
+                if seg.from_dst:
+                    have = got.get((m.src, seg.leaf))
+                    want = mask(leaves[seg.leaf].shape, seg.box)
+                    assert have is not None and not (want & ~have).any(), (m.src, seg)
+        for m in bucket.messages:
+            for seg in m.segments:
+                key = (m.dst, seg.leaf)
+                got.setdefault(key, np.zeros(leaves[seg.leaf].shape, bool))
+                got[key] |= mask(leaves[seg.leaf].shape, seg.box)
+
+
+def test_relays_run_beside_the_next_units_cross_domain_sends():
+    """With fan-out, each unit's relays move into the next unit and share its buckets: a
+    bucket then holds rounds that cross domains (the next layer's bytes) and rounds inside the
+    destination domain (the last layer's relays). Exact, and no relay forwards a byte before
+    it arrived."""
+    leaves = gpt(FSDP_TP, DP_TP, layers=4)
+    schedule, lowered = plan(leaves, bucket_bytes=1 << 14, topology=TWO_DOMAINS, fan_out=True)
+    assert_lowered_exact(leaves, lowered)
+    _relays_forward_only_what_arrived(leaves, schedule)
+    overlapping = [u for u in schedule.units if u.overlap]
+    assert len(overlapping) >= len(schedule.units) // 2
+    mixed = 0
+    for b in schedule.buckets:
+        crosses = {TWO_DOMAINS.crosses(m.src, m.dst) for m in b.messages}
+        relays = any(seg.from_dst for m in b.messages for seg in m.segments)
+        mixed += crosses == {True, False} and relays
+    assert mixed >= len(schedule.buckets) // 2
+
+
+def test_a_large_leaf_relays_slab_by_slab():
+    """A leaf larger than a bucket is cut into slabs; each slab's relays are cut like the
+    bytes that slab brought, so they run with the next slab instead of after the whole leaf."""
+    leaves = [leaf_spec((256, 64), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))]
+    schedule, lowered = plan(leaves, bucket_bytes=4096, topology=TWO_DOMAINS, fan_out=True)
+    assert_lowered_exact(leaves, lowered)
+    _relays_forward_only_what_arrived(leaves, schedule)
+    with_relays = [u for u in schedule.units if any(p.from_dst for p in u.pieces)]
+    assert len(with_relays) >= 8
+    assert sum(u.overlap for u in schedule.units) >= len(with_relays) - 1
+
+
+def test_relays_without_pipelining_follow_their_own_slab():
+    leaves = [leaf_spec((256, 64), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))]
+    assignment = route(leaves, TWO_DOMAINS, fan_out=True)
+    schedule = build_plan_schedule(
+        leaves, assignment, bucket_bytes=4096, link_class=TWO_DOMAINS.link_class, pipeline=False
+    )
+    assert not any(u.overlap for u in schedule.units)
+    _relays_forward_only_what_arrived(leaves, schedule)
+    assert_lowered_exact(leaves, lower(leaves, schedule, bucket_bytes=4096))
+
+
+def test_slabs_cut_the_dimension_every_sender_spans():
+    """A pipeline-parallel leaf (layers split over the sources, 2 layers each) is cut along a
+    dimension every piece spans, not the layers: every slab then takes bytes from every
+    sender, balanced like the whole leaf (slabs along the layers would leave most senders
+    idle in each)."""
+    pp = ((4,), ("pp",), (0, 1, 2, 3))
+    leaves = [leaf_spec((8, 64, 32), (*pp, ("pp",)), (*TP4, (None, None, "tp")))]
+    schedule, lowered = plan(leaves, bucket_bytes=2048)
+    assert_lowered_exact(leaves, lowered)
+    slabs = [u for u in schedule.units if u.pieces]
+    assert len(slabs) >= 8
+    for unit in slabs:
+        sent = Counter()
+        for p in unit.pieces:
+            sent[p.src] += math.prod(b - a for a, b in p.box)
+        assert set(sent) == {0, 1, 2, 3} and len(set(sent.values())) == 1

@@ -395,6 +395,25 @@ def test_a_receiver_is_served_by_as_few_senders_as_the_balance_allows():
     assert len({(p.src, p.dst) for p in a.pieces}) == 4
 
 
+def test_per_leaf_balance_splits_every_leaf_over_its_replicas():
+    """Two leaves on both replicas, both wanted whole by one receiver. Balanced over the plan,
+    each leaf may come from one replica (the load is even in total); a plan runs unit after
+    unit, so on clusters (``per_leaf``, the default with fan-out) each leaf is balanced on its
+    own: half of each from each replica, to one row."""
+    cases = [Case((64, 8), DP2, (), ((1,), ("r",), (4,)), ())] * 2
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    leaves = [c.leaf(f"leaf{i}") for i, c in enumerate(cases)]
+    for per_leaf, most in ((True, 32 * 8 * 4), (False, 64 * 8 * 4)):
+        a = route(leaves, Topology.from_groups(groups), fan_out=True, per_leaf=per_leaf)
+        check_routing(cases, a, groups)
+        for leaf in (0, 1):
+            sent = Counter()
+            for p in a.pieces:
+                if p.leaf == leaf:
+                    sent[p.src] += size(p.box) * 4
+            assert max(sent.values()) == most, (per_leaf, sent)
+
+
 def boxes(case: Case) -> tuple[Boxes, Boxes]:
     return case.src_boxes, case.dst_boxes
 

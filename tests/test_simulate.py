@@ -93,6 +93,20 @@ def test_modeled_time_hides_host_work_behind_the_devices_when_the_host_runs_ahea
     assert slow.overhead == pytest.approx(10 - 6) and slow.seconds == pytest.approx(10 + 12)
 
 
+def test_a_buckets_rounds_across_and_inside_domains_overlap_where_links_do():
+    """One bucket, two rounds (independent collective-permutes): 50 B from 0 to 4 across
+    (5 B/s: 10 s) and 100 B from 1 to 2 inside (50 B/s: 2 s), 1 s latency each. With NIC
+    and NVLink at once the bucket's transfer is the longer lane (11 s), else both (14 s)."""
+    both = RoundPlan(
+        chunk_bytes=100,
+        class_chunk_bytes=(),
+        buckets=(PlannedBucket(0, ((50, (((0, 4), 0),)), (100, (((1, 2), 0),))), (0, 1)),),
+    )
+    at_once = costmodel.modeled_time(both, topo(), profile(round_latency=1.0))
+    in_turn = costmodel.modeled_time(both, topo(), profile(round_latency=1.0, overlap_links=False))
+    assert (at_once.transfer, in_turn.transfer) == pytest.approx((11, 14))
+
+
 def test_modeled_time_on_a_shared_host_adds_its_devices_copies_and_messages():
     """CPU-like: a host's devices copy 25 B/s together and its messages carry 20 B/s together.
     Second bucket: devices 0 and 1 (one host) pack 50 B each: 100 B at 25 B/s = 4 s, not 1 s;
@@ -313,7 +327,11 @@ def test_small_scenario_respects_its_bounds():
     r = sim.run_scenario("qwen3-4b", materialize=True)
     assert r.stats.bytes_sent == r.stats.bytes_lower_bound > 0
     assert r.modeled.seconds >= r.rounds_only.seconds * 0.85  # overheads only add
-    assert r.rounds_only.seconds <= 1.15 * r.round_model_bound.seconds  # the planner's own model
+    # The executor's plan runs unit after unit (each capped at MAX_UNIT_COPIES copies per
+    # device for compile time), and every unit's rounds pay a latency: on this small model
+    # the rounds are latency-bound, so they stay within 2x of the round-model bound (the
+    # rounds of each unit meet Konig's count: tests/test_lower.py).
+    assert r.rounds_only.seconds <= 2.0 * r.round_model_bound.seconds
     assert r.full_planning_seconds is not None
 
 
@@ -326,7 +344,9 @@ def test_fan_out_scenario_on_a_small_virtual_cluster():
     assert s.bytes_cross_domain == full == r.bound.bytes_cross_needed
     assert s.bytes_relayed == s.bytes_lower_bound - full
     assert s.bytes_sent == s.bytes_lower_bound  # 2 replicas (norms are held by every TP rank)
-    assert r.rounds_only.seconds <= 1.15 * r.round_model_bound.seconds
+    # Each unit's relays run beside the next unit's imports (two lanes), so the rounds take
+    # about the import over the NICs at their 90% efficiency, not imports then relays.
+    assert r.modeled.transfer <= 1.35 * r.bound.seconds < r.round_model_bound.seconds * 1.25
 
 
 def test_two_destination_domains_are_bound_by_the_source_nics():

@@ -20,6 +20,7 @@ of the devices that hold it, chosen with the plan's `Topology` (`route`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from collections import defaultdict
@@ -396,7 +397,13 @@ class _FlowGraph:
 # ---------------------------------------------------------------------------------- routing
 
 
-def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = True) -> Assignment:
+def route(
+    leaves: Sequence[LeafSpec],
+    topology: Topology,
+    *,
+    fan_out: bool = True,
+    per_leaf: bool | None = None,
+) -> Assignment:
     """Local copies and sent pieces for ``leaves``, routed by ``topology``.
 
     Args:
@@ -405,6 +412,10 @@ def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = Tru
       fan_out: relay bytes needed by several devices of a domain inside that domain (stage 1
         pieces) so that they cross domains once per domain; False sends every destination
         device its bytes directly (one stage).
+      per_leaf: balance each leaf on its own rather than over the whole plan: its senders
+        (`_per_leaf`) and, with fan-out, the share of it each device of a domain imports. By
+        default where ``fan_out`` is (plans for clusters, whose large leaves run slab after
+        slab, so a balance over the plan alone leaves devices idle in each slab).
 
     Returns:
       An `Assignment` whose pieces deliver to every destination device exactly the bytes it
@@ -454,24 +465,54 @@ def route(leaves: Sequence[LeafSpec], topology: Topology, *, fan_out: bool = Tru
                         senders = closeness(replicas, d)
                         demand = _Demand(index, d, common, senders, nbytes)
                         (near if g in held_in else far).append(demand)
+    by_leaf = fan_out if per_leaf is None else per_leaf
     relays: list[Piece] = []
     for (_, ds), regions in sorted(groups.items()):
-        regions.sort()  # by source replicas first: each receiver then has few senders
-        parts = _split_evenly(regions, len(ds), [leaves[r.leaf].itemsize for r in regions])
-        for d, part in zip(ds, parts, strict=True):
-            for r in part:
-                senders = closeness(r.replicas, d)
-                far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
-                relays.extend(Piece(r.leaf, d, other, r.box, stage=1) for other in ds if other != d)
-    near_pieces = _choose_senders(near)
+        # Each leaf's regions apart with ``per_leaf``: every receiver then imports its share
+        # of every leaf (of every slab), not of the plan only.
+        runs = _by_leaf(regions) if by_leaf else [regions]
+        for run in runs:
+            run.sort()  # by source replicas first: each receiver then has few senders
+            parts = _split_evenly(run, len(ds), [leaves[r.leaf].itemsize for r in run])
+            for d, part in zip(ds, parts, strict=True):
+                for r in part:
+                    senders = closeness(r.replicas, d)
+                    far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
+                    relays.extend(
+                        Piece(r.leaf, d, other, r.box, stage=1) for other in ds if other != d
+                    )
+    choose = _choose_senders
+    if by_leaf:
+        choose = functools.partial(_per_leaf, _choose_senders)
+    near_pieces = choose(near)
     if relays:
         # Sends inside a domain need nothing from stage 0; riding in stage 1 they share fast
         # rounds with the relays instead of taking fast rounds of their own beside the slow
         # cross-domain ones (a round lasts as long as its slowest message).
         near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
-    pieces = _choose_senders(far) + near_pieces + relays
+    pieces = choose(far) + near_pieces + relays
     pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
     return Assignment(tuple(local), tuple(pieces))
+
+
+def _per_leaf(
+    choose: Callable[[Sequence[_Demand]], list[Piece]], demands: Sequence[_Demand]
+) -> list[Piece]:
+    """``choose`` senders for each leaf's demands on their own: every leaf is then balanced
+    over its senders by itself, and so is every slab of it (`schedule.split_units` runs a
+    plan unit by unit, one after the other, so a balance reached only over the whole plan
+    would leave some senders idle in each unit while others are the busiest)."""
+    by_leaf: dict[int, list[_Demand]] = defaultdict(list)
+    for demand in demands:
+        by_leaf[demand.leaf].append(demand)
+    return [p for leaf in sorted(by_leaf) for p in choose(by_leaf[leaf])]
+
+
+def _by_leaf(regions: Sequence[_Region]) -> list[list[_Region]]:
+    out: dict[int, list[_Region]] = defaultdict(list)
+    for r in regions:
+        out[r.leaf].append(r)
+    return [out[leaf] for leaf in sorted(out)]
 
 
 def _closest(

@@ -24,7 +24,6 @@ from jaxreshard.planning.layout import (
     box_shape,
     box_size,
     split_flat_sized,
-    split_rows,
     strides,
 )
 from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy, Piece
@@ -116,12 +115,16 @@ class Unit:
       pieces: what the unit sends (every stage).
       fresh: the leaves whose destination arrays the unit's first step creates when the
         caller donates none (all of ``leaves``; for a leaf cut into slabs, its first slab).
+      overlap: whether the unit's later stages depend on nothing of its own first stage (a
+        pipelined plan: they forward bytes that arrived in earlier units), so both run in the
+        same buckets.
     """
 
     leaves: tuple[int, ...]
     local: tuple[LocalCopy, ...]
     pieces: tuple[Piece, ...]
     fresh: tuple[int, ...]
+    overlap: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +159,22 @@ Round = tuple[int, tuple[Entry, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class PlannedBucket:
-    """The rounds of one bucket of stage ``stage``, before message contents are cut."""
+    """The rounds of one bucket of stage ``stage``, before message contents are cut.
+
+    ``stages`` gives each round's stage where a bucket mixes two (a pipelined unit: its
+    relays forward bytes that arrived in earlier units, so they share buckets with its own
+    first stage); empty when every round is of ``stage``. ``unit`` is the plan unit the
+    bucket belongs to (`plan_unit_rounds`).
+    """
 
     stage: int
     rounds: tuple[Round, ...]
+    stages: tuple[int, ...] = ()
+    unit: int = 0
+
+    def stage_of(self, r: int) -> int:
+        """The stage of round ``r``."""
+        return self.stages[r] if self.stages else self.stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +251,11 @@ class PlanStats:
     host_syncs: int = 0
 
 
+FAULT_COST = 2.0
+"""Byte-equivalents a staging buffer costs when the pool must make it afresh, per byte: the page
+faults of first touch (about 1 GB/s here, against 2-3 GB/s a collective-permute moves per
+device), for the send and the receive buffer."""
+
 MAX_UNIT_COPIES = 24
 """Most pieces one device sends, or receives, in one unit. A unit's pack and unpack programs hold
 one copy per piece, and XLA compiles each copy on its own (about 20 ms each on this project's
@@ -258,6 +278,8 @@ def split_units(
     max_copies: int = MAX_UNIT_COPIES,
     max_repeat_copies: int = MAX_REPEAT_COPIES,
     slab_bytes: int | None = None,
+    pipeline: bool = False,
+    unit_bytes: int | None = None,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
@@ -273,14 +295,24 @@ def split_units(
     the first call's compile time, do not grow with the number of layers. Outside the
     stretch leaves are cut greedily in tree order.
 
-    *Large leaves.* A leaf that alone exceeds a bucket, or (outside repeated stretches) has a
-    piece larger than ``slab_bytes``, is cut into ``K`` slabs: every piece split into ``K``
-    near-equal row ranges, slab ``k`` of every piece in unit ``k``, so each slab is balanced
-    over the devices like the whole leaf. The slabs share one program (their boxes differ only
-    in where they start), where cutting the leaf's pieces into many chunks inside one unit
-    would give every cut a copy of its own to compile. Its relays (stage 1) go with its last
-    slab, after every part they forward has arrived.
+    *Large leaves.* A leaf that alone exceeds ``unit_bytes`` (default: one bucket) for some
+    device, or (outside repeated stretches) has a piece larger than ``slab_bytes``, is cut into
+    ``K`` slabs (`_slabs`: runs of rows of one dimension of the array, every piece cut at the
+    same rows), slab ``k`` in unit ``k``, so each slab is balanced over the devices like the
+    whole leaf. The slabs share one program (their boxes differ only in where they start),
+    where cutting the leaf's pieces into many chunks inside one unit would give every cut a
+    copy of its own to compile. A slab's relays (stage 1) follow it in its unit. A unit larger
+    than a bucket runs in several buckets: on large clusters that keeps every pair's stream,
+    and so every message, long (a round costs a latency whatever it carries).
+
+    *Pipelining* (``pipeline=True``). The relay stage of a unit then runs under the next unit's
+    first stage: every unit's later-stage pieces move into the next unit (a last unit takes
+    those of the final one), which is marked ``overlap``. Its relays forward only bytes that
+    arrived in an earlier unit, so they share its buckets: inside a bucket one round crosses
+    domains over the NICs while another relays over NVLink (`plan_rounds` with
+    ``interleave``).
     """
+    unit_bytes = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
     pieces_of: dict[int, list[Piece]] = defaultdict(list)
     local_of: dict[int, list[LocalCopy]] = defaultdict(list)
     for p in assignment.pieces:
@@ -298,7 +330,7 @@ def split_units(
         for index in indices:
             out, into, _, _ = loads[index]
             largest = max([*out.values(), *into.values(), 0])
-            k = -(-largest // bucket_bytes)
+            k = -(-largest // unit_bytes)
             if slab_bytes:
                 widest = max(
                     (box_size(p.box) * leaves[index].itemsize for p in pieces_of[index]),
@@ -352,7 +384,24 @@ def split_units(
             units.extend(_slabs(indices[0], k, pieces_of, local_of))
         else:
             units.append(_unit(indices, pieces_of, local_of))
-    return tuple(units)
+    return tuple(_pipelined(units) if pipeline else units)
+
+
+def _pipelined(units: Sequence[Unit]) -> list[Unit]:
+    """Move every unit's later-stage pieces into the next unit (a last unit takes the final
+    ones), marking the units that run them beside their own first stage."""
+    out: list[Unit] = []
+    carry: tuple[Piece, ...] = ()
+    carried: tuple[int, ...] = ()  # the leaves the carried pieces move
+    for unit in units:
+        own = tuple(p for p in unit.pieces if p.stage == 0)
+        later = tuple(p for p in unit.pieces if p.stage > 0)
+        leaves = tuple(sorted({*unit.leaves, *carried}))
+        out.append(Unit(leaves, unit.local, own + carry, unit.fresh, overlap=bool(own and carry)))
+        carry, carried = later, unit.leaves if later else ()
+    if carry:
+        out.append(Unit(carried, (), carry, ()))
+    return out
 
 
 MAX_PERIOD = 256
@@ -441,17 +490,53 @@ def _slabs(
     pieces_of: Mapping[int, Sequence[Piece]],
     local_of: Mapping[int, Sequence[LocalCopy]],
 ) -> list[Unit]:
-    """``k`` units each moving one row slab of every piece of leaf ``index``."""
+    """Up to ``k`` units, each moving one slab of every piece of leaf ``index``.
+
+    Every piece is cut into ``k`` near-equal runs of rows of one dimension (`_runs`), slab
+    ``j`` of every piece in unit ``j``, so each slab is balanced over the devices like the whole
+    leaf and the slabs share one program (their boxes differ only in where they start). The
+    dimension is the one along which most bytes spread over the slabs (`_slab_dimension`: one
+    no layout shards, where there is one). A relay is cut so that
+    slab ``j`` forwards exactly what slab ``j`` of the pieces its sender received brought:
+    like those pieces where they span the relayed box along the dimension (then their runs
+    and the relay's are the same rows), else piece by piece; a relay those pieces do not tile
+    stays whole, in the last slab. Later stages of a slab follow its first in its unit."""
+    pieces = pieces_of[index]
+    dim = _slab_dimension(pieces, k)
+    k = max(1, min(k, max(p.box[dim][1] - p.box[dim][0] for p in pieces)))
     parts: list[list[Piece]] = [[] for _ in range(k)]
-    relays: list[Piece] = []
-    for p in pieces_of[index]:
+
+    def cut(piece: Piece, box: Box) -> None:
+        for j, run in enumerate(_runs(box, dim, k)):
+            if run is not None:
+                parts[j].append(dataclasses.replace(piece, box=run))
+
+    received: dict[int, list[Piece]] = defaultdict(list)  # stage-0 pieces by receiver
+    relays = []
+    for p in pieces:
         if p.from_dst:
             relays.append(p)
             continue
-        for j, box in enumerate(_row_slabs(p.box, k)):
-            if box is not None:
-                parts[j].append(dataclasses.replace(p, box=box))
-    parts[-1].extend(relays)
+        if p.stage == 0:
+            received[p.dst].append(p)
+        cut(p, p.box)
+    feeds: dict[tuple[int, Box], tuple[Box, ...] | None] = {}
+    for r in relays:
+        key = (r.src, r.box)
+        if key not in feeds:
+            inside = [p.box for p in received[r.src] if _within(p.box, r.box)]
+            if sum(box_size(b) for b in inside) != box_size(r.box):
+                feeds[key] = None
+            elif all(b[dim] == r.box[dim] for b in inside):
+                feeds[key] = (r.box,)
+            else:
+                feeds[key] = tuple(inside)
+        boxes = feeds[key]
+        if boxes is None:
+            parts[-1].append(r)
+            continue
+        for box in boxes:
+            cut(r, box)
     local = tuple(local_of.get(index, ()))
     return [
         Unit((index,), local if j == 0 else (), tuple(part), (index,) if j == 0 else ())
@@ -459,20 +544,37 @@ def _slabs(
     ]
 
 
-def _row_slabs(box: Box, k: int) -> list[Box | None]:
-    """``box`` cut into ``k`` near-equal runs of rows of its first dimension of extent > 1 (the
-    first ``rows % k`` one row longer); None where a slab gets no row."""
-    dim = next((i for i, (a, b) in enumerate(box) if b - a > 1), None)
-    if dim is None:
-        return [box] + [None] * (k - 1)
-    rows = box[dim][1] - box[dim][0]
-    counts = [rows // k + (j < rows % k) for j in range(k)]
-    row = box_size(box) // rows
-    cut = iter(split_rows(box, [c * row for c in counts]))
-    return [next(cut) if c else None for c in counts]
+def _within(inner: Box, outer: Box) -> bool:
+    return all(a <= c and d <= b for (c, d), (a, b) in zip(inner, outer, strict=True))
 
 
-def build_plan_schedule(
+def _runs(box: Box, dim: int, k: int) -> list[Box | None]:
+    """``box`` cut into ``k`` near-equal runs of rows of dimension ``dim`` (the first
+    ``rows % k`` one row longer); None where a run gets no row."""
+    a, b = box[dim]
+    rows = b - a
+    out: list[Box | None] = []
+    lo = a
+    for j in range(k):
+        hi = lo + rows // k + (j < rows % k)
+        out.append((*box[:dim], (lo, hi), *box[dim + 1 :]) if hi > lo else None)
+        lo = hi
+    return out
+
+
+def _slab_dimension(pieces: Sequence[Piece], k: int) -> int:
+    """The dimension along which most bytes spread over ``k`` slabs: each piece counts its
+    size times the share of the slabs its rows reach (ties: the first dimension). A dimension
+    no layout shards gives every piece its full length there."""
+    rank = len(pieces[0].box)
+
+    def spread(i: int) -> int:
+        return sum(box_size(p.box) * min(p.box[i][1] - p.box[i][0], k) for p in pieces)
+
+    return max(range(rank), key=lambda i: (spread(i), -i))
+
+
+def plan_unit_rounds(
     leaves: Sequence[LeafSpec],
     assignment: Assignment,
     *,
@@ -480,14 +582,30 @@ def build_plan_schedule(
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
     max_copies: int = MAX_UNIT_COPIES,
-) -> Schedule:
-    """The schedule of a whole plan: `split_units`, then each unit scheduled on its own by
-    `build_schedule` (same options), its buckets in order.
+    pipeline: bool = True,
+    unit_bytes: int | None = None,
+    fault_cost: float = FAULT_COST,
+) -> tuple[tuple[Unit, ...], RoundPlan]:
+    """The units and rounds of a whole plan, as `build_plan_schedule` makes them, without
+    cutting message contents (the cost model's input at any cluster size).
 
-    One chunk size per link class serves every unit (chosen over all units' streams by
+    `split_units`, then each unit's rounds on their own (`plan_rounds`; a unit marked
+    ``overlap`` interleaves its two stages), the buckets in unit order, each labelled with its
+    unit. One chunk size per link class serves every unit (chosen over all units' streams by
     `chunk_sizes`), and tails travel in rounds of `ladder_size`: round sizes are the shapes of
-    the staging buffers the runtime reuses, so a plan should have few of them."""
-    units = split_units(leaves, assignment, bucket_bytes=bucket_bytes, max_copies=max_copies)
+    the staging buffers the runtime reuses, so a plan should have few of them. ``pipeline``
+    (`split_units`) runs each unit's relays under the next unit's first stage; it changes
+    nothing in a plan without relays. ``unit_bytes`` (`split_units`) lets a large leaf's slabs
+    span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
+    (`choose_chunk_bytes`).
+    """
+    units = split_units(
+        leaves,
+        assignment,
+        bucket_bytes=bucket_bytes,
+        max_copies=max_copies,
+        unit_bytes=unit_bytes,
+    )
     sizes: dict[tuple[Any, tuple[int, int]], int] = defaultdict(int)
     for u, unit in enumerate(units):
         for p in unit.pieces:
@@ -498,30 +616,73 @@ def build_plan_schedule(
         link_class=link_class,
         class_latency_bytes=class_latency_bytes,
         ladder=True,
+        fault_cost=fault_cost,
     )
-    # Leaves whose pieces span several chunks go into slabs of about a chunk each, which share
-    # one program, instead of being cut chunk by chunk inside a unit (a copy per cut).
+    # Leaves whose pieces span several chunks go into slabs of about a chunk each (or as many
+    # chunks as a unit spans buckets), which share one program, instead of being cut chunk by
+    # chunk inside a unit (a copy per cut).
+    slabs_per_bucket = max(1, (unit_bytes or bucket_bytes) // bucket_bytes)
     units = split_units(
         leaves,
         assignment,
         bucket_bytes=bucket_bytes,
         max_copies=max_copies,
-        slab_bytes=min(chunks.values(), default=bucket_bytes),
+        slab_bytes=max(chunks.values(), default=bucket_bytes) * slabs_per_bucket,
+        pipeline=pipeline,
+        unit_bytes=unit_bytes,
     )
-    buckets: list[Bucket] = []
+    buckets: list[PlannedBucket] = []
     for u, unit in enumerate(units):
         if not unit.pieces:
             continue
-        part = build_schedule(
+        part = plan_rounds(
             leaves,
             unit.pieces,
             bucket_bytes=bucket_bytes,
             link_class=link_class,
             class_latency_bytes=class_latency_bytes,
             chunks=chunks,
+            interleave=unit.overlap,
         )
         buckets.extend(dataclasses.replace(b, unit=u) for b in part.buckets)
-    return Schedule(max(chunks.values(), default=0), tuple(buckets), units)
+    named = () if link_class is None else tuple(sorted(chunks.items()))
+    return units, RoundPlan(max(chunks.values(), default=0), named, tuple(buckets))
+
+
+def build_plan_schedule(
+    leaves: Sequence[LeafSpec],
+    assignment: Assignment,
+    *,
+    bucket_bytes: int,
+    link_class: Callable[[int, int], int] | None = None,
+    class_latency_bytes: Mapping[int, int] | None = None,
+    max_copies: int = MAX_UNIT_COPIES,
+    pipeline: bool = True,
+    unit_bytes: int | None = None,
+    fault_cost: float = FAULT_COST,
+) -> Schedule:
+    """The schedule of a whole plan: `plan_unit_rounds` (same options), then each unit's
+    streams cut into its messages' segments, as `build_schedule` does for one unit."""
+    units, plan = plan_unit_rounds(
+        leaves,
+        assignment,
+        bucket_bytes=bucket_bytes,
+        link_class=link_class,
+        class_latency_bytes=class_latency_bytes,
+        max_copies=max_copies,
+        pipeline=pipeline,
+        unit_bytes=unit_bytes,
+        fault_cost=fault_cost,
+    )
+    by_unit: dict[int, list[PlannedBucket]] = defaultdict(list)
+    for b in plan.buckets:
+        by_unit[b.unit].append(b)
+    buckets: list[Bucket] = []
+    for u, unit in enumerate(units):
+        if u in by_unit:
+            part = dataclasses.replace(plan, buckets=tuple(by_unit[u]))
+            buckets.extend(_cut_buckets(leaves, unit.pieces, part, link_class))
+    return Schedule(plan.chunk_bytes, tuple(buckets), units)
 
 
 def build_schedule(
@@ -533,6 +694,7 @@ def build_schedule(
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
     chunks: Mapping[int, int] | None = None,
+    interleave: bool = False,
 ) -> Schedule:
     """Lay pieces into chunked streams, colour the chunks into rounds, group rounds in buckets.
 
@@ -557,6 +719,8 @@ def build_schedule(
       chunks: the chunk size of each link class (0 without ``link_class``), chosen by the
         caller for several schedules at once (`build_plan_schedule`); the tails then travel in
         rounds of `ladder_size`. By default each schedule chooses its own.
+      interleave: stage 1 depends on nothing of stage 0, so they share buckets
+        (`plan_rounds`).
     """
     pieces = list(pieces)
     plan = plan_rounds(
@@ -567,7 +731,18 @@ def build_schedule(
         link_class=link_class,
         class_latency_bytes=class_latency_bytes,
         chunks=chunks,
+        interleave=interleave,
     )
+    return Schedule(plan.chunk_bytes, _cut_buckets(leaves, pieces, plan, link_class))
+
+
+def _cut_buckets(
+    leaves: Sequence[LeafSpec],
+    pieces: Sequence[Piece],
+    plan: RoundPlan,
+    link_class: Callable[[int, int], int] | None,
+) -> tuple[Bucket, ...]:
+    """The buckets of ``plan`` with their messages' contents: each stream cut into chunks."""
     chunk_of = dict(plan.class_chunk_bytes)
     by_stage: dict[int, list[Piece]] = defaultdict(list)
     for piece in pieces:
@@ -585,12 +760,12 @@ def build_schedule(
     buckets = []
     for b in plan.buckets:
         messages = [
-            Message(slot, s, d, chunks[b.stage][s, d][k])
+            Message(slot, s, d, chunks[b.stage_of(slot)][s, d][k])
             for slot, (_, entries) in enumerate(b.rounds)
             for (s, d), k in entries
         ]
-        buckets.append(Bucket(tuple(size for size, _ in b.rounds), tuple(messages)))
-    return Schedule(plan.chunk_bytes, tuple(buckets))
+        buckets.append(Bucket(tuple(size for size, _ in b.rounds), tuple(messages), b.unit))
+    return tuple(buckets)
 
 
 def plan_rounds(
@@ -602,9 +777,15 @@ def plan_rounds(
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
     chunks: Mapping[int, int] | None = None,
+    interleave: bool = False,
 ) -> RoundPlan:
     """The rounds and buckets `build_schedule` makes (same arguments), without cutting pieces
-    into message segments: only stream sizes are needed, so this is cheap at any scale."""
+    into message segments: only stream sizes are needed, so this is cheap at any scale.
+
+    With ``interleave`` (the pieces of stage 1 depend on nothing of stage 0: a pipelined
+    unit), the two stages' rounds share buckets, each bucket taking both in proportion to
+    their bytes (`_interleave`), so a bucket's cross-domain rounds and its relays can run at
+    once; later stages follow in order."""
     sizes: dict[tuple[int, tuple[int, int]], int] = defaultdict(int)
     for p in pieces:
         sizes[p.stage, (p.src, p.dst)] += box_size(p.box) * leaves[p.leaf].itemsize
@@ -626,22 +807,64 @@ def plan_rounds(
     by_stage: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
     for (stage, pair), n in sorted(sizes.items()):
         by_stage[stage][pair] = n
-    buckets: list[PlannedBucket] = []
+    runs: list[list[tuple[int, tuple[int, list[Entry]]]]] = []  # runs of (stage, round)
     for stage, streams in sorted(by_stage.items()):
         if link_class is None:
             rounds = _stage_rounds(streams, chunk, ladder)
         else:
             rounds = _class_rounds(streams, chunk_of, classes, ladder)
-        group: list[Round] = []
-        for size, entries in rounds:
-            if group and sum(s for s, _ in group) + size > cap:
-                buckets.append(PlannedBucket(stage, tuple(group)))
+        run = [(stage, r) for r in rounds]
+        if interleave and stage == 1 and runs and runs[-1][0][0] == 0:
+            runs[-1] = _interleave(runs[-1], run)
+        else:
+            runs.append(run)
+    buckets: list[PlannedBucket] = []
+    for run in runs:
+        group: list[tuple[int, Round]] = []
+        for stage, (size, entries) in run:
+            if group and sum(s for _, (s, _) in group) + size > cap:
+                buckets.append(_planned(group))
                 group = []
-            group.append((size, tuple(entries)))
+            group.append((stage, (size, tuple(entries))))
         if group:
-            buckets.append(PlannedBucket(stage, tuple(group)))
+            buckets.append(_planned(group))
     named = () if link_class is None else tuple(sorted(chunk_of.items()))
     return RoundPlan(chunk, named, tuple(buckets))
+
+
+def _interleave(first: Sequence[Any], second: Sequence[Any]) -> list[Any]:
+    """Two runs of ``(stage, (slot_bytes, entries))`` merged in one order, each keeping its
+    own: the next round is the one whose middle lies earliest in its run's bytes, so every
+    stretch of the merged run holds both in proportion to their sizes."""
+    totals = [sum(size for _, (size, _) in run) or 1 for run in (first, second)]
+    out: list[Any] = []
+    i = j = done_first = done_second = 0
+    while i < len(first) or j < len(second):
+        if j == len(second):
+            take_first = True
+        elif i == len(first):
+            take_first = False
+        else:  # compare (done + size / 2) / total of both, in integers
+            a = (2 * done_first + first[i][1][0]) * totals[1]
+            b = (2 * done_second + second[j][1][0]) * totals[0]
+            take_first = a <= b
+        if take_first:
+            out.append(first[i])
+            done_first += first[i][1][0]
+            i += 1
+        else:
+            out.append(second[j])
+            done_second += second[j][1][0]
+            j += 1
+    return out
+
+
+def _planned(group: Sequence[tuple[int, Round]]) -> PlannedBucket:
+    stages = tuple(stage for stage, _ in group)
+    rounds = tuple(r for _, r in group)
+    if len(set(stages)) == 1:
+        return PlannedBucket(stages[0], rounds)
+    return PlannedBucket(min(stages), rounds, stages)
 
 
 def chunk_sizes(
@@ -652,6 +875,7 @@ def chunk_sizes(
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
     ladder: bool = False,
+    fault_cost: float = FAULT_COST,
 ) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
     """The chunk size of each link class (`choose_chunk_bytes` over the streams of that class;
     one class, 0, without ``link_class``), and the class of each (sender, receiver) pair.
@@ -667,6 +891,7 @@ def chunk_sizes(
             cap=cap,
             latency_bytes=(class_latency_bytes or {}).get(cls, latency),
             ladder=ladder,
+            fault_cost=fault_cost,
         )
         for cls in sorted(set(classes.values()))
     }
@@ -830,13 +1055,16 @@ def choose_chunk_bytes(
     cap: int,
     latency_bytes: int,
     ladder: bool = False,
+    fault_cost: float = FAULT_COST,
 ) -> int:
     """The chunk size minimising the modeled time: per round, its size plus a latency.
 
     ``sizes`` maps ``(stage, (sender, receiver))`` to stream bytes. Candidates are even
     divisions of the largest streams (so equal streams split with no padding) and the cap.
     Every candidate is a multiple of `ALIGN` and at most ``cap``. With ``ladder``, tail rounds
-    are priced at their `ladder_size`, as `build_plan_schedule` makes them.
+    are priced at their `ladder_size`, as `build_plan_schedule` makes them, and a change of
+    round sizes between stages costs ``fault_cost`` byte-equivalents per staging byte made
+    afresh (`FAULT_COST` on CPU; 0 where the allocator reuses device memory cheaply).
     """
     if not sizes:
         return cap
@@ -848,7 +1076,7 @@ def choose_chunk_bytes(
             if c <= cap:
                 candidates.add(c)
 
-    model = _ChunkModel(sizes, latency_bytes)
+    model = _ChunkModel(sizes, latency_bytes, fault_cost)
     return min(candidates, key=lambda c: (model.time(c, ladder), -c))
 
 
@@ -858,7 +1086,13 @@ class _ChunkModel:
     times (largest tail + latency). Vectorised over streams, since ~200 chunk sizes are tried
     on plans with ~10^4 streams."""
 
-    def __init__(self, sizes: Mapping[tuple[int, tuple[int, int]], int], latency: int) -> None:
+    def __init__(
+        self,
+        sizes: Mapping[tuple[int, tuple[int, int]], int],
+        latency: int,
+        fault_cost: float = 0.0,
+    ) -> None:
+        self.fault_cost = fault_cost
         send: dict[tuple[int, int], int] = {}
         recv: dict[tuple[int, int], int] = {}
         stages = sorted({stage for stage, _ in sizes})
@@ -891,21 +1125,15 @@ class _ChunkModel:
             total += int(f) * (chunk + self.latency) + int(t) * (tail_size + self.latency)
             shapes.append(frozenset([chunk] * (int(f) > 0) + [tail_size] * (int(t) > 0)))
             sizes.append(int(f) * chunk + int(t) * tail_size)
-        if ladder and len(shapes) > 1:
+        if ladder and self.fault_cost and len(shapes) > 1:
             # Stages (units) one after the other whose round sizes differ make the runtime's
             # staging pool free and allocate buffers (cyclically: the first after the last, on
             # the next call). Fresh buffers page-fault on first touch, which costs about twice
             # the copy (`FAULT_COST`): priced here so the chunk size favours reuse.
             for i, shape in enumerate(shapes):
                 if shape != shapes[i - 1]:
-                    total += int(FAULT_COST * sizes[i])
+                    total += int(self.fault_cost * sizes[i])
         return total
-
-
-FAULT_COST = 2.0
-"""Byte-equivalents a staging buffer costs when the pool must make it afresh, per byte: the page
-faults of first touch (about 1 GB/s here, against 2-3 GB/s a collective-permute moves per
-device), for the send and the receive buffer."""
 
 
 def _align(n: int) -> int:

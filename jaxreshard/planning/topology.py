@@ -62,7 +62,8 @@ class Profile:
         earlier ones (GPUs: the executor never waits between buckets), so a bucket costs the
         longer of its host and device times; else (CPU) the two add.
       overlap_links: whether a device's NIC and NVLink transfers can run at the same time
-        (separate engines on GPUs). The physical bound assumes they can.
+        (separate engines on GPUs): a bucket's cross-domain rounds then run beside its rounds
+        inside domains (two collective-permutes in flight). The physical bound assumes it.
       sources: ``(field, where its figure comes from)`` for every field above but ``source``.
     """
 
@@ -119,7 +120,12 @@ def _gpu_sources(copy_bandwidth: str) -> tuple[tuple[str, str], ...]:
         ("bucket_overhead", _BUCKET),
         ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
         ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
-        ("overlap_links", "NVLink and the NIC are separate engines; NCCL drives both at once"),
+        (
+            "overlap_links",
+            "assumption, unverified (no GPU here): NVLink and the NIC are separate engines, and "
+            "XLA GPU runs independent collective-permutes of one program at once (async "
+            "collectives; xla_gpu_experimental_parallel_collective_overlap_limit > 1)",
+        ),
     )
 
 

@@ -225,7 +225,10 @@ def modeled_time(
     """Price ``schedule`` bucket by bucket, as the executor runs it.
 
     On the devices a bucket is its pack, its rounds and its unpack one after the other, plus
-    a launch gap per program (three); nothing of one bucket overlaps the next. On the host a
+    a launch gap per program (three); nothing of one bucket overlaps the next. Its rounds are
+    independent collective-permutes: where the profile has ``overlap_links``, the rounds with
+    a cross-domain message (the NIC lane) run beside those inside domains (the NVLink lane),
+    and the bucket's transfer is the longer lane; else every round in turn. On the host a
     bucket costs ``bucket_overhead``: where the host runs ahead (GPUs) a bucket takes the
     longer of the two, else (CPU) their sum. The ``local`` copies come last.
 
@@ -249,16 +252,17 @@ def modeled_time(
     buckets = rounds = 0
     for b, bucket in enumerate(_buckets(schedule)):
         sent, got = _Copies(), _Copies()
-        moved = 0.0
+        lanes = [0.0, 0.0]  # rounds with a cross-domain message, rounds inside domains
         for size, pairs in bucket:
-            link = size / bw[any(topology.crosses(s, d) for s, d in pairs)]
+            cross = any(topology.crosses(s, d) for s, d in pairs)
+            link = size / bw[cross]
             if profile.host_link_bandwidth is not None:
                 on_host: dict[int, int] = defaultdict(int)
                 for s, d in pairs:
                     if host[s] == host[d]:
                         on_host[host[s]] += size
                 link = max(link, max(on_host.values(), default=0) / profile.host_link_bandwidth)
-            moved += profile.round_latency + link
+            lanes[cross] += profile.round_latency + link
             if not with_segments:  # each slot one wide box (inlined: millions at scale)
                 for s, d in pairs:
                     sent.wide[s] += size
@@ -280,6 +284,10 @@ def modeled_time(
                     read.add((seg.leaf, seg.from_dst))
                     written.add(seg.leaf)
             arrays += len(read) + len(written)
+        # A bucket's rounds are independent collective-permutes (`runtime._build_transfer`):
+        # where the NICs and NVLink run at once, its cross-domain rounds and its rounds
+        # inside domains take the longer of the two, else their sum.
+        moved = max(lanes) if profile.overlap_links else sum(lanes)
         packed, unpacked = sent.time(host, profile), got.time(host, profile)
         device = packed + moved + unpacked + 3 * profile.launch_overhead
         host_work = profile.bucket_overhead + arrays * profile.argument_overhead

@@ -57,17 +57,19 @@ from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.planning.route import route as assign
 from jaxreshard.planning.schedule import (
+    FAULT_COST,
     PlanStats,
     RoundPlan,
-    build_schedule,
-    plan_rounds,
+    build_plan_schedule,
     plan_stats,
+    plan_unit_rounds,
 )
 from jaxreshard.planning.topology import PROFILES, Profile, Topology
 from jaxreshard.tools import costmodel
 
 MiB = 1 << 20
 GPU_BUCKET_BYTES = 128 * MiB  # jaxreshard.api.GPU_BUCKET_BYTES (not imported: it pulls in JAX)
+GPU_UNIT_BUCKETS = 32  # jaxreshard.api.GPU_UNIT_BUCKETS: a large leaf's slab spans 32 buckets
 
 # ------------------------------------------------------------------------------ inventories
 
@@ -739,16 +741,18 @@ def simulate(
     assignment = assign(leaves, topo, fan_out=fan_out)
     options = {
         "bucket_bytes": bucket_bytes,
+        "unit_bytes": bucket_bytes * (1 if topology_name == "cpu" else GPU_UNIT_BUCKETS),
+        "fault_cost": FAULT_COST if topology_name == "cpu" else 0.0,  # as jaxreshard.plan
         "link_class": topo.link_class,
         "class_latency_bytes": topo.class_latency_bytes(),
     }
-    rounds = plan_rounds(leaves, assignment.pieces, **options)  # type: ignore[arg-type]
+    _, rounds = plan_unit_rounds(leaves, assignment, **options)  # type: ignore[arg-type]
     stats = plan_stats(leaves, assignment, rounds, crosses=topo.crosses)
     planning = time.perf_counter() - start
     full_seconds = None
     if materialize:  # also cut every message's segments, as jaxreshard.plan does
         start = time.perf_counter()
-        schedule = build_schedule(leaves, assignment.pieces, **options)  # type: ignore[arg-type]
+        schedule = build_plan_schedule(leaves, assignment, **options)  # type: ignore[arg-type]
         full_seconds = planning + time.perf_counter() - start
         assert plan_stats(leaves, assignment, schedule, crosses=topo.crosses) == stats
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
