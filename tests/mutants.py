@@ -227,8 +227,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "            if group and sum(s for s, _ in group) + size > cap:",
-                "            if group and sum(s for s, _ in group) + size > 4 * cap:",
+                "            if group and sum(s for _, (s, _) in group) + size > cap:",
+                "            if group and sum(s for _, (s, _) in group) + size > 4 * cap:",
             ),
         ),
         (
@@ -237,6 +237,33 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         ),
         "rounds are grouped into buckets of up to four times bucket_bytes (staging above two "
         "buckets)",
+    ),
+    Mutant(
+        "schedule-relays-beside-their-own-bytes",
+        SCHEDULE,
+        (
+            (
+                "        out.append(Unit(leaves, unit.local, own + carry, unit.fresh, "
+                "overlap=bool(own and carry)))",
+                "        out.append(Unit(leaves, unit.local, own + later + carry, unit.fresh, "
+                "overlap=bool(own)))",
+            ),
+            ("        carry, carried = later, unit.leaves if later else ()", "        carry = ()"),
+        ),
+        (
+            f"{T_LOWER}::test_relays_run_beside_the_next_units_cross_domain_sends",
+            f"{T_LOWER}::test_a_large_leaf_relays_slab_by_slab",
+        ),
+        "pipelining keeps each unit's relays in its own buckets, beside the stage they forward "
+        "from (a relay reads bytes that have not arrived)",
+    ),
+    Mutant(
+        "schedule-slabs-along-the-first-dimension",
+        SCHEDULE,
+        (("    dim = _slab_dimension(pieces, k)", "    dim = 0"),),
+        (f"{T_LOWER}::test_slabs_cut_the_dimension_every_sender_spans",),
+        "a large leaf is cut into slabs along its first dimension, even where the sources split "
+        "it (each slab then takes bytes from a few senders only)",
     ),
     Mutant(
         "lower-staging-forgets-idle-buffers",

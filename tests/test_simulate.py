@@ -390,7 +390,10 @@ def test_cli_runs_as_a_module():
     assert "qwen3-4b: FSDP8 -> TP8" in done.stdout and "modeled time" in done.stdout
 
 
-FAST_SCENARIOS = sorted(set(sim.SCENARIOS) - {"deepseek-v3-4096"})
+# Scenarios whose planning takes over 20 s here run in `python -m jaxreshard.simulate --all`
+# (the README's table), not in the suite, which must stay within ~10 minutes on 2 cores.
+SLOW_SCENARIOS = {"deepseek-v3-4096", "deepseek-v3-512", "nemo-rl-deepseek-v3", "kimi-k2-fp8"}
+FAST_SCENARIOS = sorted(set(sim.SCENARIOS) - SLOW_SCENARIOS)
 
 
 @pytest.mark.parametrize("name", FAST_SCENARIOS)

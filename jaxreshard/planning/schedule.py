@@ -280,6 +280,7 @@ def split_units(
     slab_bytes: int | None = None,
     pipeline: bool = False,
     unit_bytes: int | None = None,
+    slab_cache: dict[tuple[int, int], list[Unit]] | None = None,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
@@ -381,7 +382,11 @@ def split_units(
     units: list[Unit] = []
     for kind, indices, k in parts:
         if kind == "slab":
-            units.extend(_slabs(indices[0], k, pieces_of, local_of))
+            key = (indices[0], k)
+            cache = {} if slab_cache is None else slab_cache
+            if key not in cache:
+                cache[key] = _slabs(indices[0], k, pieces_of, local_of)
+            units.extend(cache[key])
         else:
             units.append(_unit(indices, pieces_of, local_of))
     return tuple(_pipelined(units) if pipeline else units)
@@ -508,8 +513,10 @@ def _slabs(
 
     def cut(piece: Piece, box: Box) -> None:
         for j, run in enumerate(_runs(box, dim, k)):
-            if run is not None:
-                parts[j].append(dataclasses.replace(piece, box=run))
+            if run is not None:  # (the constructor: dataclasses.replace is 3x slower)
+                parts[j].append(
+                    Piece(piece.leaf, piece.src, piece.dst, run, piece.stage, piece.relay)
+                )
 
     received: dict[int, list[Piece]] = defaultdict(list)  # stage-0 pieces by receiver
     relays = []
@@ -599,12 +606,14 @@ def plan_unit_rounds(
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
     (`choose_chunk_bytes`).
     """
+    slabs: dict[tuple[int, int], list[Unit]] = {}  # both cuts below slab most leaves alike
     units = split_units(
         leaves,
         assignment,
         bucket_bytes=bucket_bytes,
         max_copies=max_copies,
         unit_bytes=unit_bytes,
+        slab_cache=slabs,
     )
     sizes: dict[tuple[Any, tuple[int, int]], int] = defaultdict(int)
     for u, unit in enumerate(units):
@@ -630,6 +639,7 @@ def plan_unit_rounds(
         slab_bytes=max(chunks.values(), default=bucket_bytes) * slabs_per_bucket,
         pipeline=pipeline,
         unit_bytes=unit_bytes,
+        slab_cache=slabs,
     )
     buckets: list[PlannedBucket] = []
     for u, unit in enumerate(units):
@@ -1102,14 +1112,22 @@ class _ChunkModel:
         self.stage = np.array([self.stage_index[st] for st, _ in sizes], dtype=np.int64)
         self.send = np.array([send.setdefault((st, s), len(send)) for st, (s, _) in sizes])
         self.recv = np.array([recv.setdefault((st, d), len(recv)) for st, (_, d) in sizes])
-        self.send_stage = np.array([self.stage_index[st] for st, _ in send], dtype=np.int64)
-        self.recv_stage = np.array([self.stage_index[st] for st, _ in recv], dtype=np.int64)
+        self.send_groups = _grouped(
+            np.array([self.stage_index[st] for st, _ in send], dtype=np.int64)
+        )
+        self.recv_groups = _grouped(
+            np.array([self.stage_index[st] for st, _ in recv], dtype=np.int64)
+        )
 
     def _busiest(self, per_stream: np.ndarray) -> np.ndarray:
+        """Per stage, the largest sum of ``per_stream`` over one sender's or receiver's
+        streams."""
         out = np.zeros(len(self.stage_index), dtype=np.int64)
-        for index, stage_of in ((self.send, self.send_stage), (self.recv, self.recv_stage)):
-            degree = np.bincount(index, weights=per_stream, minlength=len(stage_of))
-            np.maximum.at(out, stage_of, degree.astype(np.int64))
+        for index, (order, starts, present) in ((self.send, self.send_groups),
+                                                 (self.recv, self.recv_groups)):  # fmt: skip
+            degree = np.bincount(index, weights=per_stream, minlength=len(order))
+            most = np.maximum.reduceat(degree[order].astype(np.int64), starts)
+            out[present] = np.maximum(out[present], most)
         return out
 
     def time(self, chunk: int, ladder: bool = False) -> int:
@@ -1118,22 +1136,59 @@ class _ChunkModel:
         n_tail = self._busiest((rest > 0).astype(np.int64))
         largest = np.zeros(len(self.stage_index), dtype=np.int64)
         np.maximum.at(largest, self.stage, rest)
-        tail = (lambda m: ladder_size(m, chunk)) if ladder else _align
-        total, shapes, sizes = 0, [], []
-        for f, t, m in zip(n_full, n_tail, largest, strict=True):
-            tail_size = tail(int(m))
-            total += int(f) * (chunk + self.latency) + int(t) * (tail_size + self.latency)
-            shapes.append(frozenset([chunk] * (int(f) > 0) + [tail_size] * (int(t) > 0)))
-            sizes.append(int(f) * chunk + int(t) * tail_size)
-        if ladder and self.fault_cost and len(shapes) > 1:
+        tails = _ladder_sizes(largest, chunk) if ladder else _aligned(largest)
+        total = int(
+            (n_full * (chunk + self.latency)).sum() + (n_tail * (tails + self.latency)).sum()
+        )
+        if ladder and self.fault_cost and len(n_full) > 1:
             # Stages (units) one after the other whose round sizes differ make the runtime's
             # staging pool free and allocate buffers (cyclically: the first after the last, on
             # the next call). Fresh buffers page-fault on first touch, which costs about twice
             # the copy (`FAULT_COST`): priced here so the chunk size favours reuse.
+            shapes = [
+                frozenset([chunk] * (int(f) > 0) + [int(m)] * (int(t) > 0))
+                for f, t, m in zip(n_full, n_tail, tails, strict=True)
+            ]
+            sizes = n_full * chunk + n_tail * tails
             for i, shape in enumerate(shapes):
                 if shape != shapes[i - 1]:
                     total += int(self.fault_cost * sizes[i])
         return total
+
+
+def _grouped(stage_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The devices of ``stage_of`` (device -> stage) ordered by stage, where each stage's run
+    starts, and the stage of each run: one ``reduceat`` then takes every stage's maximum
+    (``np.maximum.at`` is an unbuffered loop, far slower at thousands of stages)."""
+    order = np.argsort(stage_of, kind="stable")
+    grouped = stage_of[order]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+    return order, starts, grouped[starts]
+
+
+def _aligned(n: np.ndarray) -> np.ndarray:
+    """`_align` of every element."""
+    return np.maximum(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+def _ladder_sizes(nbytes: np.ndarray, chunk: int) -> np.ndarray:
+    """`ladder_size` of every element (vectorised: the chunk model tries hundreds of chunk
+    sizes on plans with thousands of stages)."""
+    rungs, size, complete = [chunk], chunk, True
+    for _ in range(LADDER_STEPS):
+        half = _align(size // 2)
+        if half >= size:
+            complete = False
+            break
+        rungs.append(half)
+        size = half
+    ladder = np.array(rungs, dtype=np.int64)  # decreasing
+    fits = (ladder[None, :] >= nbytes[:, None]).sum(axis=1)  # rungs holding each tail
+    out = ladder[np.maximum(fits, 1) - 1]
+    if complete:  # below the last rung's half a tail travels in a round of its own size
+        small = (fits == len(ladder)) & (_align(size // 2) >= nbytes)
+        out = np.where(small, _aligned(nbytes), out)
+    return out
 
 
 def _align(n: int) -> int:

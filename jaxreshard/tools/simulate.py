@@ -60,6 +60,7 @@ from jaxreshard.planning.schedule import (
     FAULT_COST,
     PlanStats,
     RoundPlan,
+    Unit,
     build_plan_schedule,
     plan_stats,
     plan_unit_rounds,
@@ -575,6 +576,7 @@ class Result:
     stages: dict[int, int]
     published: str
     note: str
+    units: tuple[Unit, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -616,6 +618,8 @@ class Result:
             "planning_s": self.planning_seconds,
             "peak_rss_bytes": self.peak_rss_bytes,
             "buckets": s.buckets,
+            "units": len(self.units),
+            "pipelined_units": sum(u.overlap for u in self.units),
             "rounds": s.rounds,
             "published": self.published,
             "note": self.note,
@@ -746,7 +750,7 @@ def simulate(
         "link_class": topo.link_class,
         "class_latency_bytes": topo.class_latency_bytes(),
     }
-    _, rounds = plan_unit_rounds(leaves, assignment, **options)  # type: ignore[arg-type]
+    units, rounds = plan_unit_rounds(leaves, assignment, **options)  # type: ignore[arg-type]
     stats = plan_stats(leaves, assignment, rounds, crosses=topo.crosses)
     planning = time.perf_counter() - start
     full_seconds = None
@@ -793,6 +797,7 @@ def simulate(
         stages=stages,
         published=published,
         note=note,
+        units=units,
     )
 
 
@@ -828,6 +833,11 @@ def _gb(n: int | float) -> str:
 def format_result(r: Result) -> str:
     """The report of one simulation, as a two-column table."""
     s, m, b = r.stats, r.modeled, r.bound
+    lanes = (
+        "a bucket's rounds across and inside domains at once"
+        if r.profile.overlap_links
+        else "every round in turn"
+    )
     domains = len({r.topology.domain_of[i] for i in r.topology.devices})
     relayed = s.bytes_relayed
     intra_direct = s.bytes_sent - s.bytes_cross_domain - relayed
@@ -840,13 +850,16 @@ def format_result(r: Result) -> str:
         ("topology", f"{r.topology.name}: {len(r.topology.devices)} GPUs in {domains} domains, "
                      f"{r.topology.intra_bandwidth / 1e9:g} GB/s inside, "
                      f"{r.topology.inter_bandwidth / 1e9:g} GB/s across, per GPU per direction"),
+        ("units", f"{len(r.units)} (each unit's relays run in the next unit's buckets)"
+                  if any(u.overlap for u in r.units) else f"{len(r.units)}"),
         ("overheads", f"links at {p.intra_efficiency:.0%} / {p.inter_efficiency:.0%} of peak, "
                       f"copies {p.copy_bandwidth / 1e9:,.0f} GB/s per GPU, "
                       f"{p.bucket_overhead * 1e6:.0f} us per bucket, "
                       f"{p.round_latency * 1e6:.0f} us per round"),
         ("modeled time", f"{_ms(m.seconds)} (rounds {_ms(m.transfer)}, pack {_ms(m.pack)}, "
                          f"unpack {_ms(m.unpack)}, local {_ms(m.local)}, buckets "
-                         f"{_ms(m.overhead)}; stages in order, nothing overlapped)"),
+                         f"{_ms(m.overhead)}; buckets in turn, each pack, rounds, unpack; "
+                         f"{lanes})"),
         ("physical bound", f"{_ms(b.seconds)}  (modeled / bound = {r.ratio:.3f}; binding: "
                            f"{b.binding})" if b.seconds else _ms(0)),
         ("round-model bound", f"{_ms(r.round_model_bound.seconds)} (destination NICs only, "
