@@ -545,6 +545,13 @@ SCENARIOS: dict[str, Scenario] = {
     )
 }
 
+NOT_IN_ALL = {
+    "deepseek-v3-4096": "the unit planner (as jr.plan) did not finish it here within 8 minutes "
+    "and 7 GB (its slabs hold tens of millions of pieces as Python objects); run it alone with "
+    "--scenario deepseek-v3-4096",
+}
+"""Scenarios `--all` leaves out, and why (printed with the summary)."""
+
 PLACEMENTS = ("rack-aligned", "contiguous")
 """``rack-aligned``: the sampler's devices start on a fast domain (rack) of their own, as
 clusters allocate them; ``contiguous``: they follow the trainer's ids, sharing its last rack."""
@@ -969,10 +976,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         common["domain_size"] = args.domain_size
     results: list[tuple[str, Result]] = []
     if args.all or args.scenario:
-        for name in SCENARIOS if args.all else [args.scenario]:
+        names = [n for n in SCENARIOS if n not in NOT_IN_ALL] if args.all else [args.scenario]
+        for name in names:
             results.append((name, run_scenario(name, **common)))
             print(format_result(results[-1][1]), flush=True)
             print(flush=True)
+        if args.all:
+            for name, why in NOT_IN_ALL.items():
+                print(f"left out of --all: {name}: {why}", flush=True)
     else:
         if not (args.model and args.src and args.dst):
             parser.error("give --scenario NAME, --all, or --model, --src and --dst")
