@@ -312,6 +312,9 @@ def split_units(
     arrived in an earlier unit, so they share its buckets: inside a bucket one round crosses
     domains over the NICs while another relays over NVLink (`plan_rounds` with
     ``interleave``).
+
+    ``slab_cache`` keeps the slabs of each ``(leaf, count)`` between calls on the same
+    assignment (`plan_unit_rounds` cuts twice, the second time with ``slab_bytes``).
     """
     unit_bytes = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
     pieces_of: dict[int, list[Piece]] = defaultdict(list)
