@@ -61,10 +61,11 @@ GPU_UNIT_BUCKETS = 32
 to this many buckets per device: each unit runs after the one before, and every (sender,
 receiver) pair costs it at least one round, so small units make small messages whose rounds
 are mostly latency. In the cluster model (`python -m jaxreshard.simulate`, DeepSeek-V3
-128 -> 128) 1 bucket per unit models 2.2 s, 8 buckets 0.98 s, 32 buckets 0.82 s, 128 buckets
-0.78 s; a unit's buckets are distinct programs (compiled once, shared by the slabs of a leaf),
-so 32 keeps the first call's compile count moderate. Staging stays one bucket. On CPU a unit
-is one bucket (compile time dominates there)."""
+128 -> 128, when this was chosen: before the per-leaf import share and the GPU chunk choice,
+which brought 32 buckets to 0.70 s) 1 bucket per unit modeled 2.2 s, 8 buckets 0.98 s, 32
+buckets 0.82 s, 128 buckets 0.78 s; a unit's buckets are distinct programs (compiled once,
+shared by the slabs of a leaf), so 32 keeps the first call's compile count moderate. Staging
+stays one bucket. On CPU a unit is one bucket (compile time dominates there)."""
 
 
 def default_bucket_bytes(platform: str) -> int:
