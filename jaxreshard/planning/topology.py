@@ -105,12 +105,26 @@ _BUCKET = (
 )
 
 
+_GPU_OVERHEADS: dict[str, float] = {
+    "intra_efficiency": 0.85,
+    "inter_efficiency": 0.90,
+    "launch_overhead": 5e-6,
+    "bucket_overhead": 150e-6,
+    "argument_overhead": 2e-6,
+}
+"""The overheads every GPU profile shares (their sources: `_gpu_sources`)."""
+
+
 def _gpu_sources(copy_bandwidth: str) -> tuple[tuple[str, str], ...]:
     """The sources of a GPU profile's figures; only the HBM speed differs between them."""
+    efficiency = _NCCL_EFFICIENCY.format(
+        intra=f"{_GPU_OVERHEADS['intra_efficiency']:.0%}",
+        inter=f"{_GPU_OVERHEADS['inter_efficiency']:.0%}",
+    )
     return (
         ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
-        ("intra_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
-        ("inter_efficiency", _NCCL_EFFICIENCY.format(intra="85%", inter="90%")),
+        ("intra_efficiency", efficiency),
+        ("inter_efficiency", efficiency),
         ("copy_bandwidth", copy_bandwidth),
         ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
         ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
@@ -142,12 +156,8 @@ PROFILES: dict[str, Profile] = {
             "(450 GB/s each way), 8 GPUs per NVSwitch domain (DGX/HGX H100). DGX H100 user "
             "guide: 8 ConnectX-7 NICs at 400 Gb/s, one per GPU (50 GB/s each way per GPU)."
         ),
-        intra_efficiency=0.85,
-        inter_efficiency=0.90,
         copy_bandwidth=0.85 * 3350 * GB / 2,
-        launch_overhead=5e-6,
-        bucket_overhead=150e-6,
-        argument_overhead=2e-6,
+        **_GPU_OVERHEADS,  # type: ignore[arg-type]
         sources=_gpu_sources(
             "H100 SXM5 datasheet: HBM3 3.35 TB/s; a copy reads and writes each byte (half of "
             "it), at 85% of peak (assumption)"
@@ -214,12 +224,8 @@ PROFILES: dict[str, Profile] = {
             "of 4 GPUs (one host each), one ConnectX-7 400 Gb/s NIC per GPU for the scale-out "
             "network (50 GB/s each way per GPU)."
         ),
-        intra_efficiency=0.85,
-        inter_efficiency=0.90,
         copy_bandwidth=0.85 * 8000 * GB / 2,
-        launch_overhead=5e-6,
-        bucket_overhead=150e-6,
-        argument_overhead=2e-6,
+        **_GPU_OVERHEADS,  # type: ignore[arg-type]
         sources=_gpu_sources(
             "GB200 NVL72 specifications: HBM3e 8 TB/s per GPU; a copy reads and writes each "
             "byte, at 85% of peak (assumption)"

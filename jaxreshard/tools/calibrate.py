@@ -83,7 +83,20 @@ def _median(fn: Any, reps: int, passes: int = 2) -> float:
     return min(bench._median_time(fn, reps) for _ in range(passes))
 
 
-class _Permute:
+class _InPlace:
+    """A microbenchmark whose program ``fn(x, y)`` writes into ``y``, donated: each call passes
+    the last result back in, as the executor passes its staging buffers."""
+
+    x: jax.Array
+    y: jax.Array
+    fn: Any
+
+    def __call__(self) -> jax.Array:
+        self.y = self.fn(self.x, self.y)
+        return self.y
+
+
+class _Permute(_InPlace):
     """One collective-permute round over a union mesh, into a donated receive buffer, as the
     runtime's transfer program runs it (`jaxreshard.run.runtime`)."""
 
@@ -102,10 +115,6 @@ class _Permute:
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g"), P("g")), out_specs=P("g"))
         self.fn = jax.jit(mapped, donate_argnums=1, keep_unused=True)
-
-    def __call__(self) -> jax.Array:
-        self.y = self.fn(self.x, self.y)
-        return self.y
 
 
 class _ManyCopies:
@@ -138,7 +147,7 @@ class _ManyCopies:
         return self.y
 
 
-class _BoxCopy:
+class _BoxCopy(_InPlace):
     """Half the columns of a float32 matrix written into a donated flat buffer (a pack), on
     the first ``k`` devices at once: the executor copies boxes, not whole buffers."""
 
@@ -158,12 +167,8 @@ class _BoxCopy:
         self.fn = jax.jit(mapped, donate_argnums=1)
         self.nbytes = n * rows * half * 4
 
-    def __call__(self) -> jax.Array:
-        self.y = self.fn(self.x, self.y)
-        return self.y
 
-
-class _NarrowCopy:
+class _NarrowCopy(_InPlace):
     """Narrow elements on every device at once, the two ways a bf16 refit copies them:
     ``cast``: half the columns of a float32 matrix, cast to bfloat16 and written as 32-bit
     words into a donated flat buffer (a casting pack); else: 32-bit words written as
@@ -203,10 +208,6 @@ class _NarrowCopy:
         mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
         self.fn = jax.jit(mapped, donate_argnums=1)
         self.nbytes = n * rows * half * 2
-
-    def __call__(self) -> jax.Array:
-        self.y = self.fn(self.x, self.y)
-        return self.y
 
 
 class _ManyArguments:
