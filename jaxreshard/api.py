@@ -22,11 +22,11 @@ from jaxreshard.planning.layout import Layout, LayoutError
 from jaxreshard.planning.lower import Lowered, lower, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, route
 from jaxreshard.planning.schedule import (
-    FAULT_COST,
     PlanStats,
     Schedule,
     build_plan_schedule,
     plan_stats,
+    platform_options,
 )
 from jaxreshard.planning.topology import Topology
 from jaxreshard.quant import Fp8Blockwise, QuantizedArray, Quantizer
@@ -56,27 +56,10 @@ few kernel launches, so larger buckets (`GPU_BUCKET_BYTES`) pay off.
 """
 GPU_BUCKET_BYTES = 128 * MiB
 
-GPU_UNIT_BUCKETS = 32
-"""On accelerators a large leaf is cut into slabs (units, `schedule.split_units`) that span up
-to this many buckets per device: each unit runs after the one before, and every (sender,
-receiver) pair costs it at least one round, so small units make small messages whose rounds
-are mostly latency. In the cluster model (`python -m jaxreshard.simulate`, DeepSeek-V3
-128 -> 128, when this was chosen: before the per-leaf import share and the GPU chunk choice,
-which brought 32 buckets to 0.70 s) 1 bucket per unit modeled 2.2 s, 8 buckets 0.98 s, 32
-buckets 0.82 s, 128 buckets 0.78 s; a unit's buckets are distinct programs (compiled once,
-shared by the slabs of a leaf), so 32 keeps the first call's compile count moderate. Staging
-stays one bucket. On CPU a unit is one bucket (compile time dominates there)."""
-
 
 def default_bucket_bytes(platform: str) -> int:
     """The default ``bucket_bytes`` for a backend name (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
     return DEFAULT_BUCKET_BYTES.get(platform, GPU_BUCKET_BYTES)
-
-
-def default_unit_bytes(platform: str, bucket_bytes: int) -> int:
-    """The most bytes one device sends or receives in a unit (a slab of a large leaf) by
-    backend: one bucket on CPU, `GPU_UNIT_BUCKETS` buckets elsewhere."""
-    return bucket_bytes if platform == "cpu" else GPU_UNIT_BUCKETS * bucket_bytes
 
 
 class Plan:
@@ -707,8 +690,7 @@ def plan(
         bucket_bytes=int(bucket_bytes),
         link_class=topology.link_class,
         class_latency_bytes=topology.class_latency_bytes(),
-        unit_bytes=default_unit_bytes(platform, int(bucket_bytes)),
-        fault_cost=FAULT_COST if platform == "cpu" else 0.0,  # fresh pages fault on CPU only
+        **platform_options(platform, int(bucket_bytes)),
     )
     lowered = lower(leaves, schedule, bucket_bytes=int(bucket_bytes))
     return Plan(

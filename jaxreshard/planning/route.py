@@ -25,6 +25,7 @@ import heapq
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
 from jaxreshard.planning.topology import Topology
@@ -502,16 +503,17 @@ def _per_leaf(
     over its senders by itself, and so is every slab of it (`schedule.split_units` runs a
     plan unit by unit, one after the other, so a balance reached only over the whole plan
     would leave some senders idle in each unit while others are the busiest)."""
-    by_leaf: dict[int, list[_Demand]] = defaultdict(list)
-    for demand in demands:
-        by_leaf[demand.leaf].append(demand)
-    return [p for leaf in sorted(by_leaf) for p in choose(by_leaf[leaf])]
+    return [p for run in _by_leaf(demands) for p in choose(run)]
 
 
-def _by_leaf(regions: Sequence[_Region]) -> list[list[_Region]]:
-    out: dict[int, list[_Region]] = defaultdict(list)
-    for r in regions:
-        out[r.leaf].append(r)
+_Leafed = TypeVar("_Leafed", "_Demand", "_Region")
+
+
+def _by_leaf(items: Sequence[_Leafed]) -> list[list[_Leafed]]:
+    """``items`` (demands, regions) grouped by leaf, in leaf order, each group in input order."""
+    out: dict[int, list[_Leafed]] = defaultdict(list)
+    for item in items:
+        out[item.leaf].append(item)
     return [out[leaf] for leaf in sorted(out)]
 
 

@@ -256,6 +256,30 @@ FAULT_COST = 2.0
 faults of first touch (about 1 GB/s here, against 2-3 GB/s a collective-permute moves per
 device), for the send and the receive buffer."""
 
+GPU_UNIT_BUCKETS = 32
+"""On accelerators a large leaf is cut into slabs (units, `schedule.split_units`) that span up
+to this many buckets per device: each unit runs after the one before, and every (sender,
+receiver) pair costs it at least one round, so small units make small messages whose rounds
+are mostly latency. In the cluster model (`python -m jaxreshard.simulate`, DeepSeek-V3
+128 -> 128, when this was chosen: before the per-leaf import share and the GPU chunk choice,
+which brought 32 buckets to 0.70 s) 1 bucket per unit modeled 2.2 s, 8 buckets 0.98 s, 32
+buckets 0.82 s, 128 buckets 0.78 s; a unit's buckets are distinct programs (compiled once,
+shared by the slabs of a leaf), so 32 keeps the first call's compile count moderate. Staging
+stays one bucket. On CPU a unit is one bucket (compile time dominates there)."""
+
+
+def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
+    """The `build_plan_schedule` options that depend on the backend (``"cpu"``, ``"gpu"``,
+    ``"tpu"``): ``unit_bytes``, one bucket on CPU and `GPU_UNIT_BUCKETS` buckets elsewhere, and
+    ``fault_cost``, `FAULT_COST` on CPU only (fresh pages fault there; accelerators' allocators
+    reuse device memory). `jaxreshard.plan` and the cluster model both take them from here."""
+    cpu = platform == "cpu"
+    return {
+        "unit_bytes": bucket_bytes if cpu else GPU_UNIT_BUCKETS * bucket_bytes,
+        "fault_cost": FAULT_COST if cpu else 0.0,
+    }
+
+
 MAX_UNIT_COPIES = 24
 """Most pieces one device sends, or receives, in one unit. A unit's pack and unpack programs hold
 one copy per piece, and XLA compiles each copy on its own (about 20 ms each on this project's
@@ -383,10 +407,10 @@ def split_units(
         start = a + m * p
     parts += cut(range(start, len(leaves)))
     units: list[Unit] = []
+    cache = {} if slab_cache is None else slab_cache
     for kind, indices, k in parts:
         if kind == "slab":
             key = (indices[0], k)
-            cache = {} if slab_cache is None else slab_cache
             if key not in cache:
                 cache[key] = _slabs(indices[0], k, pieces_of, local_of)
             units.extend(cache[key])
@@ -687,6 +711,18 @@ def build_plan_schedule(
         unit_bytes=unit_bytes,
         fault_cost=fault_cost,
     )
+    return cut_plan_schedule(leaves, units, plan, link_class=link_class)
+
+
+def cut_plan_schedule(
+    leaves: Sequence[LeafSpec],
+    units: Sequence[Unit],
+    plan: RoundPlan,
+    *,
+    link_class: Callable[[int, int], int] | None = None,
+) -> Schedule:
+    """The `Schedule` of ``plan_unit_rounds``'s ``(units, plan)``: each unit's streams cut into
+    its messages' segments (the same rounds and buckets; ``link_class`` as planned)."""
     by_unit: dict[int, list[PlannedBucket]] = defaultdict(list)
     for b in plan.buckets:
         by_unit[b.unit].append(b)
@@ -695,7 +731,7 @@ def build_plan_schedule(
         if u in by_unit:
             part = dataclasses.replace(plan, buckets=tuple(by_unit[u]))
             buckets.extend(_cut_buckets(leaves, unit.pieces, part, link_class))
-    return Schedule(plan.chunk_bytes, tuple(buckets), units)
+    return Schedule(plan.chunk_bytes, tuple(buckets), tuple(units))
 
 
 def build_schedule(

@@ -4,7 +4,7 @@
     python -m jaxreshard.simulate --all --json out.json
     python -m jaxreshard.simulate --model llama-3.1-70b --src FSDP64 --dst "TP8 DP8" \\
         --topology h100 --placement contiguous
-    python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + build_schedule time
+    python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + cutting the segments
     python -m jaxreshard.simulate --calibrate  # the model against this machine's executor
 
 Nothing runs on a device (importing the package still loads JAX; ``--calibrate`` aside):
@@ -57,20 +57,19 @@ from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.planning.route import route as assign
 from jaxreshard.planning.schedule import (
-    FAULT_COST,
     PlanStats,
     RoundPlan,
     Unit,
-    build_plan_schedule,
+    cut_plan_schedule,
     plan_stats,
     plan_unit_rounds,
+    platform_options,
 )
 from jaxreshard.planning.topology import PROFILES, Profile, Topology
 from jaxreshard.tools import costmodel
 
 MiB = 1 << 20
 GPU_BUCKET_BYTES = 128 * MiB  # jaxreshard.api.GPU_BUCKET_BYTES (not imported: it pulls in JAX)
-GPU_UNIT_BUCKETS = 32  # jaxreshard.api.GPU_UNIT_BUCKETS: a large leaf's slab spans 32 buckets
 
 # ------------------------------------------------------------------------------ inventories
 
@@ -708,12 +707,13 @@ def simulate(
     (``placement="rack-aligned"``), right after them (``"contiguous"``), or are the same
     slots when ``colocated``. ``itemsize`` is the bytes per parameter at the destination.
 
-    Planning time covers layouts, sender choice and fan-out (`route`), chunk sizes and round
-    colouring (`schedule.plan_rounds`) and `plan_stats`; not the cost model's work.
-    `plan_rounds` makes exactly the rounds, slot sizes and buckets `build_schedule` makes,
-    without cutting pieces into each message's segments, which the cost model does not need.
-    With ``materialize``, `build_schedule` runs too (its stats are checked equal) and
-    ``full_planning_seconds`` is what cutting the segments adds.
+    Planning time covers layouts, sender choice and fan-out (`route`), units, chunk sizes and
+    round colouring (`schedule.plan_unit_rounds`) and `plan_stats`; not the cost model's work.
+    `plan_unit_rounds` makes exactly the units, rounds, slot sizes and buckets
+    `build_plan_schedule` (`jaxreshard.plan`) makes, without cutting pieces into each message's
+    segments, which the cost model does not need. With ``materialize``, those rounds are cut
+    too (`cut_plan_schedule`; its stats are checked equal) and ``full_planning_seconds`` adds
+    what cutting the segments takes.
     """
     if model_name not in MODELS:
         raise ValueError(f"unknown model {model_name!r}; known: {sorted(MODELS)}")
@@ -752,8 +752,7 @@ def simulate(
     assignment = assign(leaves, topo, fan_out=fan_out)
     options = {
         "bucket_bytes": bucket_bytes,
-        "unit_bytes": bucket_bytes * (1 if topology_name == "cpu" else GPU_UNIT_BUCKETS),
-        "fault_cost": FAULT_COST if topology_name == "cpu" else 0.0,  # as jaxreshard.plan
+        **platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes),
         "link_class": topo.link_class,
         "class_latency_bytes": topo.class_latency_bytes(),
     }
@@ -763,7 +762,7 @@ def simulate(
     full_seconds = None
     if materialize:  # also cut every message's segments, as jaxreshard.plan does
         start = time.perf_counter()
-        schedule = build_plan_schedule(leaves, assignment, **options)  # type: ignore[arg-type]
+        schedule = cut_plan_schedule(leaves, units, rounds, link_class=topo.link_class)
         full_seconds = planning + time.perf_counter() - start
         assert plan_stats(leaves, assignment, schedule, crosses=topo.crosses) == stats
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -952,7 +951,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--materialize",
         action="store_true",
-        help="also cut the messages' segments (build_schedule, as jaxreshard.plan) and time it",
+        help="also cut the messages' segments (cut_plan_schedule, as jaxreshard.plan) and time it",
     )
     parser.add_argument("--json", metavar="PATH", help="write one record per scenario")
     parser.add_argument(
