@@ -20,7 +20,7 @@ from jax.tree_util import keystr
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
 from jaxreshard.planning.layout import Layout, LayoutError
 from jaxreshard.planning.lower import Lowered, lower, with_lowered
-from jaxreshard.planning.route import Assignment, LeafSpec, route
+from jaxreshard.planning.route import MIN_SHARE_BYTES, Assignment, LeafSpec, route
 from jaxreshard.planning.schedule import (
     PlanStats,
     Schedule,
@@ -683,14 +683,21 @@ def plan(
     fan_out = topology is not None  # relays only where the caller described the domains
     if topology is None:
         topology = Topology.from_devices(_plan_devices(dsts, avals))
-    assignment = route(leaves, topology, fan_out=fan_out)
+    options = platform_options(platform, int(bucket_bytes))
+    assignment = route(
+        leaves,
+        topology,
+        fan_out=fan_out,
+        min_share_bytes=MIN_SHARE_BYTES,
+        pool_bytes=int(bucket_bytes),
+    )
     schedule = build_plan_schedule(
         leaves,
         assignment,
         bucket_bytes=int(bucket_bytes),
         link_class=topology.link_class,
         class_latency_bytes=topology.class_latency_bytes(),
-        **platform_options(platform, int(bucket_bytes)),
+        **options,
     )
     lowered = lower(leaves, schedule, bucket_bytes=int(bucket_bytes))
     return Plan(

@@ -55,6 +55,7 @@ class Mutant:
 
 ROUTE = "jaxreshard/planning/route.py"
 T_ROUTE = "tests/test_route.py"
+T_TOPO = "tests/test_topology.py"
 
 PLANNER_MUTANTS = [
     Mutant(
@@ -98,7 +99,7 @@ PLANNER_MUTANTS = [
         ROUTE,
         (
             ("near = paired_with[demand.dst]", "near: set[int] = set()"),
-            ("(s, d.dst) in pairs", "(s, d.dst) in ()"),
+            ("        near = paired_with[d.dst]", "        near: set[int] = set()"),
         ),
         (f"{T_ROUTE}::test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf",),
         "_hand_out and _rotate never prefer a sender already paired with the receiver (more "
@@ -109,13 +110,64 @@ PLANNER_MUTANTS = [
         ROUTE,
         (
             (
-                "        sender = max(order, key=lambda s: (left[s] - take.get(s, 0) * row_bytes, "
+                "        sender = max(left, key=lambda s: (left[s] - take.get(s, 0) * row_bytes, "
                 "-s))",
-                "        sender = order[-1]",
+                "        sender = min(left, key=lambda s: (left[s] - take.get(s, 0) * row_bytes, "
+                "-s))",
             ),
+            ("        if untaken is not None and (", "        if False and ("),
         ),
         (f"{T_ROUTE}::test_balance_hits_the_row_optimum[rounding-remainder]",),
         "_split gives the rows lost to rounding to the sender with the least quota left",
+    ),
+    Mutant(
+        "route-min-share-ignored",
+        ROUTE,
+        (
+            (
+                "            m = len(ds) if not min_share_bytes else max(1, min(len(ds), total // "
+                "min_share_bytes))",
+                "            m = len(ds)",
+            ),
+        ),
+        (
+            f"{T_TOPO}::test_a_leaf_smaller_than_a_share_per_device_is_imported_by_fewer_devices"
+            "_in_turn",
+        ),
+        "every device of a domain imports a share of every leaf, however small (a norm over a "
+        "rack of 72 makes 5,112 relays)",
+    ),
+    Mutant(
+        "route-no-pooling",
+        ROUTE,
+        (("            runs = _pooled(runs, pool_bytes)", "            pass"),),
+        (f"{T_TOPO}::test_small_leaves_are_pooled_into_one_share_per_device",),
+        "small consecutive leaves are shared out leaf by leaf (one piece per importer per leaf)",
+    ),
+    Mutant(
+        "route-relays-unmerged",
+        ROUTE,
+        (
+            (
+                "                for leaf, box in _merged([(r.leaf, r.box) for r in part]):",
+                "                for leaf, box in [(r.leaf, r.box) for r in part]:",
+            ),
+        ),
+        (f"{T_TOPO}::test_a_share_spanning_adjacent_regions_is_relayed_as_one_box",),
+        "an importer relays each region of its share as a box of its own",
+    ),
+    Mutant(
+        "route-shares-cut-mid-row",
+        ROUTE,
+        (
+            (
+                "        bounds = _snapped(bounds, regions, itemsizes, total // (k * "
+                "SHARE_ROUNDING))",
+                "        pass",
+            ),
+        ),
+        (f"{T_TOPO}::test_shares_end_on_whole_rows_when_a_row_is_small",),
+        "fan-out shares end in the middle of a row (more, smaller boxes)",
     ),
     Mutant(
         "route-skips-local-copies",
@@ -243,12 +295,15 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "        out.append(Unit(leaves, unit.local, own + carry, unit.fresh, "
-                "overlap=bool(own and carry)))",
-                "        out.append(Unit(leaves, unit.local, own + later + carry, unit.fresh, "
-                "overlap=bool(own)))",
+                "            Unit(leaves, unit.local, own + carry, unit.fresh, overlap, "
+                "own_slabs + carry_slabs)",
+                "            Unit(leaves, unit.local, own + later + carry, unit.fresh, "
+                "bool(own or own_slabs), own_slabs + later_slabs + carry_slabs)",
             ),
-            ("        carry, carried = later, unit.leaves if later else ()", "        carry = ()"),
+            (
+                "        carry, carry_slabs = later, later_slabs",
+                "        carry, carry_slabs = (), ()",
+            ),
         ),
         (
             f"{T_LOWER}::test_relays_run_beside_the_next_units_cross_domain_sends",

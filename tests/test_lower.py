@@ -368,3 +368,28 @@ def test_slabs_cut_the_dimension_every_sender_spans():
         for p in unit.pieces:
             sent[p.src] += math.prod(b - a for a, b in p.box)
         assert set(sent) == {0, 1, 2, 3} and len(set(sent.values())) == 1
+
+
+def test_slab_units_price_their_streams_without_cutting_and_cut_the_same_bytes():
+    """A large leaf's slabs stay uncut until asked for (the cluster model plans 10^5-10^6
+    pieces per leaf): each slab unit's stream sizes, computed from the uncut pieces, are the
+    sums of the pieces it cuts, and the cut slabs tile every piece of the plan exactly once."""
+    leaves = [leaf_spec((256, 64), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))]
+    assignment = route(leaves, TWO_DOMAINS, fan_out=True)
+    schedule = build_plan_schedule(
+        leaves, assignment, bucket_bytes=4096, link_class=TWO_DOMAINS.link_class
+    )
+    slabbed = [u for u in schedule.units if u.slabs]
+    assert len(slabbed) >= 8
+    covered = Counter()
+    for unit in schedule.units:
+        cut = Counter()
+        for p in unit.pieces:
+            n = math.prod(b - a for a, b in p.box)
+            cut[p.stage, (p.src, p.dst)] += 4 * n  # float32
+            covered[p.leaf, p.stage, p.src, p.dst] += n
+        assert dict(cut) == dict(unit.stream_bytes(leaves))
+    whole = Counter()
+    for p in assignment.pieces:
+        whole[p.leaf, p.stage, p.src, p.dst] += math.prod(b - a for a, b in p.box)
+    assert covered == whole

@@ -31,9 +31,9 @@ from jaxreshard.tools.costmodel import physical_bound
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
 
 
-def check_virtual(leaves, topology, bucket_bytes=1 << 20):
+def check_virtual(leaves, topology, bucket_bytes=1 << 20, **route_options):
     """Plan with the topology, run the NumPy executor model, check every invariant."""
-    assignment = topology_assign(leaves, topology)
+    assignment = topology_assign(leaves, topology, **route_options)
     options = dict(
         bucket_bytes=bucket_bytes,
         link_class=topology.link_class,
@@ -145,6 +145,67 @@ def test_fan_out_crosses_once_per_domain_and_relays_inside():
         else:  # replica {2, 3} is served inside A, read from the source, beside the relays
             assert p.src in (0, 1) and p.dst in (2, 3)
     assert dict(cross) == {d: TP_SLICE // 2 for d in (4, 5, 6, 7)}
+
+
+# Replicated over all of domain B, or over 4, 5, 6 of it.
+ON_B = ((4,), ("dp",), (4, 5, 6, 7), ())
+ON_456 = ((3,), ("dp",), (4, 5, 6), ())
+
+
+def _imports(assignment, leaf=None):
+    """Bytes each device takes across domains (of one leaf, or all)."""
+    out = defaultdict(int)
+    for p in assignment.pieces:
+        if TWO_BY_FOUR.crosses(p.src, p.dst) and leaf in (None, p.leaf):
+            out[p.dst] += box_size(p.box) * 4
+    return dict(out)
+
+
+def test_a_leaf_smaller_than_a_share_per_device_is_imported_by_fewer_devices_in_turn():
+    """Every share is relayed to all the others of its domain, so tiny shares only multiply
+    pieces: with ``min_share_bytes`` a whole-array share, one device imports each leaf (the
+    next leaf the next device) and relays it to the other three."""
+    leaves = [leaf_spec((64, 32), SRC, ON_B, path=f"norm{i}") for i in range(2)]
+    stats, assignment, _ = check_virtual(leaves, TWO_BY_FOUR, min_share_bytes=ARRAY_BYTES)
+    assert _imports(assignment, 0) == {4: ARRAY_BYTES}
+    assert _imports(assignment, 1) == {5: ARRAY_BYTES}
+    assert stats.bytes_relayed == 2 * 3 * ARRAY_BYTES
+    halves, _, _ = check_virtual(leaves[:1], TWO_BY_FOUR, min_share_bytes=ARRAY_BYTES // 2)
+    assert halves.bytes_cross_domain == ARRAY_BYTES and halves.max_device_recv_bytes == ARRAY_BYTES
+
+
+def test_small_leaves_are_pooled_into_one_share_per_device():
+    """With ``pool_bytes``, consecutive leaves are shared out as one: each of the four devices
+    imports a quarter of the two leaves, half a leaf each, so each leaf has two importers (per
+    leaf, all four would import a quarter of each)."""
+    leaves = [leaf_spec((64, 32), SRC, ON_B, path=f"norm{i}") for i in range(2)]
+    _, assignment, _ = check_virtual(leaves, TWO_BY_FOUR, pool_bytes=2 * ARRAY_BYTES)
+    assert _imports(assignment) == {d: ARRAY_BYTES // 2 for d in (4, 5, 6, 7)}
+    assert len(_imports(assignment, 0)) == len(_imports(assignment, 1)) == 2
+    _, per_leaf, _ = check_virtual(leaves, TWO_BY_FOUR)
+    assert len(_imports(per_leaf, 0)) == len(_imports(per_leaf, 1)) == 4
+
+
+def test_a_share_spanning_adjacent_regions_is_relayed_as_one_box():
+    """Four sources hold a quarter of the rows each; 4 and 5 import half the array each (two
+    regions, from two senders) and each forwards its half to the other as one box."""
+    src = ((4,), ("x",), (0, 1, 2, 3), ("x",))
+    lf = leaf_spec((64, 32), src, ((2,), ("dp",), (4, 5), ()))
+    _, assignment, _ = check_virtual([lf], TWO_BY_FOUR)
+    relays = sorted((p.src, p.dst, p.box) for p in assignment.pieces if p.from_dst)
+    assert relays == [(4, 5, ((0, 32), (0, 32))), (5, 4, ((32, 64), (0, 32)))]
+
+
+def test_shares_end_on_whole_rows_when_a_row_is_small():
+    """Three importers of 256 rows: a share of 85.3 rows ends on a row (85 or 86 rows, one
+    box each), not in the middle of one (two boxes); balance within a row."""
+    lf = leaf_spec((256, 8), SRC, ON_456)
+    _, assignment, _ = check_virtual([lf], TWO_BY_FOUR)
+    crossing = [p for p in assignment.pieces if TWO_BY_FOUR.crosses(p.src, p.dst)]
+    assert all(p.box[1] == (0, 8) for p in crossing)
+    imports = _imports(assignment)
+    assert sorted(imports) == [4, 5, 6]
+    assert max(imports.values()) - min(imports.values()) <= 2 * 8 * 4
 
 
 def test_without_fan_out_every_destination_device_crosses():

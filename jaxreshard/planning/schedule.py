@@ -112,19 +112,128 @@ class Unit:
     Attributes:
       leaves: the leaves whose bytes (or a slab of them) the unit moves, in tree order.
       local: the local copies done with the unit (a slab unit: only its leaf's first slab).
-      pieces: what the unit sends (every stage).
+      listed: the pieces the unit sends that are listed one by one (every stage).
       fresh: the leaves whose destination arrays the unit's first step creates when the
         caller donates none (all of ``leaves``; for a leaf cut into slabs, its first slab).
       overlap: whether the unit's later stages depend on nothing of its own first stage (a
         pipelined plan: they forward bytes that arrived in earlier units), so both run in the
         same buckets.
+      slabs: slabs of large leaves the unit also sends, cut from their leaf's pieces only
+        when asked (`Slab`): on large clusters a leaf has hundreds of thousands of pieces and
+        tens of slabs, too many to hold cut.
     """
 
     leaves: tuple[int, ...]
     local: tuple[LocalCopy, ...]
-    pieces: tuple[Piece, ...]
+    listed: tuple[Piece, ...]
     fresh: tuple[int, ...]
     overlap: bool = False
+    slabs: tuple[Slab, ...] = ()
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Everything the unit sends: ``listed``, then each slab's pieces (cut anew on every
+        access; hold on to the result rather than asking twice)."""
+        return self.listed + tuple(p for slab in self.slabs for p in slab.pieces())
+
+    def stream_bytes(self, leaves: Sequence[LeafSpec]) -> dict[tuple[int, tuple[int, int]], int]:
+        """Bytes of each ``(stage, (sender, receiver))`` stream, without cutting the slabs."""
+        sizes = _stream_bytes(leaves, self.listed)
+        for slab in self.slabs:
+            for key, n in slab.stream_bytes().items():
+                sizes[key] += n
+        return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Slab:
+    """Slab ``j`` of a leaf's pieces cut into slabs (`SlabCut`), of the stages ``stages``.
+
+    ``stages``: None for every stage, 0 for the first stage only, 1 for the later stages only
+    (a pipelined plan runs a slab's relays in the next unit)."""
+
+    cut: SlabCut
+    j: int
+    stages: int | None = None
+
+    def pieces(self) -> list[Piece]:
+        return self.cut.pieces(self.j, self.stages)
+
+    def stream_bytes(self) -> dict[tuple[int, tuple[int, int]], int]:
+        return self.cut.stream_bytes(self.j, self.stages)
+
+    def __bool__(self) -> bool:
+        return self.cut.sends(self.j, self.stages)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlabCut:
+    """The pieces of one leaf cut into ``k`` slabs along dimension ``dim``, kept uncut.
+
+    Each entry ``(piece, box, whole)`` is cut into ``k`` runs of rows of ``box`` (`_run`), run
+    ``j`` in slab ``j`` (a relay may enter several times, once per box its sender received); a
+    ``whole`` entry goes uncut into the last slab. The bytes every slab puts on each stream
+    are computed from per-entry arrays, so the cost model never needs the cut pieces. Pure
+    data (plans are fingerprinted); compared by identity, as its entries are many."""
+
+    dim: int
+    k: int
+    itemsize: int
+    entries: tuple[tuple[Piece, Box, bool], ...]
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """Per entry: rows along ``dim``, bytes per row, whole, later stage, stream index."""
+        dim = self.dim
+        rows = np.array([box[dim][1] - box[dim][0] for _, box, _ in self.entries], np.int64)
+        size = np.array([box_size(box) for _, box, _ in self.entries], np.int64)
+        rows = np.maximum(rows, 1)
+        whole = np.array([whole for _, _, whole in self.entries], dtype=bool)
+        later = np.array([p.stage > 0 for p, _, _ in self.entries], dtype=bool)
+        stream = np.array(
+            [self._streams.setdefault((p.stage, (p.src, p.dst)), len(self._streams))
+             for p, _, _ in self.entries],
+            dtype=np.int64,
+        )  # fmt: skip
+        return rows, size // rows * self.itemsize, whole, later, stream
+
+    @functools.cached_property
+    def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
+        return {}
+
+    def _rows(self, j: int, stages: int | None) -> np.ndarray:
+        """Rows of every entry in slab ``j`` (0 for entries of other stages)."""
+        all_rows, _, whole, later, _ = self._arrays
+        rows = all_rows // self.k + (j < all_rows % self.k)
+        rows = np.where(whole, all_rows if j == self.k - 1 else 0, rows)
+        if stages is not None:
+            rows = np.where(later == bool(stages), rows, 0)
+        return rows
+
+    def sends(self, j: int, stages: int | None) -> bool:
+        return bool(self._rows(j, stages).any())
+
+    def stream_bytes(self, j: int, stages: int | None) -> dict[tuple[int, tuple[int, int]], int]:
+        _, row_bytes, _, _, stream = self._arrays
+        keys = list(self._streams)
+        # float64 sums are exact below 2**53 bytes per stream.
+        totals = np.bincount(stream, weights=self._rows(j, stages) * row_bytes, minlength=len(keys))
+        return {keys[i]: int(totals[i]) for i in np.flatnonzero(totals)}
+
+    def pieces(self, j: int, stages: int | None) -> list[Piece]:
+        out = []
+        last = j == self.k - 1
+        for piece, box, whole in self.entries:
+            if stages is not None and (piece.stage > 0) != bool(stages):
+                continue
+            if whole:
+                if last:
+                    out.append(piece)
+                continue
+            run = _run(box, self.dim, self.k, j)
+            if run is not None:  # (the constructor: dataclasses.replace is 3x slower)
+                out.append(Piece(piece.leaf, piece.src, piece.dst, run, piece.stage, piece.relay))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +413,7 @@ def split_units(
     slab_bytes: int | None = None,
     pipeline: bool = False,
     unit_bytes: int | None = None,
-    slab_cache: dict[tuple[int, int], list[Unit]] | None = None,
+    prepared: PreparedPlan | None = None,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
@@ -337,19 +446,14 @@ def split_units(
     domains over the NICs while another relays over NVLink (`plan_rounds` with
     ``interleave``).
 
-    ``slab_cache`` keeps the slabs of each ``(leaf, count)`` between calls on the same
-    assignment (`plan_unit_rounds` cuts twice, the second time with ``slab_bytes``).
+    ``prepared`` (`PreparedPlan`) keeps what does not depend on the options between calls on
+    the same assignment (`plan_unit_rounds` cuts twice, the second time with ``slab_bytes``).
     """
     unit_bytes = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
-    pieces_of: dict[int, list[Piece]] = defaultdict(list)
-    local_of: dict[int, list[LocalCopy]] = defaultdict(list)
-    for p in assignment.pieces:
-        pieces_of[p.leaf].append(p)
-    for c in assignment.local:
-        local_of[c.leaf].append(c)
-    loads = [_load(leaf, pieces_of[i]) for i, leaf in enumerate(leaves)]
-    ids: dict[tuple[object, ...], int] = {}
-    signatures = [ids.setdefault(_signature(leaf), len(ids)) for leaf in leaves]
+    if prepared is None:
+        prepared = PreparedPlan(leaves, assignment)
+    pieces_of, local_of, loads = prepared.pieces_of, prepared.local_of, prepared.loads
+    signatures = prepared.signatures
 
     def cut(indices: range) -> list[tuple[str, list[int], int]]:
         """Greedy parts of ``indices``: ("run", leaves, 0) or ("slab", [leaf], k)."""
@@ -407,16 +511,39 @@ def split_units(
         start = a + m * p
     parts += cut(range(start, len(leaves)))
     units: list[Unit] = []
-    cache = {} if slab_cache is None else slab_cache
     for kind, indices, k in parts:
         if kind == "slab":
-            key = (indices[0], k)
-            if key not in cache:
-                cache[key] = _slabs(indices[0], k, pieces_of, local_of)
-            units.extend(cache[key])
+            units.extend(prepared.slabs(indices[0], k))
         else:
             units.append(_unit(indices, pieces_of, local_of))
     return tuple(_pipelined(units) if pipeline else units)
+
+
+class PreparedPlan:
+    """An assignment's pieces and local copies grouped by leaf, each leaf's load and
+    signature, and the slabs cut so far: what `split_units` needs whatever its options."""
+
+    def __init__(self, leaves: Sequence[LeafSpec], assignment: Assignment) -> None:
+        self.leaves = leaves
+        self.pieces_of: dict[int, list[Piece]] = defaultdict(list)
+        self.local_of: dict[int, list[LocalCopy]] = defaultdict(list)
+        for p in assignment.pieces:
+            self.pieces_of[p.leaf].append(p)
+        for c in assignment.local:
+            self.local_of[c.leaf].append(c)
+        self.loads = [_load(leaf, self.pieces_of[i]) for i, leaf in enumerate(leaves)]
+        ids: dict[tuple[object, ...], int] = {}
+        self.signatures = [ids.setdefault(_signature(leaf), len(ids)) for leaf in leaves]
+        self._slabs: dict[tuple[int, int], list[Unit]] = {}
+
+    def slabs(self, index: int, k: int) -> list[Unit]:
+        """The units of leaf ``index`` cut into ``k`` slabs (`_slabs`), cut once."""
+        key = (index, k)
+        if key not in self._slabs:
+            self._slabs[key] = _slabs(
+                index, k, self.leaves[index].itemsize, self.pieces_of, self.local_of
+            )
+        return self._slabs[key]
 
 
 def _pipelined(units: Sequence[Unit]) -> list[Unit]:
@@ -424,16 +551,29 @@ def _pipelined(units: Sequence[Unit]) -> list[Unit]:
     ones), marking the units that run them beside their own first stage."""
     out: list[Unit] = []
     carry: tuple[Piece, ...] = ()
+    carry_slabs: tuple[Slab, ...] = ()
     carried: tuple[int, ...] = ()  # the leaves the carried pieces move
     for unit in units:
-        own = tuple(p for p in unit.pieces if p.stage == 0)
-        later = tuple(p for p in unit.pieces if p.stage > 0)
+        own = tuple(p for p in unit.listed if p.stage == 0)
+        later = tuple(p for p in unit.listed if p.stage > 0)
+        own_slabs = tuple(s for s in (_stages(s, 0) for s in unit.slabs) if s)
+        later_slabs = tuple(s for s in (_stages(s, 1) for s in unit.slabs) if s)
         leaves = tuple(sorted({*unit.leaves, *carried}))
-        out.append(Unit(leaves, unit.local, own + carry, unit.fresh, overlap=bool(own and carry)))
-        carry, carried = later, unit.leaves if later else ()
-    if carry:
-        out.append(Unit(carried, (), carry, ()))
+        overlap = bool((own or own_slabs) and (carry or carry_slabs))
+        out.append(
+            Unit(leaves, unit.local, own + carry, unit.fresh, overlap, own_slabs + carry_slabs)
+        )
+        carry, carry_slabs = later, later_slabs
+        carried = unit.leaves if later or later_slabs else ()
+    if carry or carry_slabs:
+        out.append(Unit(carried, (), carry, (), slabs=carry_slabs))
     return out
+
+
+def _stages(slab: Slab, stages: int) -> Slab:
+    """``slab`` restricted to its first stage (0) or its later ones (1)."""
+    assert slab.stages is None, "a slab is split by stage once"
+    return dataclasses.replace(slab, stages=stages)
 
 
 MAX_PERIOD = 256
@@ -519,12 +659,13 @@ def _unit(
 def _slabs(
     index: int,
     k: int,
+    itemsize: int,
     pieces_of: Mapping[int, Sequence[Piece]],
     local_of: Mapping[int, Sequence[LocalCopy]],
 ) -> list[Unit]:
     """Up to ``k`` units, each moving one slab of every piece of leaf ``index``.
 
-    Every piece is cut into ``k`` near-equal runs of rows of one dimension (`_runs`), slab
+    Every piece is cut into ``k`` near-equal runs of rows of one dimension (`_run`), slab
     ``j`` of every piece in unit ``j``, so each slab is balanced over the devices like the whole
     leaf and the slabs share one program (their boxes differ only in where they start). The
     dimension is the one along which most bytes spread over the slabs (`_slab_dimension`: one
@@ -532,19 +673,12 @@ def _slabs(
     slab ``j`` forwards exactly what slab ``j`` of the pieces its sender received brought:
     like those pieces where they span the relayed box along the dimension (then their runs
     and the relay's are the same rows), else piece by piece; a relay those pieces do not tile
-    stays whole, in the last slab. Later stages of a slab follow its first in its unit."""
+    stays whole, in the last slab. Later stages of a slab follow its first in its unit.
+    The cut itself is made only when a slab's pieces are asked for (`SlabCut`)."""
     pieces = pieces_of[index]
     dim = _slab_dimension(pieces, k)
     k = max(1, min(k, max(p.box[dim][1] - p.box[dim][0] for p in pieces)))
-    parts: list[list[Piece]] = [[] for _ in range(k)]
-
-    def cut(piece: Piece, box: Box) -> None:
-        for j, run in enumerate(_runs(box, dim, k)):
-            if run is not None:  # (the constructor: dataclasses.replace is 3x slower)
-                parts[j].append(
-                    Piece(piece.leaf, piece.src, piece.dst, run, piece.stage, piece.relay)
-                )
-
+    entries: list[tuple[Piece, Box, bool]] = []
     received: dict[int, list[Piece]] = defaultdict(list)  # stage-0 pieces by receiver
     relays = []
     for p in pieces:
@@ -553,7 +687,7 @@ def _slabs(
             continue
         if p.stage == 0:
             received[p.dst].append(p)
-        cut(p, p.box)
+        entries.append((p, p.box, False))
     feeds: dict[tuple[int, Box], tuple[Box, ...] | None] = {}
     for r in relays:
         key = (r.src, r.box)
@@ -567,14 +701,16 @@ def _slabs(
                 feeds[key] = tuple(inside)
         boxes = feeds[key]
         if boxes is None:
-            parts[-1].append(r)
+            entries.append((r, r.box, True))
             continue
-        for box in boxes:
-            cut(r, box)
+        entries.extend((r, box, False) for box in boxes)
+    cut = SlabCut(dim, k, itemsize, tuple(entries))
     local = tuple(local_of.get(index, ()))
     return [
-        Unit((index,), local if j == 0 else (), tuple(part), (index,) if j == 0 else ())
-        for j, part in enumerate(parts)
+        Unit(
+            (index,), local if j == 0 else (), (), (index,) if j == 0 else (), slabs=(Slab(cut, j),)
+        )
+        for j in range(k)
     ]
 
 
@@ -582,18 +718,14 @@ def _within(inner: Box, outer: Box) -> bool:
     return all(a <= c and d <= b for (c, d), (a, b) in zip(inner, outer, strict=True))
 
 
-def _runs(box: Box, dim: int, k: int) -> list[Box | None]:
-    """``box`` cut into ``k`` near-equal runs of rows of dimension ``dim`` (the first
-    ``rows % k`` one row longer); None where a run gets no row."""
+def _run(box: Box, dim: int, k: int, j: int) -> Box | None:
+    """Run ``j`` of ``box`` cut into ``k`` near-equal runs of rows of dimension ``dim`` (the
+    first ``rows % k`` one row longer); None where the run gets no row."""
     a, b = box[dim]
     rows = b - a
-    out: list[Box | None] = []
-    lo = a
-    for j in range(k):
-        hi = lo + rows // k + (j < rows % k)
-        out.append((*box[:dim], (lo, hi), *box[dim + 1 :]) if hi > lo else None)
-        lo = hi
-    return out
+    lo = a + j * (rows // k) + min(j, rows % k)
+    hi = lo + rows // k + (j < rows % k)
+    return (*box[:dim], (lo, hi), *box[dim + 1 :]) if hi > lo else None
 
 
 def _slab_dimension(pieces: Sequence[Piece], k: int) -> int:
@@ -633,19 +765,31 @@ def plan_unit_rounds(
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
     (`choose_chunk_bytes`).
     """
-    slabs: dict[tuple[int, int], list[Unit]] = {}  # both cuts below slab most leaves alike
+    prepared = PreparedPlan(leaves, assignment)  # both cuts below slab most leaves alike
     units = split_units(
         leaves,
         assignment,
         bucket_bytes=bucket_bytes,
         max_copies=max_copies,
         unit_bytes=unit_bytes,
-        slab_cache=slabs,
+        prepared=prepared,
     )
-    sizes: dict[tuple[Any, tuple[int, int]], int] = defaultdict(int)
+    sizes: dict[tuple[Any, tuple[int, int]], int] = {}
+    weights: dict[Any, int] = {}
+    # Units with the same streams (a leaf's slabs, repeated layers) count once, weighted by
+    # how often they occur; not where a fault cost makes the order of units matter.
+    first: dict[tuple[object, ...], int] = {}
     for u, unit in enumerate(units):
-        for p in unit.pieces:
-            sizes[(u, p.stage), (p.src, p.dst)] += box_size(p.box) * leaves[p.leaf].itemsize
+        streams = unit.stream_bytes(leaves)
+        key = tuple(sorted(streams.items()))
+        if not fault_cost and key in first:
+            for stage in {stage for stage, _ in streams}:
+                weights[first[key], stage] += 1
+            continue
+        first[key] = u
+        for (stage, pair), n in streams.items():
+            sizes[(u, stage), pair] = n
+            weights[u, stage] = 1
     chunks, _ = chunk_sizes(
         sizes,
         bucket_bytes=bucket_bytes,
@@ -653,6 +797,7 @@ def plan_unit_rounds(
         class_latency_bytes=class_latency_bytes,
         ladder=True,
         fault_cost=fault_cost,
+        weights=weights,
     )
     # Leaves whose pieces span several chunks go into slabs of about a chunk each (or as many
     # chunks as a unit spans buckets), which share one program, instead of being cut chunk by
@@ -666,22 +811,27 @@ def plan_unit_rounds(
         slab_bytes=max(chunks.values(), default=bucket_bytes) * slabs_per_bucket,
         pipeline=pipeline,
         unit_bytes=unit_bytes,
-        slab_cache=slabs,
+        prepared=prepared,
     )
     buckets: list[PlannedBucket] = []
+    # The slabs of a leaf put (nearly) the same bytes on the same streams: their rounds are
+    # planned once.
+    planned: dict[tuple[object, ...], RoundPlan] = {}
     for u, unit in enumerate(units):
-        if not unit.pieces:
+        streams = unit.stream_bytes(leaves)
+        if not streams:
             continue
-        part = plan_rounds(
-            leaves,
-            unit.pieces,
-            bucket_bytes=bucket_bytes,
-            link_class=link_class,
-            class_latency_bytes=class_latency_bytes,
-            chunks=chunks,
-            interleave=unit.overlap,
-        )
-        buckets.extend(dataclasses.replace(b, unit=u) for b in part.buckets)
+        key = (unit.overlap, *sorted(streams.items()))
+        if key not in planned:
+            planned[key] = _plan_stream_rounds(
+                streams,
+                bucket_bytes=bucket_bytes,
+                link_class=link_class,
+                class_latency_bytes=class_latency_bytes,
+                chunks=chunks,
+                interleave=unit.overlap,
+            )
+        buckets.extend(dataclasses.replace(b, unit=u) for b in planned[key].buckets)
     named = () if link_class is None else tuple(sorted(chunks.items()))
     return units, RoundPlan(max(chunks.values(), default=0), named, tuple(buckets))
 
@@ -835,9 +985,38 @@ def plan_rounds(
     unit), the two stages' rounds share buckets, each bucket taking both in proportion to
     their bytes (`_interleave`), so a bucket's cross-domain rounds and its relays can run at
     once; later stages follow in order."""
-    sizes: dict[tuple[int, tuple[int, int]], int] = defaultdict(int)
+    return _plan_stream_rounds(
+        _stream_bytes(leaves, pieces),
+        bucket_bytes=bucket_bytes,
+        latency_bytes=latency_bytes,
+        link_class=link_class,
+        class_latency_bytes=class_latency_bytes,
+        chunks=chunks,
+        interleave=interleave,
+    )
+
+
+def _stream_bytes(
+    leaves: Sequence[LeafSpec], pieces: Iterable[Piece]
+) -> defaultdict[tuple[int, tuple[int, int]], int]:
+    """Bytes of each ``(stage, (sender, receiver))`` stream of ``pieces``."""
+    sizes: defaultdict[tuple[int, tuple[int, int]], int] = defaultdict(int)
     for p in pieces:
         sizes[p.stage, (p.src, p.dst)] += box_size(p.box) * leaves[p.leaf].itemsize
+    return sizes
+
+
+def _plan_stream_rounds(
+    sizes: Mapping[tuple[int, tuple[int, int]], int],
+    *,
+    bucket_bytes: int,
+    latency_bytes: int | None = None,
+    link_class: Callable[[int, int], int] | None = None,
+    class_latency_bytes: Mapping[int, int] | None = None,
+    chunks: Mapping[int, int] | None = None,
+    interleave: bool = False,
+) -> RoundPlan:
+    """`plan_rounds` from the bytes of each ``(stage, (sender, receiver))`` stream."""
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     if chunks is not None:
         classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
@@ -925,12 +1104,14 @@ def chunk_sizes(
     class_latency_bytes: Mapping[int, int] | None = None,
     ladder: bool = False,
     fault_cost: float = FAULT_COST,
+    weights: Mapping[Any, int] | None = None,
 ) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
     """The chunk size of each link class (`choose_chunk_bytes` over the streams of that class;
     one class, 0, without ``link_class``), and the class of each (sender, receiver) pair.
 
     ``sizes`` maps ``(stage, (sender, receiver))`` to stream bytes; a stage is any label
-    (the whole-plan schedule labels streams by unit and stage)."""
+    (the whole-plan schedule labels streams by unit and stage). ``weights`` counts how many
+    times each stage occurs (default once)."""
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
     classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
@@ -941,6 +1122,7 @@ def chunk_sizes(
             latency_bytes=(class_latency_bytes or {}).get(cls, latency),
             ladder=ladder,
             fault_cost=fault_cost,
+            weights=weights,
         )
         for cls in sorted(set(classes.values()))
     }
@@ -1105,6 +1287,7 @@ def choose_chunk_bytes(
     latency_bytes: int,
     ladder: bool = False,
     fault_cost: float = FAULT_COST,
+    weights: Mapping[Any, int] | None = None,
 ) -> int:
     """The chunk size minimising the modeled time: per round, its size plus a latency.
 
@@ -1114,6 +1297,8 @@ def choose_chunk_bytes(
     are priced at their `ladder_size`, as `build_plan_schedule` makes them, and a change of
     round sizes between stages costs ``fault_cost`` byte-equivalents per staging byte made
     afresh (`FAULT_COST` on CPU; 0 where the allocator reuses device memory cheaply).
+    ``weights`` counts how many times each stage runs (default once; the order of stages
+    matters to the fault cost, so weights other than 1 are for plans without one).
     """
     if not sizes:
         return cap
@@ -1125,7 +1310,7 @@ def choose_chunk_bytes(
             if c <= cap:
                 candidates.add(c)
 
-    model = _ChunkModel(sizes, latency_bytes, fault_cost)
+    model = _ChunkModel(sizes, latency_bytes, fault_cost, weights)
     return min(candidates, key=lambda c: (model.time(c, ladder), -c))
 
 
@@ -1140,12 +1325,14 @@ class _ChunkModel:
         sizes: Mapping[tuple[int, tuple[int, int]], int],
         latency: int,
         fault_cost: float = 0.0,
+        weights: Mapping[Any, int] | None = None,
     ) -> None:
         self.fault_cost = fault_cost
         send: dict[tuple[int, int], int] = {}
         recv: dict[tuple[int, int], int] = {}
         stages = sorted({stage for stage, _ in sizes})
         self.stage_index = {stage: i for i, stage in enumerate(stages)}
+        self.weight = np.array([(weights or {}).get(st, 1) for st in stages], dtype=np.int64)
         self.latency = latency
         self.sizes = np.array(list(sizes.values()), dtype=np.int64)
         self.stage = np.array([self.stage_index[st] for st, _ in sizes], dtype=np.int64)
@@ -1177,7 +1364,8 @@ class _ChunkModel:
         np.maximum.at(largest, self.stage, rest)
         tails = _ladder_sizes(largest, chunk) if ladder else _aligned(largest)
         total = int(
-            (n_full * (chunk + self.latency)).sum() + (n_tail * (tails + self.latency)).sum()
+            (self.weight * n_full * (chunk + self.latency)).sum()
+            + (self.weight * n_tail * (tails + self.latency)).sum()
         )
         if ladder and self.fault_cost and len(n_full) > 1:
             # Stages (units) one after the other whose round sizes differ make the runtime's
@@ -1425,15 +1613,20 @@ def plan_stats(
     sent_by: dict[int, int] = defaultdict(int)
     recv_by: dict[int, int] = defaultdict(int)
     relayed = cross = 0
+    crossing: dict[tuple[int, int], bool] = {}  # pairs repeat over leaves: ask once per pair
     for p in assignment.pieces:
         n = box_size(p.box) * leaves[p.leaf].itemsize
         sent_by[p.src] += n
         recv_by[p.dst] += n
         relayed += n if p.from_dst else 0
-        cross += n if crosses is not None and crosses(p.src, p.dst) else 0
+        if crosses is not None:
+            pair = (p.src, p.dst)
+            if pair not in crossing:
+                crossing[pair] = crosses(*pair)
+            cross += n if crossing[pair] else 0
     wire = staging = 0
-    for rounds in schedule.rounds_by_bucket():
-        wire += sum(size * len(pairs) for size, pairs in rounds)
+    for rounds in _round_sizes(schedule):
+        wire += sum(size * messages for size, messages in rounds)
         staging = max(staging, 2 * sum(size for size, _ in rounds))
     return PlanStats(
         bytes_total=total,
@@ -1450,3 +1643,13 @@ def plan_stats(
         bytes_relayed=relayed,
         bytes_cross_domain=cross,
     )
+
+
+def _round_sizes(schedule: Schedule | RoundPlan) -> Iterator[list[tuple[int, int]]]:
+    """Per bucket, ``(slot_bytes, messages)`` of each of its rounds."""
+    for b in schedule.buckets:
+        if isinstance(b, PlannedBucket):
+            yield [(size, len(entries)) for size, entries in b.rounds]
+        else:
+            count = Counter(m.slot for m in b.messages)
+            yield [(size, count[slot]) for slot, size in enumerate(b.slot_bytes)]

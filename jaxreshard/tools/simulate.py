@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxreshard.planning.layout import Layout
-from jaxreshard.planning.route import LeafSpec
+from jaxreshard.planning.route import MIN_SHARE_BYTES, LeafSpec
 from jaxreshard.planning.route import route as assign
 from jaxreshard.planning.schedule import (
     PlanStats,
@@ -749,10 +749,12 @@ def simulate(
         )
         for p in model.params
     ]
-    assignment = assign(leaves, topo, fan_out=fan_out)
+    platform = platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes)
+    routing = {"min_share_bytes": MIN_SHARE_BYTES, "pool_bytes": bucket_bytes}
+    assignment = assign(leaves, topo, fan_out=fan_out, **routing)
     options = {
         "bucket_bytes": bucket_bytes,
-        **platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes),
+        **platform,
         "link_class": topo.link_class,
         "class_latency_bytes": topo.class_latency_bytes(),
     }
@@ -769,7 +771,7 @@ def simulate(
     stages: dict[int, int] = {}
     for piece in assignment.pieces:
         stages[piece.stage] = stages.get(piece.stage, 0) + 1
-    m2n = assignment if fan_out else assign(leaves, topo, fan_out=True)
+    m2n = assignment if fan_out else assign(leaves, topo, fan_out=True, **routing)
     baselines = {
         "all-gather + broadcast": costmodel.allgather_broadcast(
             leaves, topo, profile, chunk_bytes=bucket_bytes
