@@ -313,6 +313,22 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "from (a relay reads bytes that have not arrived)",
     ),
     Mutant(
+        "schedule-alike-parts-lose-chunk-order",
+        SCHEDULE,
+        (
+            (
+                "merged[r].extend(((senders[s], receivers[d]), k) for (s, d), k in entries)",
+                "merged[r].extend(((senders[s], receivers[d]), 0) for (s, d), k in entries)",
+            ),
+        ),
+        (
+            "tests/test_planner.py::test_colour_rounds_meets_the_konig_bound"
+            "[racks-alike-full chunks]",
+        ),
+        "parts coloured once and mapped onto alike parts lose which chunk of a stream each "
+        "round moves (chunks sent twice, others never)",
+    ),
+    Mutant(
         "schedule-slabs-along-the-first-dimension",
         SCHEDULE,
         (("    dim = _slab_dimension(pieces, k)", "    dim = 0"),),

@@ -155,13 +155,28 @@ def _random_multigraphs():
         groups |= {(s, d): n + int(rng.integers(0, 2)) for s in members for d in members if s != d}
     equal = {(s, d): 6 for s in range(4) for d in range(4) if s != d}  # one common factor
     nearly = {(s, d): 9 + (s + d) % 2 for s in range(5) for d in range(5, 10)}
-    return {"plain": plain, "groups": groups, "equal": equal, "nearly-equal": nearly}
+    # Racks alike up to their ids (coloured once, then mapped), and one that differs.
+    rack = {(s, d): 1 + (3 * s + d) % 4 for s in range(6) for d in range(6) if s != d}
+    racks = {(s + 100 * r, d + 100 * r): n for r in range(3) for (s, d), n in rack.items()}
+    racks[205, 204] += 2
+    return {
+        "plain": plain,
+        "groups": groups,
+        "equal": equal,
+        "nearly-equal": nearly,
+        "racks-alike": racks,
+    }
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["full chunks", "tails in order"])
 @pytest.mark.parametrize("name", sorted(_random_multigraphs()))
-def test_colour_rounds_meets_the_konig_bound(name):
+def test_colour_rounds_meets_the_konig_bound(name, ordered):
     mult = _random_multigraphs()[name]
-    rounds = colour_rounds(mult)
+    if ordered:  # tails: one chunk per pair, coloured in a given order
+        mult = dict.fromkeys(mult, 1)
+        rounds = colour_rounds(mult, order=sorted(mult, key=lambda p: (-(p[0] * p[1] % 7), p)))
+    else:
+        rounds = colour_rounds(mult)
     send = defaultdict(int)
     recv = defaultdict(int)
     for (s, d), n in mult.items():

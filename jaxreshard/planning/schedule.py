@@ -1441,20 +1441,40 @@ def colour_rounds(
     coloured once and repeated, in each case with no more rounds than the busiest device's
     count: thousands of GPUs' relay stages become many small colourings.
     """
-    if order is None:
-        # Parts that share no device are coloured apart and their rounds laid side by side:
-        # round r of the whole is round r of every part, so it still takes as many rounds as
-        # its busiest device (each part needs its own busiest device's count). A relay stage
-        # falls apart into its fan-out groups, each small.
-        parts = _components(multiplicity)
-        if len(parts) > 1:
-            merged: list[list[tuple[tuple[int, int], int]]] = []
-            for part in parts:
-                for r, entries in enumerate(colour_rounds(part)):
-                    if r == len(merged):
-                        merged.append([])
-                    merged[r].extend(entries)
-            return [sorted(entries) for entries in merged]
+    # Parts that share no device are coloured apart and their rounds laid side by side:
+    # round r of the whole is round r of every part, so it still takes as many rounds as
+    # its busiest device (each part needs its own busiest device's count). A relay stage
+    # falls apart into its fan-out groups, each small. Each part keeps ``order``.
+    # Parts alike up to their device ids (the racks of a cluster) are coloured once.
+    parts = _components(multiplicity)
+    if len(parts) > 1:
+        merged: list[list[tuple[tuple[int, int], int]]] = []
+        alike: dict[tuple[object, ...], list[list[tuple[tuple[int, int], int]]]] = {}
+        suborders: list[list[tuple[int, int]]] = [[] for _ in parts]
+        if order is not None:
+            part_of = {pair: i for i, part in enumerate(parts) for pair in part}
+            for pair in order:
+                suborders[part_of[pair]].append(pair)
+        for part, suborder_ in zip(parts, suborders, strict=True):
+            suborder = None if order is None else suborder_
+            senders = sorted({s for s, _ in part})
+            receivers = sorted({d for _, d in part})
+            rank_s = {s: i for i, s in enumerate(senders)}
+            rank_d = {d: i for i, d in enumerate(receivers)}
+            # Ranks keep the ids' order, so colouring the ranked part is colouring the part.
+            key = (
+                tuple((rank_s[s], rank_d[d], n) for (s, d), n in part.items()),
+                None if suborder is None else tuple((rank_s[s], rank_d[d]) for s, d in suborder),
+            )
+            if key not in alike:
+                ranked = {(rank_s[s], rank_d[d]): n for (s, d), n in part.items()}
+                ranked_order = None if key[1] is None else list(key[1])
+                alike[key] = colour_rounds(ranked, ranked_order)  # type: ignore[arg-type]
+            for r, entries in enumerate(alike[key]):
+                if r == len(merged):
+                    merged.append([])
+                merged[r].extend(((senders[s], receivers[d]), k) for (s, d), k in entries)
+        return [sorted(entries) for entries in merged]
     # A multigraph whose multiplicities share a factor g is g copies of a smaller one: colour
     # that once and run each of its rounds g times (the pairs of one fan-out group all carry
     # the same number of chunks: thousands of chunks become a few edges).
