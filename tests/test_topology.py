@@ -384,14 +384,20 @@ def mesh_layouts(draw, prefix):
                             [range(0, 12, 2), range(1, 12, 2)], [[i] for i in range(12)]]),
     bucket=st.sampled_from([16, 100, 1 << 20]),
     dtype=st.sampled_from(["uint8", "float16", "float64"]),
+    min_share=st.sampled_from([0, 16, 1 << 20]),
+    pool=st.sampled_from([0, 1 << 20]),
 )  # fmt: skip
-def test_random_layouts_and_domains_on_virtual_devices(src, dst, groups, bucket, dtype):
+def test_random_layouts_and_domains_on_virtual_devices(
+    src, dst, groups, bucket, dtype, min_share, pool
+):
     size = dict(zip(src[1], src[0], strict=True)) | dict(zip(dst[1], dst[0], strict=True))
     shape = tuple(
         2 * math.lcm(*(math.prod(size[a] for a in s[3][d]) for s in (src, dst))) for d in range(2)
     )
     topology = Topology.from_groups(groups)
-    lf = leaf_spec(shape, src, dst, dtype=dtype)
-    stats, _, _ = check_virtual([lf], topology, bucket)
-    # Each domain takes in each byte it lacks exactly once.
-    assert stats.bytes_cross_domain == physical_bound([lf], topology).bytes_cross_needed
+    leaves = [leaf_spec(shape, src, dst, dtype=dtype, path=p) for p in ("x", "y")]
+    stats, _, _ = check_virtual(
+        leaves, topology, bucket, min_share_bytes=min_share, pool_bytes=pool
+    )
+    # Each domain takes in each byte it lacks exactly once, however shares are cut.
+    assert stats.bytes_cross_domain == physical_bound(leaves, topology).bytes_cross_needed

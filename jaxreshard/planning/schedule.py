@@ -182,24 +182,24 @@ class SlabCut:
     entries: tuple[tuple[Piece, Box, bool], ...]
 
     @functools.cached_property
-    def _arrays(self) -> tuple[np.ndarray, ...]:
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per entry: rows along ``dim``, bytes per row, whole, later stage, stream index."""
-        dim = self.dim
+        dim, index = self.dim, self._streams
         rows = np.array([box[dim][1] - box[dim][0] for _, box, _ in self.entries], np.int64)
         size = np.array([box_size(box) for _, box, _ in self.entries], np.int64)
         rows = np.maximum(rows, 1)
         whole = np.array([whole for _, _, whole in self.entries], dtype=bool)
         later = np.array([p.stage > 0 for p, _, _ in self.entries], dtype=bool)
-        stream = np.array(
-            [self._streams.setdefault((p.stage, (p.src, p.dst)), len(self._streams))
-             for p, _, _ in self.entries],
-            dtype=np.int64,
-        )  # fmt: skip
+        stream = np.array([index[p.stage, (p.src, p.dst)] for p, _, _ in self.entries], np.int64)
         return rows, size // rows * self.itemsize, whole, later, stream
 
     @functools.cached_property
     def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
-        return {}
+        """Each ``(stage, (sender, receiver))`` stream of the entries, numbered."""
+        index: dict[tuple[int, tuple[int, int]], int] = {}
+        for p, _, _ in self.entries:
+            index.setdefault((p.stage, (p.src, p.dst)), len(index))
+        return index
 
     def _rows(self, j: int, stages: int | None) -> np.ndarray:
         """Rows of every entry in slab ``j`` (0 for entries of other stages)."""
@@ -215,7 +215,7 @@ class SlabCut:
 
     def stream_bytes(self, j: int, stages: int | None) -> dict[tuple[int, tuple[int, int]], int]:
         _, row_bytes, _, _, stream = self._arrays
-        keys = list(self._streams)
+        keys = list(self._streams)  # in index order
         # float64 sums are exact below 2**53 bytes per stream.
         totals = np.bincount(stream, weights=self._rows(j, stages) * row_bytes, minlength=len(keys))
         return {keys[i]: int(totals[i]) for i in np.flatnonzero(totals)}
