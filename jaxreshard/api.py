@@ -20,7 +20,7 @@ from jax.tree_util import keystr
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
 from jaxreshard.planning.layout import Layout, LayoutError
 from jaxreshard.planning.lower import Lowered, lower, with_lowered
-from jaxreshard.planning.route import MIN_SHARE_BYTES, Assignment, LeafSpec, route
+from jaxreshard.planning.route import Assignment, LeafSpec, planner_options, route
 from jaxreshard.planning.schedule import (
     PlanStats,
     Schedule,
@@ -684,13 +684,7 @@ def plan(
     if topology is None:
         topology = Topology.from_devices(_plan_devices(dsts, avals))
     options = platform_options(platform, int(bucket_bytes))
-    assignment = route(
-        leaves,
-        topology,
-        fan_out=fan_out,
-        min_share_bytes=MIN_SHARE_BYTES,
-        pool_bytes=int(bucket_bytes),
-    )
+    assignment = route(leaves, topology, fan_out=fan_out, **planner_options(int(bucket_bytes)))
     schedule = build_plan_schedule(
         leaves,
         assignment,

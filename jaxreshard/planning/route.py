@@ -144,6 +144,14 @@ MIN_SHARE_BYTES = 1 << 20
 this a share's copies (one per relay: a share goes to every other device of the domain) cost
 more than its bytes (a copy's fixed cost, a few microseconds, is about a megabyte of NVLink)."""
 
+
+def planner_options(bucket_bytes: int) -> dict[str, int]:
+    """The `route` options `jaxreshard.plan` and the cluster model both pass: at least
+    `MIN_SHARE_BYTES` per importer, and leaves pooled up to a bucket (the size of a unit of
+    small leaves, `schedule.split_units`)."""
+    return {"min_share_bytes": MIN_SHARE_BYTES, "pool_bytes": bucket_bytes}
+
+
 BALANCE_SLACK = 0.01
 """How much busier than the best a sender choice may make the busiest sender (a fraction of its
 bytes) when it saves (sender, receiver) pairs; see `_choose_senders`."""
@@ -495,7 +503,8 @@ def route(
         default where ``fan_out`` is (plans for clusters, whose large leaves run slab after
         slab, so a balance over the plan alone leaves devices idle in each slab).
       min_share_bytes: with fan-out, the least a device imports for the others of its domain
-        (the planners pass `MIN_SHARE_BYTES`; 0: every device of the domain takes a share):
+        (the planners pass `MIN_SHARE_BYTES`, `planner_options`; 0: every device of the
+        domain takes a share):
         a leaf smaller than a share per device is imported by fewer devices, taken in turn,
         each relaying its share to all the others.
       pool_bytes: with ``per_leaf``, consecutive leaves whose bytes stay under this together
@@ -646,7 +655,7 @@ def _pooled(runs: Sequence[list[_Region]], pool_bytes: int) -> list[list[_Region
     for run in runs:
         nbytes = sum(r.nbytes for r in run)
         if out and total + nbytes <= pool_bytes:
-            out[-1] = out[-1] + run
+            out[-1].extend(run)
             total += nbytes
         else:
             out.append(list(run))

@@ -258,6 +258,12 @@ class Schedule:
         for b in self.buckets:
             yield tuple(zip(b.slot_bytes, b.perms(), strict=True))
 
+    def round_sizes_by_bucket(self) -> Iterator[list[tuple[int, int]]]:
+        """Per bucket, ``(slot_bytes, messages)`` of each of its rounds."""
+        for b in self.buckets:
+            count = Counter(m.slot for m in b.messages)
+            yield [(size, count[slot]) for slot, size in enumerate(b.slot_bytes)]
+
 
 Entry = tuple[tuple[int, int], int]
 """``((sender, receiver), k)``: chunk ``k`` of that pair's stream (of one stage)."""
@@ -313,6 +319,12 @@ class RoundPlan:
         """Per bucket, its rounds as ``(slot_bytes, ((sender, receiver), ...))``."""
         for b in self.buckets:
             yield tuple((size, tuple(sorted(p for p, _ in e))) for size, e in b.rounds)
+
+    def round_sizes_by_bucket(self) -> Iterator[list[tuple[int, int]]]:
+        """Per bucket, ``(slot_bytes, messages)`` of each of its rounds (no sorting: stats
+        of plans with millions of entries need only the counts)."""
+        for b in self.buckets:
+            yield [(size, len(entries)) for size, entries in b.rounds]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1450,26 +1462,26 @@ def colour_rounds(
     if len(parts) > 1:
         merged: list[list[tuple[tuple[int, int], int]]] = []
         alike: dict[tuple[object, ...], list[list[tuple[tuple[int, int], int]]]] = {}
-        suborders: list[list[tuple[int, int]]] = [[] for _ in parts]
+        suborders: list[list[tuple[int, int]] | None] = [None] * len(parts)
         if order is not None:
+            grouped: list[list[tuple[int, int]]] = [[] for _ in parts]
             part_of = {pair: i for i, part in enumerate(parts) for pair in part}
             for pair in order:
-                suborders[part_of[pair]].append(pair)
-        for part, suborder_ in zip(parts, suborders, strict=True):
-            suborder = None if order is None else suborder_
+                grouped[part_of[pair]].append(pair)
+            suborders = list(grouped)
+        for part, suborder in zip(parts, suborders, strict=True):
             senders = sorted({s for s, _ in part})
             receivers = sorted({d for _, d in part})
             rank_s = {s: i for i, s in enumerate(senders)}
             rank_d = {d: i for i, d in enumerate(receivers)}
             # Ranks keep the ids' order, so colouring the ranked part is colouring the part.
-            key = (
-                tuple((rank_s[s], rank_d[d], n) for (s, d), n in part.items()),
-                None if suborder is None else tuple((rank_s[s], rank_d[d]) for s, d in suborder),
+            ranked = {(rank_s[s], rank_d[d]): n for (s, d), n in part.items()}
+            ranked_order = (
+                None if suborder is None else [(rank_s[s], rank_d[d]) for s, d in suborder]
             )
+            key = (tuple(ranked.items()), None if ranked_order is None else tuple(ranked_order))
             if key not in alike:
-                ranked = {(rank_s[s], rank_d[d]): n for (s, d), n in part.items()}
-                ranked_order = None if key[1] is None else list(key[1])
-                alike[key] = colour_rounds(ranked, ranked_order)  # type: ignore[arg-type]
+                alike[key] = colour_rounds(ranked, ranked_order)
             for r, entries in enumerate(alike[key]):
                 if r == len(merged):
                     merged.append([])
@@ -1645,7 +1657,7 @@ def plan_stats(
                 crossing[pair] = crosses(*pair)
             cross += n if crossing[pair] else 0
     wire = staging = 0
-    for rounds in _round_sizes(schedule):
+    for rounds in schedule.round_sizes_by_bucket():
         wire += sum(size * messages for size, messages in rounds)
         staging = max(staging, 2 * sum(size for size, _ in rounds))
     return PlanStats(
@@ -1663,13 +1675,3 @@ def plan_stats(
         bytes_relayed=relayed,
         bytes_cross_domain=cross,
     )
-
-
-def _round_sizes(schedule: Schedule | RoundPlan) -> Iterator[list[tuple[int, int]]]:
-    """Per bucket, ``(slot_bytes, messages)`` of each of its rounds."""
-    for b in schedule.buckets:
-        if isinstance(b, PlannedBucket):
-            yield [(size, len(entries)) for size, entries in b.rounds]
-        else:
-            count = Counter(m.slot for m in b.messages)
-            yield [(size, count[slot]) for slot, size in enumerate(b.slot_bytes)]

@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxreshard.planning.layout import Layout
-from jaxreshard.planning.route import MIN_SHARE_BYTES, LeafSpec
+from jaxreshard.planning.route import LeafSpec, planner_options
 from jaxreshard.planning.route import route as assign
 from jaxreshard.planning.schedule import (
     PlanStats,
@@ -748,7 +748,7 @@ def simulate(
         for p in model.params
     ]
     platform = platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes)
-    routing = {"min_share_bytes": MIN_SHARE_BYTES, "pool_bytes": bucket_bytes}
+    routing = planner_options(bucket_bytes)
     assignment = assign(leaves, topo, fan_out=fan_out, **routing)
     options = {
         "bucket_bytes": bucket_bytes,
