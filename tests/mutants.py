@@ -140,7 +140,12 @@ PLANNER_MUTANTS = [
     Mutant(
         "route-no-pooling",
         ROUTE,
-        (("            runs = _pooled(runs, pool_bytes)", "            pass"),),
+        (
+            (
+                "        return _pooled(runs, pool_bytes) if by_leaf and pool_bytes else runs",
+                "        return runs",
+            ),
+        ),
         (f"{T_TOPO}::test_small_leaves_are_pooled_into_one_share_per_device",),
         "small consecutive leaves are shared out leaf by leaf (one piece per importer per leaf)",
     ),
@@ -168,6 +173,45 @@ PLANNER_MUTANTS = [
         ),
         (f"{T_TOPO}::test_shares_end_on_whole_rows_when_a_row_is_small",),
         "fan-out shares end in the middle of a row (more, smaller boxes)",
+    ),
+    Mutant(
+        "route-chain-ignored",
+        ROUTE,
+        (("    if not holders:\n        return False", "    if True:\n        return False"),),
+        (f"{T_TOPO}::test_destination_domains_that_outnumber_the_sources_forward_to_each_other",),
+        "destination domains are never chained: the sources send every byte once per domain "
+        "even where they, not the destinations, are the bottleneck",
+    ),
+    Mutant(
+        "route-chain-always",
+        ROUTE,
+        (
+            (
+                "    return sent / len(holders) > (1 + CHAIN_SLACK) * busiest_import",
+                "    return True",
+            ),
+        ),
+        (f"{T_TOPO}::test_domains_are_not_chained_where_the_sources_keep_up",),
+        "destination domains are chained even where the sources keep up (a stage and its "
+        "pieces for nothing)",
+    ),
+    Mutant(
+        "route-chain-forwards-to-another-position",
+        ROUTE,
+        (
+            (
+                "            relays.extend(Piece(leaf, importer, at[q], box, stage=1) for q in "
+                "range(k) if q != home)",
+                "            relays.extend(Piece(leaf, importer, groups[q][-1], box, stage=1) "
+                "for q in range(k) if q != home)",
+            ),
+        ),
+        (
+            f"{T_TOPO}::test_destination_domains_that_outnumber_the_sources_forward_to_each_other",
+            "tests/test_lower.py::test_random_layouts_with_chained_domains_lower_exactly[False]",
+        ),
+        "a share is forwarded to the last device of each other domain, not the one at its "
+        "position, which relays it in stage 2 (that device relays bytes it never got)",
     ),
     Mutant(
         "route-skips-local-copies",
@@ -295,14 +339,12 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "            Unit(leaves, unit.local, own + carry, unit.fresh, overlap, "
-                "own_slabs + carry_slabs)",
-                "            Unit(leaves, unit.local, own + later + carry, unit.fresh, "
-                "bool(own or own_slabs), own_slabs + later_slabs + carry_slabs)",
+                "            pieces, _, leaves = arriving[i + stage]",
+                "            pieces, _, leaves = arriving[i]",
             ),
             (
-                "        carry, carry_slabs = later, later_slabs",
-                "        carry, carry_slabs = (), ()",
+                "                    _, slabs, leaves = arriving[i + stage]",
+                "                    _, slabs, leaves = arriving[i]",
             ),
         ),
         (
@@ -311,6 +353,37 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         ),
         "pipelining keeps each unit's relays in its own buckets, beside the stage they forward "
         "from (a relay reads bytes that have not arrived)",
+    ),
+    Mutant(
+        "schedule-stage-2-one-unit-late",
+        SCHEDULE,
+        (
+            (
+                "            pieces, _, leaves = arriving[i + stage]",
+                "            pieces, _, leaves = arriving[i + min(stage, 1)]",
+            ),
+            (
+                "                    _, slabs, leaves = arriving[i + stage]",
+                "                    _, slabs, leaves = arriving[i + min(stage, 1)]",
+            ),
+        ),
+        (f"{T_LOWER}::test_random_layouts_with_chained_domains_lower_exactly[True]",),
+        "pipelining moves stage-2 relays one unit later, like stage 1: they run beside the "
+        "forwards that bring their bytes (a relay reads bytes that have not arrived)",
+    ),
+    Mutant(
+        "schedule-chained-stages-coloured-apart",
+        SCHEDULE,
+        (
+            (
+                "    if interleave and len({st for st, pair in sizes if classes[pair] == slowest})"
+                " > 1:",
+                "    if False:",
+            ),
+        ),
+        (f"{T_LOWER}::test_chained_units_colour_imports_and_forwards_together",),
+        "a pipelined unit colours the sources' sends and the forwards between destination "
+        "domains apart (a device that imports and forwards idles through the other's rounds)",
     ),
     Mutant(
         "schedule-alike-parts-lose-chunk-order",

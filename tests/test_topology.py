@@ -208,6 +208,64 @@ def test_shares_end_on_whole_rows_when_a_row_is_small():
     assert max(imports.values()) - min(imports.values()) <= 2 * 8 * 4
 
 
+# Four domains of two devices: the sources in A, the destination replicated over B, C and D.
+FOUR_BY_TWO = Topology.from_groups([[0, 1], [2, 3], [4, 5], [6, 7]])
+ON_BCD = ((6,), ("dp",), (2, 3, 4, 5, 6, 7), ())
+CHAIN_BYTES = 48 * 32 * 4
+SHARE_ROWS = 8  # 48 rows in 3 domains x 2 positions
+
+
+def _sent(assignment, stage, crossing):
+    """Bytes each device sends in ``stage``, across domains or inside them."""
+    out = defaultdict(int)
+    for p in assignment.pieces:
+        if p.stage == stage and FOUR_BY_TWO.crosses(p.src, p.dst) == crossing:
+            out[p.src] += box_size(p.box) * 4
+    return dict(out)
+
+
+def test_destination_domains_that_outnumber_the_sources_forward_to_each_other():
+    """Three destination domains need the whole array, held by two source devices: sent
+    into every domain, each source would send 1.5 arrays while a destination device takes in
+    half of one. Chained, the array leaves the sources once, as six shares of 8 rows: share
+    ``s`` is imported by domain ``s mod 3`` at position ``s // 3`` (stage 0), which relays
+    it to its peer and forwards it to the same position of the two other domains (stage 1);
+    those relay it to their peer (stage 2), the two shares of one position as one box where
+    they are adjacent."""
+    lf = leaf_spec((48, 32), SRC, ON_BCD)
+    stats, assignment, _ = check_virtual([lf], FOUR_BY_TWO, chain=True)
+    imports = {p.dst: p.box[0] for p in assignment.pieces if p.stage == 0 and p.src in (0, 1)}
+    rows = [(SHARE_ROWS * s, SHARE_ROWS * (s + 1)) for s in range(6)]
+    assert imports == {2: rows[0], 4: rows[1], 6: rows[2], 3: rows[3], 5: rows[4], 7: rows[5]}
+    assert sum(_sent(assignment, 0, True).values()) == CHAIN_BYTES  # once, not three times
+    share = CHAIN_BYTES // 6
+    assert _sent(assignment, 1, True) == {d: 2 * share for d in range(2, 8)}  # forwards
+    assert _sent(assignment, 1, False) == {d: share for d in range(2, 8)}  # own share to peer
+    assert _sent(assignment, 2, False) == {d: 2 * share for d in range(2, 8)}
+    forwards = {(p.src, p.dst) for p in assignment.pieces if p.stage == 1}
+    assert (2, 4) in forwards and (2, 6) in forwards and (2, 5) not in forwards  # position 0
+    stage2 = [(p.src, p.dst, p.box[0]) for p in assignment.pieces if p.stage == 2]
+    assert (2, 3, (8, 24)) in stage2  # shares 1 and 2, adjacent: one box
+    assert sorted(b for s, _, b in stage2 if s == 4) == [(0, 8), (16, 24)]  # around its own
+    # Every domain still takes in each byte once.
+    assert stats.bytes_cross_domain == 3 * CHAIN_BYTES
+    unchained, plain, _ = check_virtual([lf], FOUR_BY_TWO)
+    assert unchained.bytes_cross_domain == stats.bytes_cross_domain
+    assert sum(_sent(plain, 0, True).values()) == 3 * CHAIN_BYTES
+    assert {p.stage for p in plain.pieces} == {0, 1}
+
+
+def test_domains_are_not_chained_where_the_sources_keep_up():
+    """Four source devices in two domains and two destination domains: sending every domain
+    its bytes loads a source device with half an array, as much as a destination device
+    takes in, so nothing is forwarded between domains (a stage for nothing)."""
+    src = ((4,), ("x",), (0, 1, 2, 3), ("x",))
+    lf = leaf_spec((48, 32), src, ((4,), ("dp",), (4, 5, 6, 7), ()))
+    _, assignment, _ = check_virtual([lf], FOUR_BY_TWO, chain=True)
+    assert {p.stage for p in assignment.pieces} == {0, 1}
+    assert not any(p.from_dst and FOUR_BY_TWO.crosses(p.src, p.dst) for p in assignment.pieces)
+
+
 def test_without_fan_out_every_destination_device_crosses():
     assignment = topology_assign([leaf_spec((64, 32), SRC, DST)], TWO_BY_FOUR, fan_out=False)
     cross = sum(box_size(p.box) * 4 for p in assignment.pieces if TWO_BY_FOUR.crosses(p.src, p.dst))
@@ -314,6 +372,30 @@ def test_hierarchical_plan_runs_bit_exact_on_cpu_devices(devices):
     _check_real(again, value)
 
 
+def test_chained_plan_runs_bit_exact_under_the_transfer_guard(devices):
+    """`jaxreshard.plan` chains destination domains (three domains, one source domain of two
+    devices): relays of stage 2 forward what a stage-1 relay brought from another domain,
+    pipelined unit after unit. Exact on real buffers, donated ones too, with no host
+    transfer."""
+    topo = Topology.from_groups([devices[i : i + 2] for i in range(0, 8, 2)])
+    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (6,), ("dp",)), P())
+    rng = np.random.default_rng(1)
+    tree = {f"w{i}": rng.standard_normal((48, 32)).astype(np.float32) for i in range(3)}
+    x = {k: jax.device_put(v, src) for k, v in tree.items()}
+    plan = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
+    assert {p.stage for p in plan.assignment.pieces} == {0, 1, 2}
+    assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
+    with jax.transfer_guard("disallow"):
+        out = plan(x)
+    for k, v in tree.items():
+        _check_real(out[k], v)
+    with jax.transfer_guard("disallow"):
+        again = plan(x, donate=out)  # donated buffers receive the forwarded bytes too
+    for k, v in tree.items():
+        _check_real(again[k], v)
+
+
 def test_hierarchical_plan_with_several_leaves_and_a_cast(devices):
     topo = Topology.from_groups([devices[:4], devices[4:]])
     src_mesh = _mesh(devices, (0, 1, 2, 3), (2, 2), ("fsdp", "tp"))
@@ -381,14 +463,16 @@ def mesh_layouts(draw, prefix):
     src=mesh_layouts("s"),
     dst=mesh_layouts("d"),
     groups=st.sampled_from([[range(12)], [range(6), range(6, 12)], [range(3), range(3, 12)],
-                            [range(0, 12, 2), range(1, 12, 2)], [[i] for i in range(12)]]),
+                            [range(0, 12, 2), range(1, 12, 2)], [[i] for i in range(12)],
+                            [range(i, i + 3) for i in range(0, 12, 3)]]),
     bucket=st.sampled_from([16, 100, 1 << 20]),
     dtype=st.sampled_from(["uint8", "float16", "float64"]),
     min_share=st.sampled_from([0, 16, 1 << 20]),
     pool=st.sampled_from([0, 1 << 20]),
+    chain=st.booleans(),
 )  # fmt: skip
 def test_random_layouts_and_domains_on_virtual_devices(
-    src, dst, groups, bucket, dtype, min_share, pool
+    src, dst, groups, bucket, dtype, min_share, pool, chain
 ):
     size = dict(zip(src[1], src[0], strict=True)) | dict(zip(dst[1], dst[0], strict=True))
     shape = tuple(
@@ -397,7 +481,7 @@ def test_random_layouts_and_domains_on_virtual_devices(
     topology = Topology.from_groups(groups)
     leaves = [leaf_spec(shape, src, dst, dtype=dtype, path=p) for p in ("x", "y")]
     stats, _, _ = check_virtual(
-        leaves, topology, bucket, min_share_bytes=min_share, pool_bytes=pool
+        leaves, topology, bucket, min_share_bytes=min_share, pool_bytes=pool, chain=chain
     )
     # Each domain takes in each byte it lacks exactly once, however shares are cut.
     assert stats.bytes_cross_domain == physical_bound(leaves, topology).bytes_cross_needed

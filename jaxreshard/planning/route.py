@@ -14,7 +14,12 @@ of the devices that hold it, chosen with the plan's `Topology` (`route`):
   them, the bytes cross into the domain once, split evenly over those devices (stage 0), and
   each forwards its part to the others inside the domain (stage 1 relay `Piece`s, read from
   its destination shard). Every destination device still receives exactly the bytes it lacks,
-  so ``bytes_sent == bytes_lower_bound`` holds; only the route changes.
+  so ``bytes_sent == bytes_lower_bound`` holds; only the route changes;
+- *chained domains* (``chain=True``): when several destination domains need the same bytes
+  and the sources' devices would otherwise send them once per domain (a sampler with more
+  racks than the trainer), they leave the sources once, in shares; each domain imports some
+  shares and forwards each to the same position of every other domain (stage 1), which
+  relays it inside its own (stage 2).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import functools
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
@@ -64,7 +69,8 @@ class Piece:
     """Part ``box`` of leaf ``leaf`` sent from device ``src`` to device ``dst``.
 
     Stage 0 pieces are read from the sender's source shard. Pieces of later stages are relays:
-    the sender forwards bytes it received in an earlier stage, reading its destination shard.
+    the sender forwards bytes it received in an earlier stage, reading its destination shard
+    (stage 1 from stage 0; stage 2, with chained domains, what a stage-1 relay brought).
     ``relay=False`` marks a later-stage piece that is read from the source shard all the same:
     it depends on nothing and only shares that stage's rounds (e.g. direct sends inside a
     domain riding along with another domain's relays instead of waiting for them).
@@ -145,11 +151,19 @@ this a share's copies (one per relay: a share goes to every other device of the 
 more than its bytes (a copy's fixed cost, a few microseconds, is about a megabyte of NVLink)."""
 
 
-def planner_options(bucket_bytes: int) -> dict[str, int]:
+def planner_options(bucket_bytes: int) -> dict[str, int | bool]:
     """The `route` options `jaxreshard.plan` and the cluster model both pass: at least
-    `MIN_SHARE_BYTES` per importer, and leaves pooled up to a bucket (the size of a unit of
-    small leaves, `schedule.split_units`)."""
-    return {"min_share_bytes": MIN_SHARE_BYTES, "pool_bytes": bucket_bytes}
+    `MIN_SHARE_BYTES` per importer, leaves pooled up to a bucket (the size of a unit of
+    small leaves, `schedule.split_units`), and destination domains chained where the
+    sources would otherwise carry the fan-out."""
+    return {"min_share_bytes": MIN_SHARE_BYTES, "pool_bytes": bucket_bytes, "chain": True}
+
+
+CHAIN_SLACK = 0.25
+"""With ``chain``, destination domains relay to each other only when the sources' sending
+devices would carry more than this fraction above what a destination device imports:
+chaining adds a stage (a unit of pipeline depth) and pieces, for nothing where the two sides
+are already even."""
 
 
 BALANCE_SLACK = 0.01
@@ -489,6 +503,7 @@ def route(
     per_leaf: bool | None = None,
     min_share_bytes: int = 0,
     pool_bytes: int = 0,
+    chain: bool = False,
 ) -> Assignment:
     """Local copies and sent pieces for ``leaves``, routed by ``topology``.
 
@@ -513,11 +528,17 @@ def route(
         buckets of a GPU slab unit instead modeled DeepSeek-V3 at 948 ms, not 707 ms). A
         device then gets one share of them from each importer, not one per leaf, so a domain
         of 72 devices does not turn each small leaf into 72 pieces per device.
+      chain: with fan-out, when several destination domains need the same bytes and sending
+        them into every domain would load the source devices more than a destination device
+        imports (by `CHAIN_SLACK`; a sampler with more racks than the trainer), the bytes
+        cross from the sources once: split into shares, each domain imports some of them
+        and forwards each to the device at the same position in every other domain (stage
+        1), which relays it inside its own domain (stage 2). See `_chained`.
 
     Returns:
       An `Assignment` whose pieces deliver to every destination device exactly the bytes it
-      lacks, each once (stage-1 relays deliver bytes their sender received in stage 0). Pure
-      and deterministic.
+      lacks, each once (relays of stage ``s`` deliver bytes their sender received in an
+      earlier stage). Pure and deterministic.
 
     Raises:
       ReshardError: if the topology does not place a device of the leaves.
@@ -565,13 +586,29 @@ def route(
     by_leaf = fan_out if per_leaf is None else per_leaf
     relays: list[Piece] = []
     turn: dict[tuple[int, ...], int] = defaultdict(int)  # the next importer of each group
-    for (_, ds), regions in sorted(groups.items()):
+
+    def runs_of(regions: list[_Region]) -> list[list[_Region]]:
         # Each leaf's regions apart with ``per_leaf``: every receiver then imports its share
         # of every leaf (of every slab), not of the plan only.
         runs = _by_leaf(regions) if by_leaf else [regions]
-        if by_leaf and pool_bytes:
-            runs = _pooled(runs, pool_bytes)
-        for run in runs:
+        return _pooled(runs, pool_bytes) if by_leaf and pool_bytes else runs
+
+    families = _families(groups) if chain and _source_bound(groups, domain) else {}
+    for family in families.values():
+        offset = 0
+        for run in runs_of(list(groups[family[0]])):
+            run.sort()
+            members = [ds for _, ds in family]
+            demands, forwarded, positions = _chained(run, members, leaves, min_share_bytes, offset)
+            offset += positions
+            for r, d in demands:
+                far.append(_Demand(r.leaf, d, r.box, closeness(r.replicas, d), r.nbytes))
+            relays.extend(forwarded)
+    chained = {key for family in families.values() for key in family}
+    for (g, ds), regions in sorted(groups.items()):
+        if (g, ds) in chained:
+            continue
+        for run in runs_of(regions):
             run.sort()  # by source replicas first: each receiver then has few senders
             # Every share is relayed to all the others: m importers make m * (len(ds) - 1)
             # relays, so a small leaf is imported by few devices (a norm replicated over a
@@ -602,6 +639,96 @@ def route(
     pieces = choose(far) + near_pieces + relays
     pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
     return Assignment(tuple(local), tuple(pieces))
+
+
+Group = tuple[int, tuple[int, ...]]
+"""A fan-out group: a domain and its devices that all lack the same regions."""
+
+
+def _families(groups: Mapping[Group, list[_Region]]) -> dict[tuple[_Region, ...], list[Group]]:
+    """The groups of several domains that lack exactly the same regions (data-parallel
+    replicas of the destination in different racks), by those regions; groups alone left
+    out."""
+    out: dict[tuple[_Region, ...], list[Group]] = defaultdict(list)
+    for key, regions in sorted(groups.items()):
+        out[tuple(regions)].append(key)
+    return {regions: keys for regions, keys in out.items() if len(keys) > 1}
+
+
+def _source_bound(groups: Mapping[Group, list[_Region]], domain: Mapping[int, int]) -> bool:
+    """Whether sending every fan-out group its regions from the sources would load a sending
+    device (bytes over all the devices that hold them) more than a destination device
+    imports (its domain's bytes over the devices of its groups), by `CHAIN_SLACK`."""
+    sent = 0
+    holders: set[int] = set()
+    into: dict[int, int] = defaultdict(int)
+    importers: dict[int, set[int]] = defaultdict(set)
+    for (g, ds), regions in groups.items():
+        nbytes = sum(r.nbytes for r in regions)
+        sent += nbytes
+        into[g] += nbytes
+        importers[g].update(ds)
+        for r in regions:
+            holders.update(r.replicas)
+    if not holders:
+        return False
+    busiest_import = max(into[g] / len(importers[g]) for g in into)
+    return sent / len(holders) > (1 + CHAIN_SLACK) * busiest_import
+
+
+def _chained(
+    run: Sequence[_Region],
+    groups: Sequence[tuple[int, ...]],
+    leaves: Sequence[LeafSpec],
+    min_share_bytes: int,
+    offset: int = 0,
+) -> tuple[list[tuple[_Region, int]], list[Piece], int]:
+    """Route one run of regions that every group of ``groups`` (one per domain) lacks: the
+    regions cross from the sources once, in shares, and the domains relay them to each other.
+
+    The run is cut into ``k * n`` shares of equal bytes (``k`` groups of at most ``n``
+    devices; fewer where ``min_share_bytes`` asks). Share ``s`` belongs to position
+    ``p = s // k`` and is imported by group ``s mod k`` (returned as demands) at that position,
+    which relays it to the others of its group (stage 1) and forwards it to position ``p`` of
+    every other group (stage 1, across domains); each of those relays it inside its own group
+    (stage 2). Every device then imports one share in stage 0 and ``k - 1`` in stage 1 in
+    every run, so a pipelined unit (stage 0 of one run beside stage 1 of the one before) is
+    balanced whatever the sizes of consecutive runs, and the sources send every byte once
+    instead of ``k`` times. The shares of one position are adjacent in the run, so what a
+    device relays in stage 2 (the other groups' shares of its position) goes to each peer as
+    one or two boxes. Positions start at ``offset`` (the positions of the family's earlier
+    runs): they rotate from run to run only when shares are fewer than ``k * n``. Returns the
+    demands, the relays and the number of positions used."""
+    k, n = len(groups), max(len(ds) for ds in groups)
+    total = sum(r.nbytes for r in run)
+    shares = k * n
+    if min_share_bytes:
+        shares = max(1, min(shares, total // min_share_bytes))
+    parts = _split_evenly(run, shares, [leaves[r.leaf].itemsize for r in run])
+    demands: list[tuple[_Region, int]] = []
+    relays: list[Piece] = []
+    # (group, position) -> what arrives there from the other groups, in share order.
+    arrived: dict[tuple[int, int], list[tuple[int, Box]]] = defaultdict(list)
+    for s, part in enumerate(parts):
+        p, home = s // k, s % k
+        at = [ds[(p + offset) % len(ds)] for ds in groups]  # position p in each group
+        importer = at[home]
+        demands.extend((r, importer) for r in part)
+        boxes = _merged([(r.leaf, r.box) for r in part])
+        for leaf, box in boxes:
+            relays.extend(
+                Piece(leaf, importer, d, box, stage=1) for d in groups[home] if d != importer
+            )
+            relays.extend(Piece(leaf, importer, at[q], box, stage=1) for q in range(k) if q != home)
+        for q in range(k):
+            if q != home:
+                arrived[q, p].extend(boxes)
+    for (q, p), boxes in sorted(arrived.items()):
+        ds = groups[q]
+        here = ds[(p + offset) % len(ds)]
+        for leaf, box in _merged(boxes):
+            relays.extend(Piece(leaf, here, d, box, stage=2) for d in ds if d != here)
+    return demands, relays, -(-len(parts) // k)
 
 
 def _per_leaf(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -147,23 +148,25 @@ class Unit:
 
 @dataclasses.dataclass(frozen=True)
 class Slab:
-    """Slab ``j`` of a leaf's pieces cut into slabs (`SlabCut`), of the stages ``stages``.
-
-    ``stages``: None for every stage, 0 for the first stage only, 1 for the later stages only
-    (a pipelined plan runs a slab's relays in the next unit)."""
+    """Slab ``j`` of a leaf's pieces cut into slabs (`SlabCut`), of stage ``stage`` only, or of
+    every stage (None). A pipelined plan runs each stage ``s`` of a slab ``s`` units later."""
 
     cut: SlabCut
     j: int
-    stages: int | None = None
+    stage: int | None = None
 
     def pieces(self) -> list[Piece]:
-        return self.cut.pieces(self.j, self.stages)
+        return self.cut.pieces(self.j, self.stage)
 
     def stream_bytes(self) -> dict[tuple[int, tuple[int, int]], int]:
-        return self.cut.stream_bytes(self.j, self.stages)
+        return self.cut.stream_bytes(self.j, self.stage)
+
+    def stages(self) -> list[int]:
+        """The stages this slab sends bytes of, in order."""
+        return self.cut.stages(self.j, self.stage)
 
     def __bool__(self) -> bool:
-        return self.cut.sends(self.j, self.stages)
+        return bool(self.stages())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -183,15 +186,15 @@ class SlabCut:
 
     @functools.cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per entry: rows along ``dim``, bytes per row, whole, later stage, stream index."""
+        """Per entry: rows along ``dim``, bytes per row, whole, stage, stream index."""
         dim, index = self.dim, self._streams
         rows = np.array([box[dim][1] - box[dim][0] for _, box, _ in self.entries], np.int64)
         size = np.array([box_size(box) for _, box, _ in self.entries], np.int64)
         rows = np.maximum(rows, 1)
         whole = np.array([whole for _, _, whole in self.entries], dtype=bool)
-        later = np.array([p.stage > 0 for p, _, _ in self.entries], dtype=bool)
+        stage = np.array([p.stage for p, _, _ in self.entries], dtype=np.int64)
         stream = np.array([index[p.stage, (p.src, p.dst)] for p, _, _ in self.entries], np.int64)
-        return rows, size // rows * self.itemsize, whole, later, stream
+        return rows, size // rows * self.itemsize, whole, stage, stream
 
     @functools.cached_property
     def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
@@ -201,30 +204,31 @@ class SlabCut:
             index.setdefault((p.stage, (p.src, p.dst)), len(index))
         return index
 
-    def _rows(self, j: int, stages: int | None) -> np.ndarray:
+    def _rows(self, j: int, stage: int | None) -> np.ndarray:
         """Rows of every entry in slab ``j`` (0 for entries of other stages)."""
-        all_rows, _, whole, later, _ = self._arrays
+        all_rows, _, whole, stages, _ = self._arrays
         rows = all_rows // self.k + (j < all_rows % self.k)
         rows = np.where(whole, all_rows if j == self.k - 1 else 0, rows)
-        if stages is not None:
-            rows = np.where(later == bool(stages), rows, 0)
+        if stage is not None:
+            rows = np.where(stages == stage, rows, 0)
         return rows
 
-    def sends(self, j: int, stages: int | None) -> bool:
-        return bool(self._rows(j, stages).any())
+    def stages(self, j: int, stage: int | None) -> list[int]:
+        """The stages slab ``j`` (of stage ``stage``, or all) sends bytes of, in order."""
+        return [int(s) for s in np.unique(self._arrays[3][self._rows(j, stage) > 0])]
 
-    def stream_bytes(self, j: int, stages: int | None) -> dict[tuple[int, tuple[int, int]], int]:
+    def stream_bytes(self, j: int, stage: int | None) -> dict[tuple[int, tuple[int, int]], int]:
         _, row_bytes, _, _, stream = self._arrays
         keys = list(self._streams)  # in index order
         # float64 sums are exact below 2**53 bytes per stream.
-        totals = np.bincount(stream, weights=self._rows(j, stages) * row_bytes, minlength=len(keys))
+        totals = np.bincount(stream, weights=self._rows(j, stage) * row_bytes, minlength=len(keys))
         return {keys[i]: int(totals[i]) for i in np.flatnonzero(totals)}
 
-    def pieces(self, j: int, stages: int | None) -> list[Piece]:
+    def pieces(self, j: int, stage: int | None) -> list[Piece]:
         out = []
         last = j == self.k - 1
         for piece, box, whole in self.entries:
-            if stages is not None and (piece.stage > 0) != bool(stages):
+            if stage is not None and piece.stage != stage:
                 continue
             if whole:
                 if last:
@@ -264,6 +268,10 @@ class Schedule:
             count = Counter(m.slot for m in b.messages)
             yield [(size, count[slot]) for slot, size in enumerate(b.slot_bytes)]
 
+
+ALL_STAGES = -1
+"""The stage label of rounds that colour every stage of a pipelined unit as one
+(`_plan_stream_rounds`): each pair's stream is then its pieces of all stages end to end."""
 
 Entry = tuple[tuple[int, int], int]
 """``((sender, receiver), k)``: chunk ``k`` of that pair's stream (of one stage)."""
@@ -347,6 +355,9 @@ class PlanStats:
       bytes_relayed: payload forwarded by destination devices (hierarchical fan-out).
       bytes_cross_domain: payload carried between fast domains (NVLink / NVL72 domains), when
         the plan was made with a topology; 0 otherwise.
+      bytes_relayed_cross_domain: the part of ``bytes_relayed`` that crosses domains
+        (destination domains forwarding to each other, `route` with ``chain``); it is in
+        ``bytes_cross_domain`` too.
       programs: distinct compiled programs a call runs (pack, transfer and unpack; the
         one-off programs that make staging buffers, tables and fresh destinations aside).
       dispatches: program runs per call when the previous result is donated.
@@ -367,6 +378,7 @@ class PlanStats:
     staging_bytes: int
     bytes_relayed: int = 0
     bytes_cross_domain: int = 0
+    bytes_relayed_cross_domain: int = 0
     programs: int = 0
     dispatches: int = 0
     host_syncs: int = 0
@@ -488,10 +500,10 @@ def split_units(
                 parts.append(("slab", [index], k))
                 continue
             fits = _meshes(leaves[run[0]]) == _meshes(leaves[index]) if run else True
-            if not (fits and _fits([*run, index], loads, bucket_bytes, max_copies)):
+            if run and not (fits and _fits([*run, index], loads, bucket_bytes, max_copies)):
                 parts.append(("run", run, 0))
                 run = []
-            run.append(index)
+            run.append(index)  # (alone, a leaf with too many pieces is a unit of its own)
         if run:
             parts.append(("run", run, 0))
         return parts
@@ -559,33 +571,59 @@ class PreparedPlan:
 
 
 def _pipelined(units: Sequence[Unit]) -> list[Unit]:
-    """Move every unit's later-stage pieces into the next unit (a last unit takes the final
-    ones), marking the units that run them beside their own first stage."""
+    """Move every unit's stage-``s`` pieces ``s`` units later (units past the last take the
+    final ones), marking the units that run several stages at once.
+
+    A stage-``s`` relay forwards bytes that arrived in stage ``s - 1`` of its own unit, which
+    then ran one unit earlier: whatever a unit runs depends only on earlier units."""
     out: list[Unit] = []
-    carry: tuple[Piece, ...] = ()
-    carry_slabs: tuple[Slab, ...] = ()
-    carried: tuple[int, ...] = ()  # the leaves the carried pieces move
-    for unit in units:
+    # Unit index -> the pieces, slabs and leaves that later stages bring into it.
+    arriving: dict[int, tuple[list[Piece], list[Slab], set[int]]] = defaultdict(
+        lambda: ([], [], set())
+    )
+
+    def send_on(i: int, unit: Unit) -> None:
+        for stage in sorted({p.stage for p in unit.listed if p.stage > 0}):
+            pieces, _, leaves = arriving[i + stage]
+            pieces.extend(p for p in unit.listed if p.stage == stage)
+            leaves.update(unit.leaves)
+        for slab in unit.slabs:
+            for stage in slab.stages():
+                if stage > 0:
+                    _, slabs, leaves = arriving[i + stage]
+                    slabs.append(_staged(slab, stage))
+                    leaves.update(unit.leaves)
+
+    for i, unit in enumerate(units):
+        send_on(i, unit)
         own = tuple(p for p in unit.listed if p.stage == 0)
-        later = tuple(p for p in unit.listed if p.stage > 0)
-        own_slabs = tuple(s for s in (_stages(s, 0) for s in unit.slabs) if s)
-        later_slabs = tuple(s for s in (_stages(s, 1) for s in unit.slabs) if s)
-        leaves = tuple(sorted({*unit.leaves, *carried}))
-        overlap = bool((own or own_slabs) and (carry or carry_slabs))
+        own_slabs = tuple(s for s in (_staged(s, 0) for s in unit.slabs) if s)
+        pieces, slabs, carried = arriving.pop(i, ([], [], set()))
+        stages = {p.stage for p in pieces} | {s.stage for s in slabs}
+        if own or own_slabs:
+            stages.add(0)
         out.append(
-            Unit(leaves, unit.local, own + carry, unit.fresh, overlap, own_slabs + carry_slabs)
+            Unit(
+                tuple(sorted({*unit.leaves, *carried})),
+                unit.local,
+                own + tuple(pieces),
+                unit.fresh,
+                len(stages) > 1,
+                own_slabs + tuple(slabs),
+            )
         )
-        carry, carry_slabs = later, later_slabs
-        carried = unit.leaves if later or later_slabs else ()
-    if carry or carry_slabs:
-        out.append(Unit(carried, (), carry, (), slabs=carry_slabs))
+    for i in sorted(arriving):
+        pieces, slabs, carried = arriving[i]
+        stages = {p.stage for p in pieces} | {s.stage for s in slabs}
+        overlap = len(stages) > 1
+        out.append(Unit(tuple(sorted(carried)), (), tuple(pieces), (), overlap, tuple(slabs)))
     return out
 
 
-def _stages(slab: Slab, stages: int) -> Slab:
-    """``slab`` restricted to its first stage (0) or its later ones (1)."""
-    assert slab.stages is None, "a slab is split by stage once"
-    return dataclasses.replace(slab, stages=stages)
+def _staged(slab: Slab, stage: int) -> Slab:
+    """``slab`` restricted to stage ``stage``."""
+    assert slab.stage is None, "a slab is split by stage once"
+    return dataclasses.replace(slab, stage=stage)
 
 
 MAX_PERIOD = 256
@@ -691,31 +729,44 @@ def _slabs(
     dim = _slab_dimension(pieces, k)
     k = max(1, min(k, max(p.box[dim][1] - p.box[dim][0] for p in pieces)))
     entries: list[tuple[Piece, Box, bool]] = []
-    received: dict[int, list[Piece]] = defaultdict(list)  # stage-0 pieces by receiver
-    relays = []
+    # What each device can forward, by receiver: entries (box, whole) of stage-0 pieces and
+    # of the relays of stages done so far.
+    received: dict[int, list[tuple[Box, bool]]] = defaultdict(list)
+    relays: dict[int, list[Piece]] = defaultdict(list)
     for p in pieces:
         if p.from_dst:
-            relays.append(p)
+            relays[p.stage].append(p)
             continue
         if p.stage == 0:
-            received[p.dst].append(p)
+            received[p.dst].append((p.box, False))
         entries.append((p, p.box, False))
-    feeds: dict[tuple[int, Box], tuple[Box, ...] | None] = {}
-    for r in relays:
-        key = (r.src, r.box)
-        if key not in feeds:
-            inside = [p.box for p in received[r.src] if _within(p.box, r.box)]
-            if sum(box_size(b) for b in inside) != box_size(r.box):
-                feeds[key] = None
-            elif all(b[dim] == r.box[dim] for b in inside):
-                feeds[key] = (r.box,)
-            else:
-                feeds[key] = tuple(inside)
-        boxes = feeds[key]
-        if boxes is None:
-            entries.append((r, r.box, True))
-            continue
-        entries.extend((r, box, False) for box in boxes)
+    for stage in sorted(relays):  # a relay forwards what arrived in earlier stages
+        feeds: dict[tuple[int, Box], tuple[Box, ...] | None] = {}
+        forwarded: list[tuple[int, Box, bool]] = []  # kept only for a later stage's relays
+        keep = stage < max(relays)
+        for r in relays[stage]:
+            key = (r.src, r.box)
+            if key not in feeds:
+                inside = [(b, w) for b, w in received[r.src] if _within(b, r.box)]
+                if any(w for _, w in inside) or sum(box_size(b) for b, _ in inside) != box_size(
+                    r.box
+                ):
+                    feeds[key] = None
+                elif all(b[dim] == r.box[dim] for b, _ in inside):
+                    feeds[key] = (r.box,)
+                else:
+                    feeds[key] = tuple(b for b, _ in inside)
+            boxes = feeds[key]
+            if boxes is None:
+                entries.append((r, r.box, True))
+                if keep:
+                    forwarded.append((r.dst, r.box, True))
+                continue
+            entries.extend((r, box, False) for box in boxes)
+            if keep:
+                forwarded.extend((r.dst, box, False) for box in boxes)
+        for dst, box, whole in forwarded:
+            received[dst].append((box, whole))
     cut = SlabCut(dim, k, itemsize, tuple(entries))
     local = tuple(local_of.get(index, ()))
     return [
@@ -802,6 +853,13 @@ def plan_unit_rounds(
         for (stage, pair), n in streams.items():
             sizes[(u, stage), pair] = n
             weights[u, stage] = 1
+    # Where destination domains forward to each other (relays of stage 2), the slowest links
+    # carry two stages of every pipelined unit and the fastest a third: a chunk as large as a
+    # bucket would leave each bucket one lane's round, so chunks stay within half a bucket
+    # and a bucket holds rounds of both lanes at once (modeled DeepSeek-V3 128 -> 512: 976 ms
+    # with whole-bucket chunks, 766 ms with half; the same cap costs plans without stage 2
+    # up to 3%, so they keep whole-bucket chunks).
+    chained = any(stage > 1 for (_, stage), _ in sizes)
     chunks, _ = chunk_sizes(
         sizes,
         bucket_bytes=bucket_bytes,
@@ -810,6 +868,7 @@ def plan_unit_rounds(
         ladder=True,
         fault_cost=fault_cost,
         weights=weights,
+        max_chunk_bytes=bucket_bytes // 2 if chained else None,
     )
     # Leaves whose pieces span several chunks go into slabs of about a chunk each (or as many
     # chunks as a unit spans buckets), which share one program, instead of being cut chunk by
@@ -958,6 +1017,8 @@ def _cut_buckets(
     by_stage: dict[int, list[Piece]] = defaultdict(list)
     for piece in pieces:
         by_stage[piece.stage].append(piece)
+    if any(b.stage == ALL_STAGES for b in plan.buckets):  # the stages coloured as one
+        by_stage = {ALL_STAGES: list(pieces)}
     chunks: dict[int, dict[tuple[int, int], list[tuple[Segment, ...]]]] = {}
     cut = functools.lru_cache(maxsize=None)(_cut)  # relays send one part to several peers
     for stage, stage_pieces in sorted(by_stage.items()):
@@ -1045,19 +1106,32 @@ def _plan_stream_rounds(
         chunk = max(chunk_of.values(), default=cap)
     ladder = chunks is not None
     by_stage: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
-    for (stage, pair), n in sorted(sizes.items()):
-        by_stage[stage][pair] = n
+    slowest = max(classes.values(), default=0)
+    if interleave and len({st for st, pair in sizes if classes[pair] == slowest}) > 1:
+        # Several stages cross the slowest links (destination domains forwarding to each
+        # other beside the sources' sends): their streams are coloured as one, so a round
+        # takes a chunk of whichever stage a device can send or receive then. Coloured
+        # apart, a device that both imports and forwards would spend the import rounds idle
+        # on one side.
+        for (_, pair), n in sorted(sizes.items()):
+            by_stage[ALL_STAGES][pair] = by_stage[ALL_STAGES].get(pair, 0) + n
+    else:
+        for (stage, pair), n in sorted(sizes.items()):
+            by_stage[stage][pair] = n
     runs: list[list[tuple[int, tuple[int, list[Entry]]]]] = []  # runs of (stage, round)
     for stage, streams in sorted(by_stage.items()):
         if link_class is None:
             rounds = _stage_rounds(streams, chunk, ladder)
         else:
             rounds = _class_rounds(streams, chunk_of, classes, ladder)
-        run = [(stage, r) for r in rounds]
-        if interleave and stage == 1 and runs and runs[-1][0][0] == 0:
-            runs[-1] = _interleave(runs[-1], run)
+        if stage == ALL_STAGES:  # the slowest links' rounds beside the others, as below
+            slow = [r for r in rounds if any(classes[pair] == slowest for pair, _ in r[1])]
+            fast = [r for r in rounds if not any(classes[pair] == slowest for pair, _ in r[1])]
+            runs.extend([[(stage, r) for r in slow], [(stage, r) for r in fast]])
         else:
-            runs.append(run)
+            runs.append([(stage, r) for r in rounds])
+    if interleave and len(runs) > 1:  # no stage depends on another: all share the buckets
+        runs = [_interleave(runs)]
     buckets: list[PlannedBucket] = []
     for run in runs:
         group: list[tuple[int, Round]] = []
@@ -1072,30 +1146,28 @@ def _plan_stream_rounds(
     return RoundPlan(chunk, named, tuple(buckets))
 
 
-def _interleave(first: Sequence[Any], second: Sequence[Any]) -> list[Any]:
-    """Two runs of ``(stage, (slot_bytes, entries))`` merged in one order, each keeping its
-    own: the next round is the one whose middle lies earliest in its run's bytes, so every
-    stretch of the merged run holds both in proportion to their sizes."""
-    totals = [sum(size for _, (size, _) in run) or 1 for run in (first, second)]
+def _interleave(runs: Sequence[Sequence[Any]]) -> list[Any]:
+    """Runs of ``(stage, (slot_bytes, entries))`` merged in one order, each keeping its own:
+    the next round is the one whose middle lies earliest in its run's bytes (ties: the
+    earlier run), so every stretch of the merged run holds all of them in proportion to
+    their sizes."""
+    totals = [sum(size for _, (size, _) in run) or 1 for run in runs]
+    # Middles compared exactly, in integers: (2 done + size) / (2 total) of run i scaled by
+    # the product of all totals.
+    product = math.prod(totals)
+    scale = [product // t for t in totals]
+    heap = [(run[0][1][0] * scale[i], i) for i, run in enumerate(runs) if run]
+    heapq.heapify(heap)
+    at, done = [0] * len(runs), [0] * len(runs)
     out: list[Any] = []
-    i = j = done_first = done_second = 0
-    while i < len(first) or j < len(second):
-        if j == len(second):
-            take_first = True
-        elif i == len(first):
-            take_first = False
-        else:  # compare (done + size / 2) / total of both, in integers
-            a = (2 * done_first + first[i][1][0]) * totals[1]
-            b = (2 * done_second + second[j][1][0]) * totals[0]
-            take_first = a <= b
-        if take_first:
-            out.append(first[i])
-            done_first += first[i][1][0]
-            i += 1
-        else:
-            out.append(second[j])
-            done_second += second[j][1][0]
-            j += 1
+    while heap:
+        _, i = heapq.heappop(heap)
+        item = runs[i][at[i]]
+        out.append(item)
+        done[i] += item[1][0]
+        at[i] += 1
+        if at[i] < len(runs[i]):
+            heapq.heappush(heap, ((2 * done[i] + runs[i][at[i]][1][0]) * scale[i], i))
     return out
 
 
@@ -1117,14 +1189,16 @@ def chunk_sizes(
     ladder: bool = False,
     fault_cost: float = FAULT_COST,
     weights: Mapping[Any, int] | None = None,
+    max_chunk_bytes: int | None = None,
 ) -> tuple[dict[int, int], dict[tuple[int, int], int]]:
     """The chunk size of each link class (`choose_chunk_bytes` over the streams of that class;
     one class, 0, without ``link_class``), and the class of each (sender, receiver) pair.
 
     ``sizes`` maps ``(stage, (sender, receiver))`` to stream bytes; a stage is any label
     (the whole-plan schedule labels streams by unit and stage). ``weights`` counts how many
-    times each stage occurs (default once)."""
-    cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+    times each stage occurs (default once). Chunks are at most a bucket, or
+    ``max_chunk_bytes``."""
+    cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
     classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
     chunk_of = {
@@ -1644,7 +1718,7 @@ def plan_stats(
     local = sum(box_size(c.box) * leaves[c.leaf].itemsize for c in assignment.local)
     sent_by: dict[int, int] = defaultdict(int)
     recv_by: dict[int, int] = defaultdict(int)
-    relayed = cross = 0
+    relayed = cross = relayed_cross = 0
     crossing: dict[tuple[int, int], bool] = {}  # pairs repeat over leaves: ask once per pair
     for p in assignment.pieces:
         n = box_size(p.box) * leaves[p.leaf].itemsize
@@ -1655,7 +1729,9 @@ def plan_stats(
             pair = (p.src, p.dst)
             if pair not in crossing:
                 crossing[pair] = crosses(*pair)
-            cross += n if crossing[pair] else 0
+            if crossing[pair]:
+                cross += n
+                relayed_cross += n if p.from_dst else 0
     wire = staging = 0
     for rounds in schedule.round_sizes_by_bucket():
         wire += sum(size * messages for size, messages in rounds)
@@ -1674,4 +1750,5 @@ def plan_stats(
         staging_bytes=staging,
         bytes_relayed=relayed,
         bytes_cross_domain=cross,
+        bytes_relayed_cross_domain=relayed_cross,
     )

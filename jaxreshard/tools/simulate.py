@@ -590,6 +590,7 @@ class Result:
     def record(self, scenario: str = "") -> dict[str, object]:
         """A JSON-ready summary (`--json`)."""
         s = self.stats
+        intra_relayed = s.bytes_relayed - s.bytes_relayed_cross_domain
         return {
             "scenario": scenario or self.title.split(":")[0],
             "title": self.title,
@@ -607,8 +608,9 @@ class Result:
                 "sent": s.bytes_sent,
                 "lower_bound": s.bytes_lower_bound,
                 "cross_domain": s.bytes_cross_domain,
-                "intra_domain_direct": s.bytes_sent - s.bytes_cross_domain - s.bytes_relayed,
-                "intra_domain_relayed": s.bytes_relayed,
+                "intra_domain_direct": s.bytes_sent - s.bytes_cross_domain - intra_relayed,
+                "intra_domain_relayed": intra_relayed,
+                "cross_domain_forwarded": s.bytes_relayed_cross_domain,
                 "must_cross": self.bound.bytes_cross_needed,
             },
             "modeled_s": self.modeled.seconds,
@@ -769,7 +771,14 @@ def simulate(
     stages: dict[int, int] = {}
     for piece in assignment.pieces:
         stages[piece.stage] = stages.get(piece.stage, 0) + 1
-    m2n = assignment if fan_out else assign(leaves, topo, fan_out=True, **routing)
+    # NCCL M2N fans out inside each domain once, from balanced senders: destination domains
+    # never forward to each other, so it is priced on an assignment that does not chain them.
+    chained = any(p.stage > 1 for p in assignment.pieces)
+    m2n = (
+        assignment
+        if fan_out and not chained
+        else assign(leaves, topo, fan_out=True, **{**routing, "chain": False})
+    )
     baselines = {
         "all-gather + broadcast": costmodel.allgather_broadcast(
             leaves, topo, profile, chunk_bytes=bucket_bytes
@@ -845,7 +854,7 @@ def format_result(r: Result) -> str:
         else "every round in turn"
     )
     domains = len({r.topology.domain_of[i] for i in r.topology.devices})
-    relayed = s.bytes_relayed
+    relayed = s.bytes_relayed - s.bytes_relayed_cross_domain  # inside domains
     intra_direct = s.bytes_sent - s.bytes_cross_domain - relayed
     p = r.profile
     rows = [
@@ -876,7 +885,9 @@ def format_result(r: Result) -> str:
         ("bytes: sent", f"{_gb(s.bytes_sent)} (= lower bound {_gb(s.bytes_lower_bound)}: "
                         f"{s.bytes_sent == s.bytes_lower_bound})"),
         ("bytes: per link class", f"cross-domain {_gb(s.bytes_cross_domain)} "
-                                  f"(must cross: {_gb(b.bytes_cross_needed)}), intra-domain "
+                                  f"(must cross: {_gb(b.bytes_cross_needed)}; forwarded "
+                                  f"between destination domains "
+                                  f"{_gb(s.bytes_relayed_cross_domain)}), intra-domain "
                                   f"direct {_gb(intra_direct)}, intra-domain relayed "
                                   f"{_gb(relayed)}"),
         ("rounds", f"{m.rounds} in {s.buckets} buckets, chunk {s.chunk_bytes / MiB:.1f} MiB; "
