@@ -277,6 +277,26 @@ def case_interleaved_reversed() -> None:
     ok("interleaved_reversed_2x4", checked=n)
 
 
+def case_chained() -> None:
+    """Four declared domains of two devices (0-1, 2-3 on process 0; 4-5, 6-7 on process 1):
+    the trainer on 0, 1, the sampler replicated over the other six. The sources alone would
+    send every byte three times, so the destination domains are chained: relays of stage 2
+    forward bytes another domain forwarded, between the processes and inside them."""
+    topology = jr.Topology.from_groups([GLOBAL[i : i + 2] for i in range(0, 8, 2)])
+    trainer = mesh([GLOBAL[i] for i in (0, 1)], (2,), ("fsdp",))
+    sampler = mesh([GLOBAL[i] for i in range(2, 8)], (6,), ("dp",))
+    full = model(500)
+    srcs = {k: NamedSharding(trainer, P("fsdp")) for k in full}
+    dsts = {k: NamedSharding(sampler, P()) for k in full}
+    n, plan = move(full, srcs, dsts, BF16, bucket_bytes=4096, topology=topology)
+    stages = {p.stage for p in plan.assignment.pieces}
+    assert stages == {0, 1, 2}, stages
+    assert plan.stats.bytes_relayed_cross_domain > 0, plan.stats
+    across, within = crossings(plan)
+    assert across > 0 and within > 0, (across, within)
+    ok("chained_2x4", checked=n, across=across, within=within)
+
+
 DTYPES = [np.float32, jnp.bfloat16, np.int8, np.uint16, np.bool_, np.float16, np.int32]
 SHAPES = [(16, 8), (8,), (4, 4, 4), (32,), (8, 12), (), (24, 4)]
 
@@ -332,7 +352,7 @@ def case_many_leaves() -> None:
 
 SCENARIOS = {
     "8x1": [case_one_device_per_process_disjoint, case_one_device_per_process_colocated],
-    "2x4": [case_interleaved, case_interleaved_reversed],
+    "2x4": [case_interleaved, case_interleaved_reversed, case_chained],
     "2x4_many": [case_many_leaves],
     "startup": [],
 }

@@ -8,7 +8,9 @@ when every process exits 0 within the timeout and reports each case.
 
 - 8 processes x 1 device (the usual GPU launch): trainer on processes 0-3, sampler on 4-7; and
   a colocated layout pair over all eight;
-- 2 processes x 4 devices, trainer = global devices 0, 1, 4, 5 and sampler = 2, 3, 6, 7;
+- 2 processes x 4 devices, trainer = global devices 0, 1, 4, 5 and sampler = 2, 3, 6, 7; and
+  four declared domains of two devices with the sampler replicated over three (chained
+  destination domains forwarding to each other across the processes);
 - 300 leaves (30 repeated layers of 10 leaves of mixed shapes and dtypes) over those
   interleaved meshes.
 """
@@ -92,6 +94,11 @@ def test_trainer_and_sampler_interleaved_over_two_processes(run_2x4):
 @pytest.mark.multiprocess
 def test_interleaved_back_to_the_trainer_from_an_alternating_order(run_2x4):
     run_2x4.assert_ok("interleaved_reversed_2x4")
+
+
+@pytest.mark.multiprocess
+def test_chained_destination_domains_forward_across_processes(run_2x4):
+    run_2x4.assert_ok("chained_2x4")
 
 
 @pytest.mark.multiprocess
