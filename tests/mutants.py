@@ -386,6 +386,17 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "domains apart (a device that imports and forwards idles through the other's rounds)",
     ),
     Mutant(
+        "schedule-tails-apart-from-full-chunks",
+        SCHEDULE,
+        (("    if ladder:\n        half = _align(chunk // 2)", "    if False:\n        half = 0"),),
+        (
+            "tests/test_planner.py::test_tails_rounded_up_to_a_chunk_are_coloured_with_the_full"
+            "_chunks[tails over half a chunk]",
+        ),
+        "tails that travel in chunk-sized rounds anyway get rounds of their own (the busiest "
+        "device's full chunks plus another device's tails)",
+    ),
+    Mutant(
         "schedule-alike-parts-lose-chunk-order",
         SCHEDULE,
         (

@@ -18,7 +18,7 @@ from reference import assert_reference_exact, leaf_spec
 
 from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import route
-from jaxreshard.planning.schedule import build_schedule, colour_rounds, plan_stats
+from jaxreshard.planning.schedule import _stage_rounds, build_schedule, colour_rounds, plan_stats
 from jaxreshard.planning.topology import Topology
 
 
@@ -143,6 +143,33 @@ def test_mixed_dtypes_keep_elements_whole_across_chunks():
         for dt in ("int8", "float64", "float16", "int32", "uint8", "complex64")
     ]
     check_plan(leaves, bucket_bytes=48)
+
+
+@pytest.mark.parametrize(
+    "tail, rounds, sizes",
+    [(600, 4, {1024}), (400, 7, {1024, 512})],
+    ids=["tails over half a chunk", "tails under half a chunk"],
+)
+def test_tails_rounded_up_to_a_chunk_are_coloured_with_the_full_chunks(tail, rounds, sizes):
+    """Device 0 sends four short streams (one tail each) and device 5 sends receiver 1 three
+    full chunks. Coloured apart, the rounds are the busiest device's full chunks (receiver 1:
+    3) plus the busiest device's tails (sender 0: 4). A tail over half a chunk travels in a
+    chunk-sized round anyway (`ladder_size`), so it is coloured with the full chunks: every
+    device then has at most 4 chunks, and 4 rounds carry them. A smaller tail keeps its own,
+    smaller rounds."""
+    chunk = 1024
+    streams = {(0, d): tail for d in (1, 2, 3, 4)} | {(5, 1): 3 * chunk}
+    got = _stage_rounds(streams, chunk, ladder=True)
+    assert len(got) == rounds and {size for size, _ in got} == sizes
+    chunks = defaultdict(list)  # every chunk of every stream once, in a one-to-one round
+    for _, entries in got:
+        senders, receivers = {s for (s, _), _ in entries}, {d for (_, d), _ in entries}
+        assert len(senders) == len(receivers) == len(entries)
+        for pair, k in entries:
+            chunks[pair].append(k)
+    assert {p: sorted(ks) for p, ks in chunks.items()} == {
+        (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
+    }  # fmt: skip
 
 
 def _random_multigraphs():

@@ -593,7 +593,7 @@ def route(
         runs = _by_leaf(regions) if by_leaf else [regions]
         return _pooled(runs, pool_bytes) if by_leaf and pool_bytes else runs
 
-    families = _families(groups) if chain and _source_bound(groups, domain) else {}
+    families = _families(groups) if chain and _source_bound(groups) else {}
     for family in families.values():
         offset = 0
         for run in runs_of(list(groups[family[0]])):
@@ -655,7 +655,7 @@ def _families(groups: Mapping[Group, list[_Region]]) -> dict[tuple[_Region, ...]
     return {regions: keys for regions, keys in out.items() if len(keys) > 1}
 
 
-def _source_bound(groups: Mapping[Group, list[_Region]], domain: Mapping[int, int]) -> bool:
+def _source_bound(groups: Mapping[Group, list[_Region]]) -> bool:
     """Whether sending every fan-out group its regions from the sources would load a sending
     device (bytes over all the devices that hold them) more than a destination device
     imports (its domain's bytes over the devices of its groups), by `CHAIN_SLACK`."""

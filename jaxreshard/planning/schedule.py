@@ -116,9 +116,9 @@ class Unit:
       listed: the pieces the unit sends that are listed one by one (every stage).
       fresh: the leaves whose destination arrays the unit's first step creates when the
         caller donates none (all of ``leaves``; for a leaf cut into slabs, its first slab).
-      overlap: whether the unit's later stages depend on nothing of its own first stage (a
-        pipelined plan: they forward bytes that arrived in earlier units), so both run in the
-        same buckets.
+      overlap: whether the unit runs several stages that depend on nothing of each other (a
+        pipelined plan: its later stages forward bytes that arrived in earlier units), so all
+        run in the same buckets.
       slabs: slabs of large leaves the unit also sends, cut from their leaf's pieces only
         when asked (`Slab`): on large clusters a leaf has hundreds of thousands of pieces and
         tens of slabs, too many to hold cut.
@@ -463,11 +463,11 @@ def split_units(
     than a bucket runs in several buckets: on large clusters that keeps every pair's stream,
     and so every message, long (a round costs a latency whatever it carries).
 
-    *Pipelining* (``pipeline=True``). The relay stage of a unit then runs under the next unit's
-    first stage: every unit's later-stage pieces move into the next unit (a last unit takes
-    those of the final one), which is marked ``overlap``. Its relays forward only bytes that
-    arrived in an earlier unit, so they share its buckets: inside a bucket one round crosses
-    domains over the NICs while another relays over NVLink (`plan_rounds` with
+    *Pipelining* (``pipeline=True``). The relay stages of a unit then run under the next
+    units' first stages: every unit's stage-``s`` pieces move ``s`` units later (units past
+    the last take the final ones), into units marked ``overlap``. Their relays forward only
+    bytes that arrived in an earlier unit, so they share its buckets: inside a bucket one
+    round crosses domains over the NICs while another relays over NVLink (`plan_rounds` with
     ``interleave``).
 
     ``prepared`` (`PreparedPlan`) keeps what does not depend on the options between calls on
@@ -989,7 +989,7 @@ def build_schedule(
       chunks: the chunk size of each link class (0 without ``link_class``), chosen by the
         caller for several schedules at once (`build_plan_schedule`); the tails then travel in
         rounds of `ladder_size`. By default each schedule chooses its own.
-      interleave: stage 1 depends on nothing of stage 0, so they share buckets
+      interleave: no stage depends on another (a pipelined unit), so they share buckets
         (`plan_rounds`).
     """
     pieces = list(pieces)
@@ -1054,10 +1054,11 @@ def plan_rounds(
     """The rounds and buckets `build_schedule` makes (same arguments), without cutting pieces
     into message segments: only stream sizes are needed, so this is cheap at any scale.
 
-    With ``interleave`` (the pieces of stage 1 depend on nothing of stage 0: a pipelined
-    unit), the two stages' rounds share buckets, each bucket taking both in proportion to
-    their bytes (`_interleave`), so a bucket's cross-domain rounds and its relays can run at
-    once; later stages follow in order."""
+    With ``interleave`` (no stage depends on another: a pipelined unit), the stages' rounds
+    share buckets, each bucket taking all of them in proportion to their bytes
+    (`_interleave`), so a bucket's cross-domain rounds and its relays can run at once; where
+    several stages cross the slowest links, their streams are coloured as one
+    (`ALL_STAGES`). Without it stages follow in order."""
     return _plan_stream_rounds(
         _stream_bytes(leaves, pieces),
         bucket_bytes=bucket_bytes,
@@ -1229,10 +1230,28 @@ def _stage_rounds(
     their largest tail: tails of small leaves then ride in small rounds instead of being padded
     to a full chunk.
     """
-    full = {pair: n // chunk for pair, n in streams.items()}
-    tails = {pair: n % chunk for pair, n in streams.items() if n % chunk}
+    full, tails = _full_and_tails(streams, chunk, ladder)
     out = [(chunk, entries) for entries in colour_rounds({p: n for p, n in full.items() if n})]
     return out + _tail_rounds(tails, full, chunk if ladder else None)
+
+
+def _full_and_tails(
+    streams: Mapping[tuple[int, int], int], chunk: int, ladder: bool
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """Each stream's count of chunks coloured as full ones, and its tail (the bytes after
+    them) where it has one. With ``ladder``, a tail its `ladder_size` rounds up to a whole
+    chunk counts as a full chunk: its round would be chunk-sized anyway, and coloured with
+    the full chunks it takes a free slot of theirs instead of a round of its own (apart, the
+    rounds are the busiest device's full chunks plus the busiest device's tails, often two
+    different devices: a receiver of a few long streams and a sender of many short ones)."""
+    full = {pair: n // chunk for pair, n in streams.items()}
+    tails = {pair: n % chunk for pair, n in streams.items() if n % chunk}
+    if ladder:
+        half = _align(chunk // 2)
+        for pair in [p for p, t in tails.items() if t > half]:
+            full[pair] += 1
+            del tails[pair]
+    return full, tails
 
 
 def _tail_rounds(
@@ -1292,7 +1311,7 @@ def _class_rounds(
     for cls in sorted({classes[p] for p in streams}, reverse=True):
         chunk = chunk_of[cls]
         mine = {p: n for p, n in sorted(streams.items()) if classes[p] == cls}
-        full = {p: n // chunk for p, n in mine.items()}
+        full, tails = _full_and_tails(mine, chunk, ladder)
         left = dict(full)
         fits = sum(1 << r for r, (size, _) in enumerate(out) if size >= chunk)
         for (s, d), n in full.items():
@@ -1308,7 +1327,6 @@ def _class_rounds(
         if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
             new = [[(p, full[p] - left[p] + k) for p, k in entries] for entries in new]
         rounds = [(chunk, entries) for entries in new]
-        tails = {p: n % chunk for p, n in mine.items() if n % chunk}
         for size, entries in rounds + _tail_rounds(tails, full, chunk if ladder else None):
             r = len(out)
             out.append((size, entries))
@@ -1444,6 +1462,9 @@ class _ChunkModel:
 
     def time(self, chunk: int, ladder: bool = False) -> int:
         full, rest = np.divmod(self.sizes, chunk)
+        if ladder:  # tails rounded up to a whole chunk are coloured as one (`_full_and_tails`)
+            whole = rest > _align(chunk // 2)
+            full, rest = full + whole, np.where(whole, 0, rest)
         n_full = self._busiest(full)
         n_tail = self._busiest((rest > 0).astype(np.int64))
         largest = np.zeros(len(self.stage_index), dtype=np.int64)
