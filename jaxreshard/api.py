@@ -456,7 +456,12 @@ class Plan:
             ),
             f"  wire    {_b(s.bytes_wire)} (padding {_b(pad)}"
             + (f", {pad / s.bytes_sent:.2%}" if s.bytes_sent else "")
-            + f") | relayed {_b(s.bytes_relayed)}",
+            + f") | relayed {_b(s.bytes_relayed)}"
+            + (
+                f" ({_b(s.bytes_relayed_cross_domain)} between domains)"
+                if s.bytes_relayed_cross_domain
+                else ""
+            ),
             f"  rounds  {s.rounds} in {s.buckets} bucket(s) of {len(self.schedule.units)} "
             f"unit(s), largest round {_b(largest)}, bucket limit {_b(self.bucket_bytes)}",
             f"  staging {_b(s.staging_bytes)} per device, kept between calls",
