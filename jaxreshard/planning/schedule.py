@@ -599,25 +599,26 @@ def _pipelined(units: Sequence[Unit]) -> list[Unit]:
         own = tuple(p for p in unit.listed if p.stage == 0)
         own_slabs = tuple(s for s in (_staged(s, 0) for s in unit.slabs) if s)
         pieces, slabs, carried = arriving.pop(i, ([], [], set()))
-        stages = {p.stage for p in pieces} | {s.stage for s in slabs}
-        if own or own_slabs:
-            stages.add(0)
         out.append(
             Unit(
                 tuple(sorted({*unit.leaves, *carried})),
                 unit.local,
                 own + tuple(pieces),
                 unit.fresh,
-                len(stages) > 1,
+                _several_stages(own + tuple(pieces), own_slabs + tuple(slabs)),
                 own_slabs + tuple(slabs),
             )
         )
     for i in sorted(arriving):
         pieces, slabs, carried = arriving[i]
-        stages = {p.stage for p in pieces} | {s.stage for s in slabs}
-        overlap = len(stages) > 1
+        overlap = _several_stages(pieces, slabs)
         out.append(Unit(tuple(sorted(carried)), (), tuple(pieces), (), overlap, tuple(slabs)))
     return out
+
+
+def _several_stages(pieces: Iterable[Piece], slabs: Iterable[Slab]) -> bool:
+    """Whether ``pieces`` and ``slabs`` (each restricted to one stage) span several stages."""
+    return len({p.stage for p in pieces} | {s.stage for s in slabs}) > 1
 
 
 def _staged(slab: Slab, stage: int) -> Slab:
@@ -1015,10 +1016,9 @@ def _cut_buckets(
     """The buckets of ``plan`` with their messages' contents: each stream cut into chunks."""
     chunk_of = dict(plan.class_chunk_bytes)
     by_stage: dict[int, list[Piece]] = defaultdict(list)
+    merged = any(b.stage == ALL_STAGES for b in plan.buckets)  # the stages coloured as one
     for piece in pieces:
-        by_stage[piece.stage].append(piece)
-    if any(b.stage == ALL_STAGES for b in plan.buckets):  # the stages coloured as one
-        by_stage = {ALL_STAGES: list(pieces)}
+        by_stage[ALL_STAGES if merged else piece.stage].append(piece)
     chunks: dict[int, dict[tuple[int, int], list[tuple[Segment, ...]]]] = {}
     cut = functools.lru_cache(maxsize=None)(_cut)  # relays send one part to several peers
     for stage, stage_pieces in sorted(by_stage.items()):
@@ -1126,9 +1126,10 @@ def _plan_stream_rounds(
         else:
             rounds = _class_rounds(streams, chunk_of, classes, ladder)
         if stage == ALL_STAGES:  # the slowest links' rounds beside the others, as below
-            slow = [r for r in rounds if any(classes[pair] == slowest for pair, _ in r[1])]
-            fast = [r for r in rounds if not any(classes[pair] == slowest for pair, _ in r[1])]
-            runs.extend([[(stage, r) for r in slow], [(stage, r) for r in fast]])
+            lanes: tuple[list[Any], list[Any]] = ([], [])  # (slowest links, the others)
+            for r in rounds:
+                lanes[not any(classes[pair] == slowest for pair, _ in r[1])].append((stage, r))
+            runs.extend(lanes)
         else:
             runs.append([(stage, r) for r in rounds])
     if interleave and len(runs) > 1:  # no stage depends on another: all share the buckets

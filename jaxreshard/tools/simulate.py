@@ -773,10 +773,9 @@ def simulate(
         stages[piece.stage] = stages.get(piece.stage, 0) + 1
     # NCCL M2N fans out inside each domain once, from balanced senders: destination domains
     # never forward to each other, so it is priced on an assignment that does not chain them.
-    chained = any(p.stage > 1 for p in assignment.pieces)
     m2n = (
         assignment
-        if fan_out and not chained
+        if fan_out and not stats.bytes_relayed_cross_domain
         else assign(leaves, topo, fan_out=True, **{**routing, "chain": False})
     )
     baselines = {
