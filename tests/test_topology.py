@@ -326,7 +326,7 @@ def test_min_max_quotas_when_the_largest_group_alone_is_not_feasible():
     """Regression: the bisection's upper end was the largest group's bytes, which is not
     always feasible (here 0 and 1 must each carry 10 of their own, plus half of the shared)."""
     quotas = _min_max_quotas({(0,): 10, (1,): 10, (0, 1): 10, (2, 3): 1})
-    assert quotas[(0, 1), 0] + quotas[(0, 1), 1] == 10
+    assert quotas[0, 1][0] + quotas[0, 1][1] == 10
     a = leaf_spec((10,), ((1,), ("x",), (0,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
     b = leaf_spec((10,), ((1,), ("x",), (1,), ()), ((1,), ("y",), (4,), ()), dtype="uint8")
     c = leaf_spec((10,), ((2,), ("x",), (0, 1), ()), ((1,), ("y",), (5,), ()), dtype="uint8")

@@ -128,10 +128,11 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
         totals[demand.candidates] += demand.nbytes
     quota = _min_max_quotas(dict(sorted(totals.items())))
     optimum: dict[int, int] = defaultdict(int)
-    for (_, sender), nbytes in quota.items():
-        optimum[sender] += nbytes
-    plain = _hand_out(demands, dict(quota), None)
-    paired = _hand_out(demands, dict(quota), max(optimum.values(), default=0))
+    for by_sender in quota.values():
+        for sender, nbytes in by_sender.items():
+            optimum[sender] += nbytes
+    plain = _hand_out(demands, quota, None)
+    paired = _hand_out(demands, quota, max(optimum.values(), default=0))
     options = [(sent, _busiest(sent)) for sent in (_rotate(demands), paired, plain)]
     best = min(busiest for _, busiest in options)
     balanced = [
@@ -231,10 +232,13 @@ def _busiest(sent: Sequence[_Sent]) -> int:
     return max(load.values(), default=0)
 
 
-def _hand_out(
-    demands: Sequence[_Demand], quota: dict[tuple[tuple[int, ...], int], int], limit: int | None
-) -> list[_Sent]:
-    """One pass of sender choice; ``limit`` enables the pair preference (None: quotas only)."""
+def _hand_out(demands: Sequence[_Demand], quotas: Quotas, limit: int | None) -> list[_Sent]:
+    """One pass of sender choice; ``limit`` enables the pair preference (None: quotas only).
+    Spends a copy of ``quotas``."""
+    # Quotas are looked up per group, then per sender: a group is a tuple of up to hundreds
+    # of replicas, and CPython does not cache tuple hashes, so a (group, sender) key would
+    # hash the whole group on every lookup (millions at 4,096 GPUs).
+    quota = {group: dict(by_sender) for group, by_sender in quotas.items()}
     load: dict[int, int] = defaultdict(int)
     out: list[_Sent] = []
     ordered = sorted(
@@ -246,27 +250,25 @@ def _hand_out(
     members: dict[tuple[int, ...], frozenset[int]] = {}
     heaps: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
 
-    def key(group: tuple[int, ...], s: int) -> tuple[int, int, int]:
-        return (quota[group, s], -load[s], -s)
-
-    def most_left(group: tuple[int, ...]) -> int:
+    def most_left(group: tuple[int, ...], left: dict[int, int]) -> int:
         """The member with the most quota left (then the least loaded, then the lowest id),
         from a lazy heap of negated keys: keys only ever fall (quotas shrink, loads grow), so
         a top entry whose key is still current is the best; a stale one goes back updated."""
         heap = heaps.get(group)
         if heap is None:
-            heap = heaps[group] = [(-quota[group, s], load[s], s) for s in group]
+            heap = heaps[group] = [(-left[s], load[s], s) for s in group]
             heapq.heapify(heap)
         while True:
             stored = heap[0]
             s = stored[2]
-            now = (-quota[group, s], load[s], s)
+            now = (-left[s], load[s], s)
             if now == stored:
                 return s
             heapq.heapreplace(heap, now)
 
     for demand in ordered:
         group = demand.candidates
+        left = quota[group]
         paired = []
         if limit is not None and len(group) > 1:
             # Senders already paired with this receiver are few; look them up, not the group.
@@ -278,19 +280,19 @@ def _hand_out(
                 paired = [s for s in near if s in member]
             paired = [s for s in paired if load[s] + demand.nbytes <= limit]
         if paired or len(group) < 8:
-            best = max(paired or group, key=lambda s: key(group, s))
+            best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
         else:
-            best = most_left(group)
-        if len(group) == 1 or paired or quota[group, best] >= demand.nbytes:
+            best = most_left(group, left)
+        if len(group) == 1 or paired or left[best] >= demand.nbytes:
             parts = [(best, demand.box)]
         else:
             ranked = ranks.get(group)
             if ranked is None:
-                ranked = ranks[group] = _Ranked(group, quota)
+                ranked = ranks[group] = _Ranked(group, left)
             parts = _split(demand, ranked)
         for sender, box in parts:
             nbytes = box_size(box) * demand.nbytes // box_size(demand.box)
-            quota[group, sender] -= nbytes
+            left[sender] -= nbytes
             load[sender] += nbytes
             paired_with[demand.dst].add(sender)
             out.append(_Sent(Piece(demand.leaf, sender, demand.dst, box), nbytes))
@@ -312,19 +314,17 @@ class _Ranked:
     heap, as in `_hand_out`'s ``most_left`` (quotas only shrink), so a split looks at the few
     senders it takes rather than the whole group (groups reach hundreds of replicas)."""
 
-    def __init__(
-        self, group: tuple[int, ...], quota: dict[tuple[tuple[int, ...], int], int]
-    ) -> None:
-        self.group, self.quota = group, quota
-        self.heap = [(-quota[group, s], s) for s in group]
+    def __init__(self, group: tuple[int, ...], left: dict[int, int]) -> None:
+        self.left = left  # the group's quota left per member, spent by `_hand_out`
+        self.heap = [(-left[s], s) for s in group]
         heapq.heapify(self.heap)
 
     def top(self) -> tuple[int, int] | None:
         """``(sender, quota left)`` of the best member not taken, or None."""
-        heap, group = self.heap, self.group
+        heap, left = self.heap, self.left
         while heap:
             negative, s = heap[0]
-            now = self.quota[group, s]
+            now = left[s]
             if -negative == now:
                 return s, now
             heapq.heapreplace(heap, (-now, s))
@@ -338,7 +338,7 @@ class _Ranked:
 
     def give_back(self, senders: Iterable[int]) -> None:
         for s in senders:
-            heapq.heappush(self.heap, (-self.quota[self.group, s], s))
+            heapq.heappush(self.heap, (-self.left[s], s))
 
 
 def _split(demand: _Demand, ranked: _Ranked) -> list[tuple[int, Box]]:
@@ -381,7 +381,11 @@ def _split(demand: _Demand, ranked: _Ranked) -> list[tuple[int, Box]]:
     return list(zip(senders, boxes, strict=True))
 
 
-def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> dict[tuple[tuple[int, ...], int], int]:
+Quotas = dict[tuple[int, ...], dict[int, int]]
+"""Bytes per candidate group, per member: what each member sends of that group's demands."""
+
+
+def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> Quotas:
     """Bytes each candidate group should take from each member so the busiest sender is least.
 
     Bisection on the per-sender cap ``T``: a cap is feasible when a max-flow from the groups
@@ -391,7 +395,7 @@ def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> dict[tuple[tuple[int,
     senders = sorted({s for group in totals for s in group})
     total = sum(totals.values())
     if not totals or total == 0:
-        return defaultdict(int)
+        return {group: dict.fromkeys(group, 0) for group in totals}
     lo = max(math.ceil(total / len(senders)), *(math.ceil(b / len(g)) for g, b in totals.items()))
     # Feasible for sure: every group sent whole by any member loads a sender with at most the
     # bytes of all groups it belongs to. (The largest single group is not always feasible.)
@@ -412,9 +416,7 @@ def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> dict[tuple[tuple[int,
     return best
 
 
-def _flow(
-    totals: dict[tuple[int, ...], int], senders: list[int], cap: int
-) -> dict[tuple[tuple[int, ...], int], int] | None:
+def _flow(totals: dict[tuple[int, ...], int], senders: list[int], cap: int) -> Quotas | None:
     """Dinic max-flow; returns the per (group, sender) flow if every group is saturated."""
     groups = list(totals)
     n_groups = len(groups)
@@ -430,10 +432,7 @@ def _flow(
         graph.add(sender_node[s], sink, cap)
     if graph.max_flow(0, sink) < sum(totals.values()):
         return None
-    out: dict[tuple[tuple[int, ...], int], int] = defaultdict(int)
-    for key, edge in edges.items():
-        out[key] = graph.flow_on(edge)
-    return out
+    return {group: {s: graph.flow_on(edges[group, s]) for s in group} for group in groups}
 
 
 class _FlowGraph:
