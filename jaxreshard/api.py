@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,23 @@ GPU_BUCKET_BYTES = 128 * MiB
 def default_bucket_bytes(platform: str) -> int:
     """The default ``bucket_bytes`` for a backend name (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
     return DEFAULT_BUCKET_BYTES.get(platform, GPU_BUCKET_BYTES)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _own_meshes(method: _F) -> _F:
+    """Run ``method`` with no mesh in context: a plan's programs run over meshes of their own
+    (`jaxreshard.run.runtime`), which ``jax.set_mesh(trainer_mesh)`` around the call (the
+    usual way to run explicit sharding) would otherwise contradict (shard_map and jit refuse a
+    context mesh other than their own)."""
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.set_mesh(None):
+            return method(*args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
 
 
 class Plan:
@@ -140,6 +157,7 @@ class Plan:
                 )
             return self._runtime
 
+    @_own_meshes
     def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
         """Reshard ``src_tree`` into the destination layout.
 
@@ -166,6 +184,7 @@ class Plan:
             self.verify(src_tree, out)
         return out
 
+    @_own_meshes
     def verify(self, src_tree: Any, out_tree: Any) -> None:
         """Check ``out_tree`` (this plan's result for ``src_tree``) shard by shard against
         ``src_tree``, with checksums computed on device on both sides.
@@ -191,6 +210,7 @@ class Plan:
     def _verifier(self) -> Verifier:
         return Verifier(self.leaves, [self.paths[i] for i in self.moved])
 
+    @_own_meshes
     def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
         """Like calling the plan, but every phase is awaited before the next starts and timed.
 
@@ -209,6 +229,7 @@ class Plan:
         if self._runtime is not None:
             self._runtime.release()
 
+    @_own_meshes
     def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
         """Start resharding ``src_tree`` and return at once; the move runs without the caller.
 
@@ -266,14 +287,23 @@ class Plan:
                 raise
             finally:
                 _IN_FLIGHT.remove(sources)
+                _DONATED.release(old)
 
-        return Refit(_worker().submit(run), sources)
+        try:
+            return Refit(_worker().submit(run), sources)
+        except BaseException:
+            _IN_FLIGHT.remove(sources)
+            _DONATED.release(old)
+            raise
 
     def _call(self, src_tree: Any, donate: Any, profile: dict[str, float] | None) -> Any:
         flat, old = self._prepare(src_tree, donate)
-        if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
-            return _worker().submit(self._move, flat, old, profile).result()
-        return self._move(flat, old, profile)
+        try:
+            if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
+                return _worker().submit(self._move, flat, old, profile).result()
+            return self._move(flat, old, profile)
+        finally:
+            _DONATED.release(old)
 
     def _prepare(self, src_tree: Any, donate: Any) -> tuple[list[Any], list[Any] | None]:
         """Check a call's arguments (and, once per plan, agree with the other processes)."""
@@ -282,6 +312,17 @@ class Plan:
         if jax.process_count() > 1 and not self._agreed:  # fail here, not in a collective
             agree(self.identity)  # once per plan: the whole plan, leaf by leaf
             self._agreed = True
+        taken = _DONATED.claim(old)  # last: a refused call must not keep its claim
+        if taken:
+            raise leaf_error(
+                "these donate= leaves are being donated to another call in flight",
+                [
+                    (self.paths[i], "is donated to a call (or a Plan.start) not yet finished")
+                    for i in taken
+                ],
+                "donate each result once: wait for the call or refit.result() that took it, "
+                "then donate what that returned",
+            )
         return flat, old
 
     def _order_check(self) -> Callable[[], None] | None:
@@ -553,6 +594,37 @@ class _InFlight:
 
 
 _IN_FLIGHT = _InFlight()
+
+
+class _Donations:
+    """Arrays donated to calls in flight (by identity; the calls hold them). A second call
+    donating one of them is refused: the first call's programs consume its buffers, and XLA
+    would be handed buffers already donated (a crash, not an error)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[int] = set()
+
+    def claim(self, old: Sequence[Any] | None) -> list[int]:
+        """Claim the arrays of ``old`` (a donate= tree's leaves) for one call; or, where some
+        are claimed already, claim none and return those leaves' indexes."""
+        arrays = [x for x in old or () if isinstance(x, jax.Array)]
+        with self._lock:
+            if any(id(x) in self._ids for x in arrays):
+                return [
+                    i
+                    for i, x in enumerate(old or ())
+                    if isinstance(x, jax.Array) and id(x) in self._ids
+                ]
+            self._ids.update(id(x) for x in arrays)
+            return []
+
+    def release(self, old: Sequence[Any] | None) -> None:
+        with self._lock:
+            self._ids.difference_update(id(x) for x in old or () if isinstance(x, jax.Array))
+
+
+_DONATED = _Donations()
 _WORKER: concurrent.futures.ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
 
@@ -764,6 +836,7 @@ class QuantizedPlan:
         """`Plan.profile` of the move (the quantize program is not in the phases)."""
         return self.inner.profile(self._quantize(src_tree), donate=donate)
 
+    @_own_meshes
     def _quantize(self, src_tree: Any) -> Any:
         """The inner plan's source: the tree with each fp8 leaf as its quantized pair."""
         flat, treedef = jax.tree_util.tree_flatten(src_tree)

@@ -111,6 +111,29 @@ def test_a_source_of_a_refit_in_flight_cannot_be_donated_and_a_deleted_one_is_na
         victim.result()
 
 
+def test_a_result_donated_to_a_refit_in_flight_cannot_be_donated_again():
+    """Donating one tree to two calls at once is refused (XLA would be handed buffers the
+    first call already consumed: a crash); once the refit is done its result may be donated."""
+    _, src = trees(0, rows=2048)
+    _, other = trees(5, rows=2048)
+    plan = jr.plan(src, DST_SHARDING)
+    spare = plan(src)
+    blocker = jr.plan(other, DST_SHARDING, bucket_bytes=4 << 10)  # keeps the worker busy
+    hold = blocker.start(other)
+    refit = plan.start(src, donate=spare)
+    try:
+        with pytest.raises(jr.ReshardError, match=r"donated to another call in flight(.|\n)*w0"):
+            plan(src, donate=spare)
+        with pytest.raises(jr.ReshardError, match="donated to another call in flight"):
+            plan.start(src, donate=spare)
+    finally:
+        hold.result()
+        new = refit.result()
+    again = plan(src, donate=new)  # the claim ends with the refit
+    assert all(x.is_deleted() for x in new.values())
+    assert not any(x.is_deleted() for x in again.values())
+
+
 def test_errors_inside_the_move_resurface_from_result(monkeypatch):
     _, src = trees(0)
     plan = jr.plan(src, DST_SHARDING)

@@ -255,6 +255,25 @@ def test_donation_reuses_the_previous_destination_buffers():
     assert reused == pointers
 
 
+@pytest.mark.parametrize("context", ["source mesh", "destination mesh", "explicit mesh"])
+def test_a_plan_runs_inside_a_mesh_context(context):
+    """``jax.set_mesh(trainer_mesh)`` around a refit (how explicit sharding runs) leaves the
+    plan's own programs alone: calls, donated calls, starts, verification and `jr.reshard`."""
+    host = random_array((64, 32), "float32")
+    src_sharding, dst = sharding(*CASES[0].src), sharding(*CASES[0].dst)
+    src = jax.device_put(host, src_sharding)
+    explicit = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    meshes = {"source mesh": src_sharding.mesh, "destination mesh": dst.mesh}
+    with jax.set_mesh(meshes.get(context, explicit)):
+        plan = jr.plan(src, dst)
+        out = plan(src, verify=True)
+        out = plan(src, donate=out)
+        out = plan.start(src, donate=out).result()
+        again = jr.reshard(src, dst)
+    assert_exact(out, host, dst)
+    assert_exact(again, host, dst)
+
+
 def test_reshard_caches_plans_by_signature():
     jr.clear_cache()
     host = random_array((64, 32), "float32")

@@ -5,10 +5,11 @@
 Two steps, both on JAX's CPU backend:
 
 1. **Measure a CPU profile** with microbenchmarks that know nothing of the planner: a jitted copy
-   into a donated buffer (one device alone, and all devices at once: the host's copy speed), a
-   collective-permute round over the union mesh at two message sizes (its latency and the
-   host's aggregate message bandwidth, with 4 pairs; one pair alone for a single link), and a
-   refit of a one-bucket, 4 KiB plan (the fixed cost of one bucket, less its modeled rounds).
+   into a donated buffer (one device alone, and all devices at once: the host's copy speed),
+   collective-permute rounds over the union mesh (a round's latency: what 16 rounds of 4 KiB
+   in one program take over one; the host's aggregate message bandwidth with 4 pairs of 16 MiB,
+   one pair alone for a single link), and a refit of a one-bucket, 4 KiB plan (the fixed cost
+   of one bucket, dispatches included, less its modeled rounds).
 2. **Predict and measure** the bench scenarios: each is planned by `jaxreshard.plan`, priced by
    `costmodel.modeled_time` from its schedule with the measured profile, and timed (donated
    refits). The model must land within +-30% of the measurement on each.
@@ -54,6 +55,9 @@ SCENARIOS = (
 )
 """The bench's timing scenarios (`jaxreshard.tools.bench.SCENARIOS`)."""
 
+LATENCY_ROUNDS = 16
+"""Rounds of the program whose extra time over a one-round program gives a round's latency."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Check:
@@ -96,25 +100,37 @@ class _InPlace:
         return self.y
 
 
-class _Permute(_InPlace):
-    """One collective-permute round over a union mesh, into a donated receive buffer, as the
-    runtime's transfer program runs it (`jaxreshard.run.runtime`)."""
+class _Permute:
+    """``rounds`` collective-permute rounds in one program over a union mesh, each into a
+    donated receive buffer, as the runtime's transfer program runs a bucket's rounds
+    (`jaxreshard.run.runtime`): one dispatch, then one collective-permute per round."""
 
     def __init__(
-        self, devices: Sequence[jax.Device], pairs: Sequence[tuple[int, int]], nbytes: int
+        self,
+        devices: Sequence[jax.Device],
+        pairs: Sequence[tuple[int, int]],
+        nbytes: int,
+        rounds: int = 1,
     ):
         n = len(devices)
         words = max(1, nbytes // 4)
         mesh = Mesh(np.array(list(devices)), ("g",))
         s = NamedSharding(mesh, P("g"))
         make = jax.jit(lambda: jnp.ones((n * words,), jnp.uint32), out_shardings=s)
-        self.x, self.y = make(), make()
+        self.xs = [make() for _ in range(rounds)]
+        self.ys = [make() for _ in range(rounds)]
 
-        def body(x: jax.Array, y: jax.Array) -> jax.Array:
-            return lax.ppermute(x, "g", list(pairs))
+        def body(*args: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(lax.ppermute(x, "g", list(pairs)) for x in args[:rounds])
 
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g"), P("g")), out_specs=P("g"))
-        self.fn = jax.jit(mapped, donate_argnums=1, keep_unused=True)
+        mapped = jax.shard_map(
+            body, mesh=mesh, in_specs=(P("g"),) * (2 * rounds), out_specs=(P("g"),) * rounds
+        )
+        self.fn = jax.jit(mapped, donate_argnums=tuple(range(rounds, 2 * rounds)), keep_unused=True)
+
+    def __call__(self) -> Any:
+        self.ys = list(self.fn(*self.xs, *self.ys))
+        return self.ys
 
 
 class _ManyCopies:
@@ -238,11 +254,16 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
     copy_all = together.nbytes / _median(together, reps)
     half = n // 2
     pairs = [(i, half + i) for i in range(half)]
-    latency = _median(_Permute(devices, pairs, 4 << 10), reps)  # 4 KiB: the bytes are nothing
+    # A round's latency is what one more round adds to a program (4 KiB: the bytes are
+    # nothing); a program of one round also pays its dispatch, which the bucket's fixed cost
+    # holds (`_bucket_overhead`), so the bandwidths subtract that whole program.
+    one_round = _median(_Permute(devices, pairs, 4 << 10), reps)
+    many = _median(_Permute(devices, pairs, 4 << 10, rounds=LATENCY_ROUNDS), reps)
+    latency = max(0.0, (many - one_round) / (LATENCY_ROUNDS - 1))
     t_large = _median(_Permute(devices, pairs, big), reps)
-    host_link = len(pairs) * big / max(t_large - latency, 1e-9)
+    host_link = len(pairs) * big / max(t_large - one_round, 1e-9)
     t_pair = _median(_Permute(devices, [(0, half)], big), reps)
-    link = big / max(t_pair - latency, 1e-9)
+    link = big / max(t_pair - one_round, 1e-9)
     packs, unpacks = _NarrowCopy(devices, big, cast=True), _NarrowCopy(devices, big, cast=False)
     narrow = 2 * packs.nbytes / (_median(packs, reps) + _median(unpacks, reps))
     args = 128
@@ -272,14 +293,21 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
         bucket_overhead=0.0,
         sources=(
             ("intra_bandwidth", "measured: one collective-permute pair of 16 MiB"),
-            ("round_latency", "measured: a collective-permute round of 4 pairs of 4 KiB"),
+            (
+                "round_latency",
+                f"measured: {LATENCY_ROUNDS} collective-permute rounds of 4 pairs of 4 KiB in "
+                "one program against one, per round",
+            ),
             (
                 "copy_bandwidth",
                 "measured: 16 MiB of half the columns of a matrix copied into "
                 "a donated buffer, one device",
             ),
             ("host_copy_bandwidth", f"measured: the same on all {n} devices at once"),
-            ("host_link_bandwidth", "measured: 4 pairs of 16 MiB, less the latency"),
+            (
+                "host_link_bandwidth",
+                "measured: 4 pairs of 16 MiB, less a program of 4 KiB",
+            ),
             (
                 "narrow_copy_bandwidth",
                 "measured: a f32 -> bf16 cast and a bf16 copy of 16 MiB "
