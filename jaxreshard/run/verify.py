@@ -50,13 +50,15 @@ def _words(x: jax.Array) -> jax.Array:
     dtype = jnp.dtype(x.dtype)
     if dtype == jnp.bool_:
         return x.astype(jnp.uint32)
-    bits = dtype.itemsize * 8
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # its two parts' words, mixed
+        return _words(jnp.real(x)) ^ (_words(jnp.imag(x)) * K2)
+    bits = jax.dtypes.itemsize_bits(dtype)  # not itemsize: 4-bit and 2-bit types take 1 byte
     if bits == 32:
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
     if bits < 32:
-        if bits < 8:  # sub-byte types: their value, widened (exact for 4-bit ints and floats)
-            return jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8).astype(jnp.uint32)
-        narrow = {8: jnp.uint8, 16: jnp.uint16}[bits]
+        # Bits as the unsigned type of the same width, then widened: element by element (a
+        # bit-cast to a wider type would pack several sub-byte elements into one word).
+        narrow = {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}[bits]
         return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
     pair = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 64 bits: (..., 2)
     return pair[..., 0] ^ (pair[..., 1] * np.uint32(0x85EBCA6B))
