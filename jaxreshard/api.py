@@ -1176,6 +1176,14 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
                 raise _LeafProblem(
                     f"is a typed PRNG key ({x.dtype}); it cannot be cast to {want!r}", "dtype"
                 )
+            try:  # against the key array's own shape, before the key data's extra dimension
+                _layout(dst_named, user_shape)
+            except LayoutError as e:
+                raise _LeafProblem(
+                    f"destination {_describe_sharding(dst_named)} does not fit shape "
+                    f"{user_shape}: {e}",
+                    "layout",
+                ) from None
             # Keys move as their key data and are wrapped again (`run.boundary`).
             key_impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
             shape, src_dtype = boundary.key_data_shape(x)

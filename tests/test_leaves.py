@@ -64,6 +64,16 @@ def test_a_typed_key_is_not_cast():
         jr.plan(src, sharding(*DST), dtype={"w": None, "rng": jnp.uint32})
 
 
+@pytest.mark.parametrize("spec", [(None, "tp"), (None, None), ("tp", None)])
+def test_a_key_destination_is_checked_against_the_key_arrays_own_rank(spec):
+    """Regression: a key array's destination was checked against its key data's shape (one
+    dimension more), so a spec one entry too long was accepted or refused for a shape the
+    user never had."""
+    src = {"k": jax.device_put(keys(8), sharding(*SRC, "dp"))}
+    with pytest.raises(jr.ReshardError, match=r"\['k'\].*does not fit shape \(8,\).*rank 1"):
+        jr.plan(src, sharding(*DST, *spec))
+
+
 def test_a_whole_nnx_state_with_rng_streams_moves():
     nnx = pytest.importorskip("flax.nnx")
 

@@ -188,6 +188,14 @@ def test_a_leaf_larger_than_a_bucket_is_split_across_buckets():
     assert plan.stats.staging_bytes <= 2 * 1024
 
 
+def test_a_scalar_larger_than_a_bucket_moves_whole():
+    """Regression: a scalar over ``bucket_bytes`` was cut into slabs it has no rows for."""
+    src = jax.device_put(np.float32(1.5), sharding(*CASES[0].src[:3]))
+    dst = sharding(*CASES[0].dst[:3])
+    for bucket_bytes in (4, 3, 1):
+        assert_exact(jr.plan(src, dst, bucket_bytes=bucket_bytes)(src), np.float32(1.5), dst)
+
+
 def test_cast_runs_on_the_senders_and_halves_the_bytes():
     host = random_array((64, 32), "float32")
     src = jax.device_put(host, sharding(*CASES[0].src))

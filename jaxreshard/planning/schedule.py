@@ -493,6 +493,8 @@ def split_units(
                     default=0,
                 )
                 k = max(k, -(-widest // slab_bytes) if widest > 2 * slab_bytes else 1)
+            if not leaves[index].shape:  # a scalar has no rows to cut, whatever the bucket
+                k = 1
             if k > 1:
                 if run:
                     parts.append(("run", run, 0))
