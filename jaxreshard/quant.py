@@ -7,7 +7,8 @@
 ``len(block)`` dimensions of a leaf into blocks (leading dimensions, such as experts, are
 blocked one by one) and keeps one float32 scale per block, DeepSeek-V3's ``weight_scale_inv``
 convention: ``dequantized = values.astype(float32) * scale`` (the scale broadcast over its
-block), with ``scale = amax(|block|) * float32(1 / max(fmt))`` (1 for an all-zero block) and
+block), with ``scale = max(amax(|block|) * float32(1 / max(fmt)), TINY)`` (1 for an all-zero
+block or one holding a NaN; ``TINY`` is float32's smallest normal, below which XLA flushes) and
 ``values = clip(x * (1 / scale), -max, max)`` rounded to ``fmt`` (round to nearest even), all in
 float32. ``block=None`` scales
 the whole tensor by one scale. ``fmt`` is ``jnp.float8_e4m3fn`` (max 448, 3 mantissa bits) or
@@ -41,6 +42,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jaxreshard.errors import ReshardError, leaf_error
+
+TINY = np.float32(np.finfo(np.float32).tiny)
+"""The least scale: float32's smallest normal (XLA flushes subnormal floats to zero)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +139,16 @@ def quantize(x: jax.Array, fmt: Fp8Blockwise) -> tuple[jax.Array, jax.Array]:
     xb = x32.reshape(split)
     inner = tuple(range(1, 2 * x.ndim, 2))
     amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
+    # A block holding a NaN has a NaN amax, so its scale is 1, as inside one shard. Where a
+    # block straddles source shards the max of its parts is a cross-device reduction, which
+    # need not propagate NaN (XLA CPU's drops it), so NaN is looked for on its own.
+    nan = jnp.any(jnp.isnan(xb), axis=inner, keepdims=True)
+    amax = jnp.where(nan, np.float32(np.nan), amax)
     # Multiplications by reciprocals, spelled out: XLA rewrites a division by a constant into
     # one, so the format is defined that way for every backend (and the NumPy reference).
-    scale = jnp.where(amax > 0, amax * np.float32(1 / fmt.max), np.float32(1))
+    # A scale below float32's smallest normal would be flushed to zero (XLA's CPU and GPU
+    # backends flush subnormals) and its block with it: it is held at the smallest normal.
+    scale = jnp.where(amax > 0, jnp.maximum(amax * np.float32(1 / fmt.max), TINY), np.float32(1))
     inverse = np.float32(1) / scale
     values = jnp.clip(xb * inverse, -fmt.max, fmt.max).astype(fmt.fmt).reshape(x.shape)
     scales = scale.reshape(grid)

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 import jaxreshard as jr
 
+TINY = np.finfo(np.float32).tiny  # float32's smallest normal
+
 SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
 DST = (tuple(range(4, 8)), (4,), ("tp",))
 FMTS = {
@@ -27,14 +29,14 @@ FMTS = {
 
 
 def reference(x: np.ndarray, block, fmt) -> tuple[np.ndarray, np.ndarray]:
-    """NumPy quantizer: per block scale = amax * f32(1 / max) (1 for a zero block), values =
-    clip(x * (1 / scale)) rounded to fp8, in float32; ``block`` covers the trailing
-    dimensions."""
+    """NumPy quantizer: per block scale = max(amax * f32(1 / max), f32's smallest normal) (1
+    for a zero block or one holding a NaN), values = clip(x * (1 / scale)) rounded to fp8, in
+    float32; ``block`` covers the trailing dimensions."""
     kind, fmax = FMTS[jnp.dtype(fmt)]
     x = x.astype(np.float32)
     if block is None:
         amax = np.abs(x).max()
-        scale = np.float32(amax * np.float32(1 / fmax)) if amax > 0 else np.float32(1)
+        scale = np.float32(max(amax * np.float32(1 / fmax), TINY)) if amax > 0 else np.float32(1)
         inverse = np.float32(1) / scale
         return np.clip(x * inverse, -fmax, fmax).astype(kind), np.asarray(scale, np.float32)
     blocks = (1,) * (x.ndim - len(block)) + tuple(block)
@@ -43,7 +45,8 @@ def reference(x: np.ndarray, block, fmt) -> tuple[np.ndarray, np.ndarray]:
     xb = x.reshape(split)
     inner = tuple(range(1, 2 * x.ndim, 2))
     amax = np.abs(xb).max(axis=inner, keepdims=True)
-    scale = np.where(amax > 0, amax * np.float32(1 / fmax), np.float32(1)).astype(np.float32)
+    scale = np.where(amax > 0, np.maximum(amax * np.float32(1 / fmax), TINY), np.float32(1))
+    scale = scale.astype(np.float32)
     inverse = (np.float32(1) / scale).astype(np.float32)
     values = np.clip(xb * inverse, -fmax, fmax).astype(kind).reshape(x.shape)
     return values, scale.reshape(grid)
@@ -106,6 +109,22 @@ def test_blocks_straddling_source_shards_combine_their_partial_amax():
     dst = sharding(*DST, None, "tp")
     plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
     assert_matches_reference(plan(src), host, (128, 128), jnp.float8_e4m3fn, dst)
+
+
+def test_a_nan_block_and_a_tiny_block_straddling_source_shards_quantize_as_the_reference():
+    """Regression: a NaN in a block split over source shards was dropped by the cross-device
+    max (the block then scaled as if it held none), and a block whose scale falls below
+    float32's smallest normal was flushed to zero."""
+    host = weights((384, 512), seed=4)  # block rows 128-256 straddle the 192-row fsdp shards
+    host[150, 7] = np.nan
+    host[128:256, 128:256] = np.float32(1e-37) * np.sign(host[128:256, 128:256])
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, None, "tp")
+    q = jr.plan(src, dst, dtype=jr.Fp8Blockwise())(src)
+    values, scales = reference(host, (128, 128), jnp.float8_e4m3fn)
+    assert scales[1, 0] == 1 and scales[1, 1] == TINY  # the NaN block's, the tiny block's
+    assert np.asarray(q.values).view(np.uint8).tobytes() == values.view(np.uint8).tobytes()
+    assert np.asarray(q.scales).tobytes() == scales.tobytes()
 
 
 @pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
