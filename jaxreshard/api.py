@@ -201,7 +201,7 @@ class Plan:
         flat = self._check_src(src_tree)
         out = jax.tree_util.tree_leaves(out_tree)
         if len(out) != len(flat):
-            raise _structure_error("the result tree", out_tree, self.paths)
+            raise _structure_error("the result tree", out_tree, self.paths, planned=True)
         src = self._crossing.sources([flat[i] for i in self.moved])
         results = self._crossing.inner([out[i] for i in self.moved])
         self._verifier.check(src, results)
@@ -432,7 +432,7 @@ class Plan:
         a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
-            raise _structure_error(name, tree, self.paths)
+            raise _structure_error(name, tree, self.paths, planned=True)
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
         first_at: dict[int, str] = {}  # donation: one array at two leaves would be donated twice
         problems = []
@@ -841,7 +841,7 @@ class QuantizedPlan:
         """The inner plan's source: the tree with each fp8 leaf as its quantized pair."""
         flat, treedef = jax.tree_util.tree_flatten(src_tree)
         if treedef != self.treedef:
-            raise _structure_error("the source tree", src_tree, self.paths)
+            raise _structure_error("the source tree", src_tree, self.paths, planned=True)
         problems = []
         for i, (shape, dtype, sharding) in zip(self.quantized, self._avals, strict=True):
             problem = _array_problem(flat[i], shape, dtype, sharding)
@@ -1167,6 +1167,9 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
                 "it a jax.sharding.Mesh of devices",
                 "type",
             )
+        problem = _spec_problem(s) if isinstance(s, NamedSharding) else None
+        if problem:
+            raise _LeafProblem(f"the {side} sharding {problem}", "layout", device_put_ok=True)
     user_shape = tuple(x.shape)
     key_impl = None
     try:
@@ -1254,6 +1257,27 @@ def _dtype_entries(dtype: Any, src_tree: Any) -> tuple[list[Any], list[bool]]:
         return [None] * n, [False] * n
     pairs = _prefix_entries(dtype, src_tree, "dtype", lambda x: x is None or _is_dtype_like(x))
     return [value for value, _ in pairs], [own for _, own in pairs]
+
+
+def _spec_problem(sharding: NamedSharding) -> str | None:
+    """What makes a NamedSharding's spec name no layout of values, or None."""
+    spec = sharding.spec
+    if getattr(spec, "unreduced", None):
+        return (
+            f"has unreduced axes ({spec!r}): its shards are partial values of a sum still to "
+            "be taken, not parts of the array; reduce first"
+        )
+    if getattr(spec, "reduced", None):
+        return (
+            f"has reduced axes ({spec!r}), which jaxreshard does not plan: the same spec "
+            "without reduced= lays out the same values (or pass fallback='device_put')"
+        )
+    if any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
+        return (
+            f"has an UNCONSTRAINED entry ({spec!r}), which names no layout: say how that "
+            "dimension is split (None: not split)"
+        )
+    return None
 
 
 def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
@@ -1346,22 +1370,27 @@ def _structure_error(
     tree: Any,
     expected_paths: Sequence[str],
     is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    planned: bool = False,
 ) -> ReshardError:
+    """``tree`` against the source tree's leaves (``planned``: a call's tree against the tree
+    the plan was made for)."""
+    reference = "the tree the plan was made for" if planned else "the source tree"
     got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
     missing = [p for p in expected_paths if p not in set(got)]
     extra = [p for p in got if p not in set(expected_paths)]
-    problems = [(p, "missing here") for p in missing] + [
-        (p, "not in the source tree") for p in extra
-    ]
+    problems = [(p, "missing here") for p in missing] + [(p, f"not in {reference}") for p in extra]
     if not problems:
         structure = jax.tree_util.tree_structure(tree, is_leaf=is_leaf)
         problems = [("<root>", f"same leaves, other structure: {structure}")]
-    return leaf_error(
-        f"{name} does not match the source tree's structure",
-        problems,
-        f"give {name} the same structure as the source tree (a NamedSharding or dtype may also "
-        "stand for a whole subtree, as with jax.jit's out_shardings)",
+    fix = (
+        f"give {name} the structure of {reference}, or make a new plan for this tree "
+        "(jr.reshard makes and caches plans)"
+        if planned
+        else f"give {name} the same structure as the source tree (a NamedSharding or dtype may "
+        "also stand for a whole subtree, as with jax.jit's out_shardings)"
     )
+    return leaf_error(f"{name} does not match the structure of {reference}", problems, fix)
 
 
 def _plan_devices(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> list[Any]:

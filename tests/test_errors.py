@@ -47,6 +47,27 @@ def test_a_spec_longer_than_the_rank(src):
         jr.plan(src, bad)
 
 
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        (PartitionSpec(PartitionSpec.UNCONSTRAINED, "tp"), "an UNCONSTRAINED entry"),
+        (PartitionSpec(None, None, unreduced={"tp"}), "unreduced axes"),
+        (PartitionSpec(None, None, reduced={"tp"}), "reduced axes"),
+    ],
+)
+def test_a_spec_that_names_no_layout_of_values(src, spec, problem):
+    """Regression: these reached JAX's own spec handling (a TypeError, or a ValueError naming
+    no leaf)."""
+    kind = (
+        jax.sharding.AxisType.Auto if "UNCONSTRAINED" in problem else jax.sharding.AxisType.Explicit
+    )
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(kind,), devices=jax.devices()[4:])
+    bad = dst_tree()
+    bad["a"] = jax.sharding.NamedSharding(mesh, spec)
+    with pytest.raises(jr.ReshardError, match=rf"\['a'\]: the destination sharding has {problem}"):
+        jr.plan(src, bad)
+
+
 def test_every_bad_leaf_is_listed_at_once(src):
     bad = {
         "a": sharding(tuple(range(4, 7)), (3,), ("tp",), "tp"),

@@ -264,13 +264,13 @@ class Topology:
 
     def __post_init__(self) -> None:
         if not len(self.devices) == len(self.domains) == len(self.hosts):
-            raise ValueError("a topology needs one domain and one host per device")
+            raise ReshardError("a topology needs one domain and one host per device")
         if len(set(self.devices)) != len(self.devices):
-            raise ValueError(f"a device appears twice in the topology: {self.devices}")
+            raise ReshardError(f"a device appears twice in the topology: {self.devices}")
         if not (self.intra_bandwidth > 0 and self.inter_bandwidth > 0):
-            raise ValueError("bandwidths must be positive (bytes per second)")
+            raise ReshardError("bandwidths must be positive (bytes per second)")
         if self.round_latency < 0:
-            raise ValueError("round_latency must be >= 0 seconds")
+            raise ReshardError("round_latency must be >= 0 seconds")
 
     # ------------------------------------------------------------------------- construction
 
@@ -301,7 +301,7 @@ class Topology:
                 domains.append(g)
         missing = [d for d in devices if d not in host_of]
         if missing:
-            raise ValueError(f"hosts= does not place devices {missing}")
+            raise ReshardError(f"hosts= does not place devices {missing}")
         return cls(
             tuple(devices),
             tuple(domains),
@@ -367,9 +367,9 @@ class Topology:
         e.g. a trainer on racks 0-1 and a sampler starting on rack 2: rack-aligned placement).
         """
         if name not in PROFILES:
-            raise ValueError(f"unknown topology profile {name!r}; known: {sorted(PROFILES)}")
+            raise ReshardError(f"unknown topology profile {name!r}; known: {sorted(PROFILES)}")
         if (num_devices is None) == (ids is None):
-            raise ValueError("give num_devices or ids")
+            raise ReshardError("give num_devices or ids")
         p = PROFILES[name]
         size = p.domain_size if domain_size is None else int(domain_size)
         host = min(p.host_size, size)
