@@ -73,6 +73,8 @@ def _own_meshes(method: _F) -> _F:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty:
+            return method(*args, **kwargs)  # nothing to clear (and set_mesh refuses in jit)
         with jax.set_mesh(None):
             return method(*args, **kwargs)
 
@@ -459,6 +461,7 @@ class Plan:
 
     # ---------------------------------------------------------------------------- reports
 
+    @_own_meshes
     def compiled_transfers(self) -> list[str]:
         """The optimized HLO text of every bucket's transfer program (compiles them).
 
