@@ -448,6 +448,11 @@ class Plan:
                 seen = first_at.setdefault(id(x), keystr(path))
                 if seen != keystr(path):
                     problem = f"is the same array as {seen}; each leaf needs its own buffers"
+            if problem is None and sources is None and _DONATED.holds(x):
+                problem = (
+                    "is donated to a call in flight (or a Plan.start), which overwrites it: "
+                    "read that call's result (refit.result()) instead"
+                )
             if problem is None and sources is not None and _IN_FLIGHT.holds(x):
                 problem = (
                     "is the source of a refit in flight (Plan.start); donating it would destroy "
@@ -621,6 +626,10 @@ class _Donations:
                 ]
             self._ids.update(id(x) for x in arrays)
             return []
+
+    def holds(self, x: Any) -> bool:
+        with self._lock:
+            return id(x) in self._ids
 
     def release(self, old: Sequence[Any] | None) -> None:
         with self._lock:

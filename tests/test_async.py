@@ -111,13 +111,15 @@ def test_a_source_of_a_refit_in_flight_cannot_be_donated_and_a_deleted_one_is_na
         victim.result()
 
 
-def test_a_result_donated_to_a_refit_in_flight_cannot_be_donated_again():
+def test_a_result_donated_to_a_refit_in_flight_is_neither_donated_again_nor_read():
     """Donating one tree to two calls at once is refused (XLA would be handed buffers the
-    first call already consumed: a crash); once the refit is done its result may be donated."""
+    first call already consumed: a crash), and so is reading it as a source while the refit
+    overwrites it; once the refit is done its result may be donated."""
     _, src = trees(0, rows=2048)
     _, other = trees(5, rows=2048)
     plan = jr.plan(src, DST_SHARDING)
     spare = plan(src)
+    back = jr.plan(spare, sharding(*SRC, "fsdp", "tp"))
     blocker = jr.plan(other, DST_SHARDING, bucket_bytes=4 << 10)  # keeps the worker busy
     hold = blocker.start(other)
     refit = plan.start(src, donate=spare)
@@ -126,6 +128,8 @@ def test_a_result_donated_to_a_refit_in_flight_cannot_be_donated_again():
             plan(src, donate=spare)
         with pytest.raises(jr.ReshardError, match="donated to another call in flight"):
             plan.start(src, donate=spare)
+        with pytest.raises(jr.ReshardError, match=r"w0.*donated to a call in flight"):
+            back(spare)  # read while the refit overwrites it
     finally:
         hold.result()
         new = refit.result()
