@@ -844,10 +844,10 @@ def plan_unit_rounds(
     weights: dict[Any, int] = {}
     # Units with the same streams (a leaf's slabs, repeated layers) count once, weighted by
     # how often they occur; not where a fault cost makes the order of units matter.
-    first: dict[tuple[object, ...], int] = {}
+    first: dict[frozenset[object], int] = {}
     for u, unit in enumerate(units):
         streams = unit.stream_bytes(leaves)
-        key = tuple(sorted(streams.items()))
+        key = frozenset(streams.items())  # (hashed, not sorted: ~10^6 streams at scale)
         if not fault_cost and key in first:
             for stage in {stage for stage, _ in streams}:
                 weights[first[key], stage] += 1
@@ -895,7 +895,7 @@ def plan_unit_rounds(
         streams = unit.stream_bytes(leaves)
         if not streams:
             continue
-        key = (unit.overlap, *sorted(streams.items()))
+        key = (unit.overlap, frozenset(streams.items()))
         if key not in planned:
             planned[key] = _plan_stream_rounds(
                 streams,
