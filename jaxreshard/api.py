@@ -258,7 +258,8 @@ class Plan:
             donate them (to ``jax.jit`` or elsewhere) while the refit is in flight. The refit
             keeps references to them; this library refuses to donate them, and a source
             deleted elsewhere makes ``result()`` raise `ReshardError` naming it.
-          - ``donate=`` is consumed: do not use that tree after ``start``.
+          - ``donate=`` is consumed: do not use that tree after ``start``. Until the refit is
+            done, a call that donates it again or reads it as a source raises `ReshardError`.
           - Refits are issued in the order they are started, one at a time, on one worker
             thread per process; a plain call made while refits are in flight is issued after
             them (on that thread, the caller waiting). Under ``jax.distributed`` every
