@@ -449,7 +449,55 @@ EXECUTOR_MUTANTS: list[Mutant] = [
     ),
 ]
 
-MUTANTS: list[Mutant] = PLANNER_MUTANTS + MULTIHOST_MUTANTS + EXECUTOR_MUTANTS
+API = "jaxreshard/api.py"
+
+SURFACE_MUTANTS: list[Mutant] = [
+    Mutant(
+        "api-donated-tree-read-as-source",
+        API,
+        (
+            (
+                "            if problem is None and sources is None and _DONATED.holds(x):",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_a_result_donated_to_a_refit_in_flight_is_neither_donated_again_nor_read",
+        ),
+        "a tree donated to a refit in flight may be read as a source while the refit "
+        "overwrites it (JAX fails mid-call; donating it twice, the other half of the check, "
+        "crashes XLA outright, which this harness cannot tell from a broken test)",
+    ),
+    Mutant(
+        "verify-sub-byte-as-bytes",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "    bits = jax.dtypes.itemsize_bits(dtype)  # not itemsize: 4-bit and 2-bit "
+                "types take 1 byte",
+                "    bits = dtype.itemsize * 8",
+            ),
+        ),
+        (
+            "tests/test_verify.py::"
+            "test_sub_byte_and_complex_leaves_verify_and_a_moved_element_is_found[8-int4]",
+        ),
+        "verify bit-casts a 4-bit leaf to bytes (two elements to a word)",
+    ),
+    Mutant(
+        "quant-nan-left-to-the-cross-device-max",
+        "jaxreshard/quant.py",
+        (("    amax = jnp.where(nan, np.float32(np.nan), amax)", "    amax = amax"),),
+        (
+            "tests/test_fp8.py::"
+            "test_a_nan_block_and_a_tiny_block_straddling_source_shards_quantize_as_the_reference",
+        ),
+        "a NaN in a block split by source shards is left to XLA's cross-device max, which drops it",
+    ),
+]
+
+MUTANTS: list[Mutant] = PLANNER_MUTANTS + MULTIHOST_MUTANTS + EXECUTOR_MUTANTS + SURFACE_MUTANTS
 
 
 # ------------------------------------------------------------------------------ machinery
