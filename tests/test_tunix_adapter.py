@@ -151,6 +151,16 @@ def test_a_target_leaf_without_a_sharding_is_named():
         jr_tunix.reshard_pytree(trainer, target)
 
 
+def test_a_target_with_other_keys_is_refused_even_with_as_many_leaves():
+    """Regression: the target's shardings were laid onto the source by position whenever the
+    leaf counts agreed, so ``{a, b}`` onto ``{b, c}`` gave ``a`` the sharding of ``b``."""
+    trainer, rollout = states()
+    src = {"a": trainer["up"]["kernel"], "b": trainer["down"]["kernel"]}
+    target = {"b": rollout["up"]["kernel"], "c": rollout["down"]["kernel"]}
+    with pytest.raises(jr_tunix.ReshardError, match=r"keys are not the source's(.|\n)*\['a'\]"):
+        jr_tunix.reshard_pytree(src, target)
+
+
 def test_a_one_device_rollout_and_host_offload_targets():
     trainer, _ = states()
     one = jax.sharding.SingleDeviceSharding(jax.devices()[7])

@@ -83,7 +83,7 @@ def reshard_pytree(
     del use_experimental_pre_reshard
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
     dst = _destinations(source, target, flat)
-    old = _old_buffers(source, [x for _, x in flat]) if _DONATE_TARGET else None
+    old = _old_buffers(source, flat) if _DONATE_TARGET else None
     plan = _plan(source, dst, cache_plan)
     out = _run(plan, source, old)
     with _LOCK:
@@ -179,12 +179,36 @@ def _is_target_leaf(x: Any) -> bool:
     return isinstance(x, (Sharding, jax.Array))
 
 
-def _on_source_structure(source: Any, leaves: list[Any]) -> Any:
-    """``leaves`` laid onto the source's tree structure, or None when their counts differ."""
-    structure = jax.tree_util.tree_structure(source)
-    if structure.num_leaves != len(leaves):
+def _on_source_structure(source: Any, flat: list[tuple[Any, Any]]) -> Any:
+    """The target's ``(path, leaf)`` pairs laid onto the source's tree structure, or None
+    when their counts differ.
+
+    Raises:
+      ReshardError: when the counts agree but the keys do not (the leaves would land on the
+        wrong source leaves).
+    """
+    source_flat, structure = jax.tree_util.tree_flatten_with_path(source)
+    if len(source_flat) != len(flat):
         return None
-    return jax.tree_util.tree_unflatten(structure, leaves)
+    differ = [
+        (jax.tree_util.keystr(sp), f"the target has {jax.tree_util.keystr(tp)} here")
+        for (sp, _), (tp, _) in zip(source_flat, flat, strict=True)
+        if _names(sp) != _names(tp)
+    ]
+    if differ:
+        raise leaf_error(
+            "reshard_pytree: the target's keys are not the source's",
+            differ,
+            "give the target the source's keys (the same model's state, as Tunix's "
+            "reshard_pytree requires)",
+        )
+    return jax.tree_util.tree_unflatten(structure, [x for _, x in flat])
+
+
+def _names(path: Any) -> tuple[Any, ...]:
+    """A key path's names, whatever kind of node holds each (dict, attribute, sequence):
+    two models' states may be different node types with the same keys."""
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
@@ -212,7 +236,7 @@ def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
             "give each target leaf a jax.Array or a jax.sharding.Sharding",
             cls=ReshardTypeError,
         )
-    laid = _on_source_structure(source, shardings)
+    laid = _on_source_structure(source, [(p, x) for (p, _), x in zip(flat, shardings, strict=True)])
     if laid is not None:
         return laid
     return jax.tree_util.tree_unflatten(
@@ -220,12 +244,12 @@ def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
     )
 
 
-def _old_buffers(source: Any, leaves: list[Any]) -> Any:
-    """The target's arrays (``leaves``) in the source's structure, to donate; None if any is
-    not a live array."""
-    if not all(isinstance(x, jax.Array) and not x.is_deleted() for x in leaves):
+def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:
+    """The target's arrays (``flat``: path, leaf) in the source's structure, to donate; None
+    if any is not a live array."""
+    if not all(isinstance(x, jax.Array) and not x.is_deleted() for _, x in flat):
         return None
-    return _on_source_structure(source, leaves)
+    return _on_source_structure(source, flat)
 
 
 def _plan(source: Any, dst: Any, cache_plan: bool) -> api.Plan:
