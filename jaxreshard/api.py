@@ -117,6 +117,7 @@ class Plan:
         boundaries: Sequence[Boundary],
         moved: Sequence[int],
         fallback: Sequence[tuple[int, Sharding]] = (),
+        fallback_avals: Mapping[int, _FallbackAval] | None = None,
     ) -> None:
         self.treedef = treedef
         self.paths = tuple(paths)
@@ -127,6 +128,7 @@ class Plan:
         # follow them), and which go through ``jax.device_put`` (``fallback="device_put"``).
         self.moved = tuple(moved)
         self.fallback = tuple(fallback)
+        self._fallback_avals = dict(fallback_avals or {})  # leaf -> shape, dtype, cast
         self.boundaries = tuple(boundaries)
         self._crossing = Crossing(self.boundaries)
         self.assignment = assignment
@@ -336,6 +338,14 @@ class Plan:
         return functools.partial(check_order, self.identity, self._label)
 
     def _move(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
+        out: list[Any] = [None] * len(flat)
+        # Fallback leaves first (named in a log line when the plan was made): checked like the
+        # others, they should not fail, but if one does nothing has been donated yet.
+        for i, dst in self.fallback:
+            out[i] = jax.device_put(flat[i], dst)
+            cast = self._fallback_avals[i][2] if i in self._fallback_avals else None
+            if cast is not None:
+                out[i] = out[i].astype(cast)
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:
@@ -343,11 +353,9 @@ class Plan:
         moved = self._crossing.results(
             self.runtime.run(src, inner_old, profile, self._order_check())
         )
-        out: list[Any] = [None] * len(flat)
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
-        for i, dst in self.fallback:  # named in a log line when the plan was made
-            out[i] = jax.device_put(flat[i], dst)
+        for i, _ in self.fallback:
             if old is not None and isinstance(old[i], jax.Array) and not old[i].is_deleted():
                 old[i].delete()
         return jax.tree_util.tree_unflatten(self.treedef, out)
@@ -461,6 +469,14 @@ class Plan:
                 )
             if problem:
                 problems.append((keystr(path), problem))
+        if sources is None:  # a source tree: its fallback leaves as planned too
+            for i, (shape, dtype, _) in self._fallback_avals.items():
+                path, x = flat[i]
+                got = (tuple(np.shape(x)), _host_dtype(x))
+                if got != (shape, dtype):
+                    problems.append(
+                        (keystr(path), f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
+                    )
         if problems:
             raise leaf_error(summary, problems, fix)
         return [x for _, x in flat]
@@ -741,7 +757,10 @@ def plan(
             aval, edge, leaf = _leaf_spec(keystr(path), x, dst, want, own)
         except _LeafProblem as e:
             if fallback == "device_put" and e.device_put_ok and isinstance(dst, Sharding):
-                fallen.append((i, dst))
+                try:
+                    fallen.append((i, dst, _fallback_aval(x, dst, want, own)))
+                except _LeafProblem as f:
+                    problems.append((keystr(path), str(f), f.kind))
             else:
                 problems.append((keystr(path), str(e), e.kind))
             continue
@@ -764,7 +783,7 @@ def plan(
         log.warning(
             "jaxreshard: %d leaves go through jax.device_put (fallback='device_put'): %s",
             len(fallen),
-            ", ".join(paths[i] for i, _ in fallen[:20]) + (" ..." if len(fallen) > 20 else ""),
+            ", ".join(paths[i] for i, _, _ in fallen[:20]) + (" ..." if len(fallen) > 20 else ""),
         )
     dsts = [b.dst for b in boundaries]
     platform = next(iter(dsts[0].device_set)).platform if dsts else "cpu"
@@ -798,7 +817,8 @@ def plan(
         compiler_options,
         boundaries=boundaries,
         moved=moved,
-        fallback=fallen,
+        fallback=[(i, dst) for i, dst, _ in fallen],
+        fallback_avals={i: aval for i, _, aval in fallen},
     )
 
 
@@ -1236,6 +1256,35 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
         user_shape,
     )
     return (user_shape, x.dtype, sharding), edge, leaf
+
+
+_FallbackAval = tuple[tuple[int, ...], Any, Any]
+"""A fallback leaf's planned shape and dtype (as ``jax.device_put`` makes it) and the dtype
+it is cast to, or None."""
+
+
+def _host_dtype(x: Any) -> Any:
+    """The dtype ``jax.device_put(x)`` gives ``x`` (read from ``x.dtype`` where it has one:
+    never from its data, which may be on a device)."""
+    if isinstance(x, jax.Array):
+        return x.dtype
+    dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else np.result_type(x)
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval:
+    """A fallback leaf's `_FallbackAval`, once its destination is known to fit it: checked
+    when planning, so that a call never fails half way (its donated buffers gone)."""
+    try:
+        shape, dtype = tuple(np.shape(x)), _host_dtype(x)
+    except TypeError as e:
+        raise _LeafProblem(f"jax.device_put cannot take it either ({e})", "type") from None
+    try:
+        dst.shard_shape(shape)
+    except ValueError as e:
+        raise _LeafProblem(f"through jax.device_put: {e}", "layout") from None
+    cast = _cast(dtype, want, own)
+    return shape, dtype, (None if cast == dtype else cast)
 
 
 def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:

@@ -226,3 +226,22 @@ def test_non_jax_leaves_are_refused_by_default_and_sent_by_device_put_on_request
     assert "['lr']: through jax.device_put" in plan.describe()
     with pytest.raises(jr.ReshardError, match="fallback"):
         jr.plan(src, dst, fallback="yes")
+
+
+def test_fallback_leaves_take_the_cast_and_are_checked_before_anything_moves():
+    """Regression: ``fallback="device_put"`` leaves ignored ``dtype=``, a destination that
+    does not fit them failed in the call (after the donated buffers were consumed), and a
+    call with another shape or dtype was accepted."""
+    host = random_array((8, 8), "float32")
+    src = {"w": jax.device_put(host, sharding(*SRC, "dp")), "m": np.ones((8, 4), np.float32)}
+    dst = {"w": sharding(*DST, "tp"), "m": sharding(*DST, "tp")}
+    plan = jr.plan(src, dst, dtype=jnp.bfloat16, fallback="device_put")
+    out = plan(src)
+    assert out["m"].dtype == jnp.bfloat16 and out["m"].sharding == dst["m"]
+    np.testing.assert_array_equal(np.asarray(out["m"], np.float32), np.ones((8, 4)))
+    with pytest.raises(jr.ReshardError, match=r"\['m'\]: expected float32\[8, 4\], got int32"):
+        plan(dict(src, m=np.ones((8, 4), np.int32)), donate=out)
+    assert not any(x.is_deleted() for x in out.values())  # refused: nothing consumed
+    misfit = dict(src, m=np.ones((7, 4), np.float32))  # 7 rows split 4 ways
+    with pytest.raises(jr.ReshardError, match=r"\['m'\]: through jax.device_put.*4 times"):
+        jr.plan(misfit, dst, fallback="device_put")

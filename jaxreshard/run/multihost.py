@@ -350,13 +350,13 @@ class _Agreement:
             lines.append(
                 f"Every leaf agrees, but the schedules differ: bucket_bytes "
                 f"{self.plan.bucket_bytes} here, {theirs['bucket_bytes']} on process {q}, or a "
-                "tier= that depends on the process."
+                "topology= that depends on the process."
             )
         lines.append(
             "How to fix: every process must call jr.plan / jr.reshard with the same global "
             "description: the same tree, shapes and dtypes, shardings on the same meshes (same "
             "device order) with the same PartitionSpecs, and the same dtype=, bucket_bytes= and "
-            "tier="
+            "topology="
         )
         return ReshardError("\n".join(lines))
 
