@@ -39,6 +39,7 @@ from jaxreshard.run.multihost import (
     check_order,
     fingerprint,
     order_check_enabled,
+    refuse_call,
 )
 from jaxreshard.run.runtime import Runtime, host_syncs_per_call
 from jaxreshard.run.verify import Verifier
@@ -312,8 +313,13 @@ class Plan:
 
     def _prepare(self, src_tree: Any, donate: Any) -> tuple[list[Any], list[Any] | None]:
         """Check a call's arguments (and, once per plan, agree with the other processes)."""
-        flat = self._check_src(src_tree)
-        old = self._check_donate(donate, flat) if donate is not None else None
+        try:
+            flat = self._check_src(src_tree)
+            old = self._check_donate(donate, flat) if donate is not None else None
+        except ReshardError as e:
+            if self._agreed and self._order_check() is not None:  # the peers' call raises too
+                refuse_call(self.identity, self._label, " ".join(str(e).splitlines()[:2]))
+            raise
         if jax.process_count() > 1 and not self._agreed:  # fail here, not in a collective
             agree(self.identity)  # once per plan: the whole plan, leaf by leaf
             self._agreed = True

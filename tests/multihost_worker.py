@@ -335,6 +335,25 @@ def case_order_ok() -> None:
     ok("order_ok", calls=24)
 
 
+def case_order_refused() -> None:
+    """Process 0 refuses a call in its own checks (a source of another shape): process 1's
+    same call raises naming that, and the next calls pair up again."""
+    plans = _two_plans()
+    plan, tree, dst, full = plans["a"]
+    plan(tree)  # agreed
+    bad = dict(tree)
+    if PID == 0:
+        bad["a"] = jax.device_put(np.zeros((8, 8), np.float32), tree["a"].sharding)
+    try:
+        plan(bad)
+    except jr.ReshardError as e:
+        print(f"REFUSED {PID}: {' '.join(str(e).splitlines()[:2])}", flush=True)
+    else:
+        raise AssertionError("a call refused on process 0 ran")
+    check(plan(tree), full, dst)  # in step again
+    ok("order_refused")
+
+
 def case_order_swapped() -> None:
     """After agreeing on both plans, process 1 calls them in the other order: both raise."""
     plans = _two_plans()
@@ -404,7 +423,7 @@ def case_lost_in_transfer() -> None:
 SCENARIOS = {
     "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
-    "order": [case_order_ok, case_order_swapped],
+    "order": [case_order_ok, case_order_refused, case_order_swapped],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],
 }

@@ -409,6 +409,16 @@ def test_every_call_is_checked_and_calls_in_order_pass(run_order):
 
 
 @pytest.mark.multiprocess
+def test_a_call_refused_on_one_process_raises_on_the_others_and_the_next_calls_pair(run_order):
+    """Regression: a call refused in one process's own checks was not published, so the other
+    process's same call paired with that process's next call (a different step's data)."""
+    run_order.case_ok("order_refused")
+    assert "REFUSED 0: these source leaves do not match the plan" in run_order.outputs[0]
+    assert "REFUSED 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
+    assert "['a']: expected float32[16, 8]" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
 def test_agreed_plans_called_in_different_orders_raise_on_both_naming_both(run_order):
     for pid, (rc, out) in enumerate(zip(run_order.returncodes, run_order.outputs, strict=True)):
         assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"

@@ -416,6 +416,14 @@ def check_order(
                 "'A lost process')"
             )
         theirs = json.loads(theirs)
+        if "refused" in theirs:
+            raise ReshardError(
+                f"jaxreshard: process {q} refused call #{n + 1} over processes {list(group)} "
+                f"({theirs['plan']}) in its own argument checks: {theirs['refused']}\nNo data "
+                "was moved, here or there.\nHow to fix: see the error on process "
+                f"{q}; every "
+                "involved process must call the plan with arguments it accepts"
+            )
         if theirs["fp"] != mine["fp"]:
             raise ReshardError(
                 f"jaxreshard: call #{n + 1} over processes {list(group)} is not the same call "
@@ -429,6 +437,23 @@ def check_order(
         # Every peer has published call n - 1, so it has read every key up to n - 2: the
         # block before the previous one is no longer read by anyone.
         _ignore_missing(client.key_value_delete, f"{_ORDER_PREFIX}/{group_key}/{block - 2}")
+
+
+def refuse_call(plan: PlanIdentity, label: str, reason: str, *, client: Any = None) -> None:
+    """A call of ``plan`` this process refused in its own argument checks, before anything
+    moved: it takes its place in the order of calls (`check_order`) with the refusal, so the
+    peers' same call raises naming it instead of pairing with this process's next call."""
+    found = _involvement(plan, client)
+    if found is None:
+        return
+    client, me, group = found
+    group_key = digest(group)[:16]
+    with _STATE.lock:
+        n = _STATE.calls[group_key]
+        _STATE.calls[group_key] = n + 1
+    base = f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}"
+    record = {"fp": plan.fingerprint[:16], "plan": label, "refused": reason[:500]}
+    client.key_value_set(f"{base}/{n}/{me}", json.dumps(record))
 
 
 def _ignore_missing(fn: Callable[..., Any], *args: Any) -> None:
