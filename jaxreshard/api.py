@@ -639,16 +639,12 @@ class _Donations:
     def claim(self, old: Sequence[Any] | None) -> list[int]:
         """Claim the arrays of ``old`` (a donate= tree's leaves) for one call; or, where some
         are claimed already, claim none and return those leaves' indexes."""
-        arrays = [x for x in old or () if isinstance(x, jax.Array)]
+        arrays = [(i, x) for i, x in enumerate(old or ()) if isinstance(x, jax.Array)]
         with self._lock:
-            if any(id(x) in self._ids for x in arrays):
-                return [
-                    i
-                    for i, x in enumerate(old or ())
-                    if isinstance(x, jax.Array) and id(x) in self._ids
-                ]
-            self._ids.update(id(x) for x in arrays)
-            return []
+            taken = [i for i, x in arrays if id(x) in self._ids]
+            if not taken:
+                self._ids.update(id(x) for _, x in arrays)
+            return taken
 
     def holds(self, x: Any) -> bool:
         with self._lock:

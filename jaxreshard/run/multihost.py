@@ -387,18 +387,11 @@ def check_order(
     publish within ``timeout_s`` (default `agreement_timeout_s`) raises, naming the process.
     No array data moves and no collective runs, so a refused call leaves everything intact.
     """
-    found = _involvement(plan, client)
-    if found is None:
-        return
-    client, me, group = found
-    group_key = digest(group)[:16]
-    with _STATE.lock:
-        n = _STATE.calls[group_key]
-        _STATE.calls[group_key] = n + 1
-    # Keys in blocks of _ORDER_BLOCK calls, so that old ones go with one delete per block.
-    base = f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}"
     mine = {"fp": plan.fingerprint[:16], "plan": label}
-    client.key_value_set(f"{base}/{n}/{me}", json.dumps(mine))
+    slot = _publish_call(plan, client, mine)
+    if slot is None:
+        return
+    client, me, group, group_key, n, base = slot
     timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
     for q in group:
@@ -420,8 +413,7 @@ def check_order(
             raise ReshardError(
                 f"jaxreshard: process {q} refused call #{n + 1} over processes {list(group)} "
                 f"({theirs['plan']}) in its own argument checks: {theirs['refused']}\nNo data "
-                "was moved, here or there.\nHow to fix: see the error on process "
-                f"{q}; every "
+                f"was moved, here or there.\nHow to fix: see the error on process {q}; every "
                 "involved process must call the plan with arguments it accepts"
             )
         if theirs["fp"] != mine["fp"]:
@@ -443,17 +435,29 @@ def refuse_call(plan: PlanIdentity, label: str, reason: str, *, client: Any = No
     """A call of ``plan`` this process refused in its own argument checks, before anything
     moved: it takes its place in the order of calls (`check_order`) with the refusal, so the
     peers' same call raises naming it instead of pairing with this process's next call."""
+    _publish_call(
+        plan, client, {"fp": plan.fingerprint[:16], "plan": label, "refused": reason[:500]}
+    )
+
+
+def _publish_call(
+    plan: PlanIdentity, client: Any, record: Mapping[str, str]
+) -> tuple[Any, int, tuple[int, ...], str, int, str] | None:
+    """Take this process's next call number over ``plan``'s processes and publish ``record``
+    under it; returns ``(client, me, group, group_key, n, base)``, or None where this process
+    is not involved (or there is one process)."""
     found = _involvement(plan, client)
     if found is None:
-        return
+        return None
     client, me, group = found
     group_key = digest(group)[:16]
     with _STATE.lock:
         n = _STATE.calls[group_key]
         _STATE.calls[group_key] = n + 1
+    # Keys in blocks of _ORDER_BLOCK calls, so that old ones go with one delete per block.
     base = f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}"
-    record = {"fp": plan.fingerprint[:16], "plan": label, "refused": reason[:500]}
-    client.key_value_set(f"{base}/{n}/{me}", json.dumps(record))
+    client.key_value_set(f"{base}/{n}/{me}", json.dumps(dict(record)))
+    return client, me, group, group_key, n, base
 
 
 def _ignore_missing(fn: Callable[..., Any], *args: Any) -> None:
