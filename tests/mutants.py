@@ -208,7 +208,8 @@ PLANNER_MUTANTS = [
         ),
         (
             f"{T_TOPO}::test_destination_domains_that_outnumber_the_sources_forward_to_each_other",
-            "tests/test_lower.py::test_random_layouts_with_chained_domains_lower_exactly[False]",
+            "tests/test_lower.py::test_random_layouts_with_chained_domains_lower_exactly"
+            "[False-by copies]",
         ),
         "a share is forwarded to the last device of each other domain, not the one at its "
         "position, which relays it in stage 2 (that device relays bytes it never got)",
@@ -270,11 +271,14 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         LOWER,
         (
             (
-                "reads.append(Read(k, index[arg(g)], shape, g.offset // w, wire, column))",
-                "reads.append(Read(k, index[arg(g)], shape, g.offset // w + 1, wire, column))",
+                "reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))",
+                "reads.append(Read(k, index[_arg(g)], shape, g.offset // w + 1, wire, column))",
             ),
         ),
-        (f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard[disjoint gpt]",),
+        (
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
+            "[disjoint gpt-by copies]",
+        ),
         "pack lays each box one word past where the unpack reads it",
     ),
     Mutant(
@@ -282,14 +286,15 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         LOWER,
         (
             (
-                "    unpacks = _unpacks(leaves, got, local, w, slots)",
-                "    unpacks = _unpacks(leaves, got, (), w, slots)",
+                "    unpacks = _unpacks(leaves, small, got, local, w, slots)",
+                "    unpacks = _unpacks(leaves, small, got, (), w, slots)",
             ),
         ),
         (
             f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
-            "[colocated with local copies]",
-            "tests/test_reshard.py::test_layout_pair[colocated, other mesh and device order]",
+            "[colocated with local copies-by copies]",
+            "tests/test_reshard.py::test_layout_pair"
+            "[by copies-colocated, other mesh and device order]",
         ),
         "the local copies of a step with a transfer are never done",
     ),
@@ -303,8 +308,9 @@ EXECUTOR_MUTANTS: list[Mutant] = [
             ),
         ),
         (
-            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard[disjoint gpt]",
-            "tests/test_reshard.py::test_layout_pair[disjoint fsdp2xtp2 -> tp4]",
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
+            "[disjoint gpt-by copies]",
+            "tests/test_reshard.py::test_layout_pair[by copies-disjoint fsdp2xtp2 -> tp4]",
         ),
         "each device of a pack reads its boxes at another device's starts",
     ),
@@ -314,7 +320,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         (("    return [tuple(c) for c in chunks]", "    return [tuple(c) for c in chunks[:-1]]"),),
         (
             f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
-            "[disjoint gpt, small buckets]",
+            "[disjoint gpt, small buckets-by copies]",
         ),
         "the last chunk of every stream is never sent",
     ),
@@ -329,7 +335,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         ),
         (
             f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
-            "[disjoint gpt, small buckets]",
+            "[disjoint gpt, small buckets-by copies]",
         ),
         "rounds are grouped into buckets of up to four times bucket_bytes (staging above two "
         "buckets)",
@@ -367,7 +373,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
                 "                    _, slabs, leaves = arriving[i + min(stage, 1)]",
             ),
         ),
-        (f"{T_LOWER}::test_random_layouts_with_chained_domains_lower_exactly[True]",),
+        (f"{T_LOWER}::test_random_layouts_with_chained_domains_lower_exactly[True-by copies]",),
         "pipelining moves stage-2 relays one unit later, like stage 1: they run beside the "
         "forwards that bring their bytes (a relay reads bytes that have not arrived)",
     ),
@@ -443,12 +449,56 @@ EXECUTOR_MUTANTS: list[Mutant] = [
                 "        return True",
             ),
         ),
-        ("tests/test_reshard.py::test_every_dtype_is_moved_bit_for_bit[bfloat16]",),
+        ("tests/test_reshard.py::test_every_dtype_is_moved_bit_for_bit[by copies-bfloat16]",),
         "bfloat16 destinations written with XLA's CPU dynamic-update-slice (via float32: NaN "
         "payloads quietened)",
     ),
+    Mutant(
+        "lower-gather-reads-a-box-backwards",
+        LOWER,
+        (
+            (
+                "            picks.append(base[_arg(g)] + at)",
+                "            picks.append(base[_arg(g)] + at[::-1])",
+            ),
+        ),
+        (
+            f"{T_LOWER}::test_lowered_programs_rebuild_every_destination_shard"
+            "[disjoint gpt-by gathers]",
+        ),
+        "a pack's gather reads each small box's words in reverse order",
+    ),
+    Mutant(
+        "lower-rebuild-forgets-the-old-words",
+        LOWER,
+        (
+            (
+                "        self.keep = [i for i in self.targets if filled[i] < "
+                "math.prod(leaves[i].dst.shard_shape)]",
+                "        self.keep = []",
+            ),
+        ),
+        (
+            f"{T_LOWER}::test_a_small_leaf_moved_over_several_steps_keeps_what_the_others_wrote",
+            "tests/test_reshard.py::test_every_dtype_is_moved_bit_for_bit[by gathers-float32]",
+        ),
+        "a small leaf cut over several steps is rebuilt from this step's words only: what the "
+        "other steps wrote is lost",
+    ),
+    Mutant(
+        "schedule-gathered-leaf-counted-per-piece",
+        SCHEDULE,
+        (
+            (
+                "            _load(leaf, self.pieces_of[i], gathered(leaf, gather_bytes))",
+                "            _load(leaf, self.pieces_of[i], False)",
+            ),
+        ),
+        (f"{T_LOWER}::test_small_leaves_move_by_one_gather_per_program_not_a_copy_per_piece",),
+        "a leaf that moves by gathers still counts a copy per piece against the unit cap (many "
+        "more units, steps and rounds for trees of small leaves)",
+    ),
 ]
-
 API = "jaxreshard/api.py"
 
 SURFACE_MUTANTS: list[Mutant] = [

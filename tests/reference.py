@@ -149,6 +149,18 @@ def run_lowered(
                     at = r.offset * _word(program.slots[r.slot])
                     assert at + raw.size <= bufs[r.slot].size, "a read overflows its slot"
                     bufs[r.slot][at : at + raw.size] = raw
+                if program.gathers:
+                    word = _word(program.slots[0])
+                    flat = _flat_words(
+                        [
+                            _shard(src, dst, call.args[i], d).astype(np.dtype(wire))
+                            for i, wire in program.flat
+                        ],
+                        word,
+                    )
+                    for g in program.gathers:
+                        picks = row[g.column : g.column + g.words]
+                        bufs[g.slot][: g.words * word] = flat[list(picks)].view(np.uint8)
                 for k, t in enumerate(call.slots[program.mesh.devices.index(d)]):
                     assert (d, t) not in send, "two packs fill one slot of a device"
                     assert program.slots[k] == step.slots[t]
@@ -186,7 +198,40 @@ def run_lowered(
                     ]
                     box = tuple(slice(a, a + m) for a, m in zip(t0, c.shape, strict=True))
                     dst[leaf][d][box] = part.astype(dst[leaf][d].dtype)
+                if program.rebuilds:
+                    word = int(program.word.removeprefix("uint")) // 8
+                    slots = call.slots[program.mesh.devices.index(d)]
+                    heads = [
+                        recv[d, slots[k]][: n * _word(program.slots[k])]
+                        for k, n in enumerate(program.prefix)
+                        if n
+                    ]
+                    flat = _flat_words(
+                        heads
+                        + [
+                            src[call.sources[i]][d].astype(np.dtype(dtype))
+                            for i, dtype in program.flat_sources
+                        ]
+                        + [dst[call.targets[t]][d] for t in program.flat_targets],
+                        word,
+                    )
+                    for r in program.rebuilds:
+                        target = dst[call.targets[r.target]][d]
+                        n = target.nbytes // word
+                        picks = row[r.column : r.column + n]
+                        target[...] = flat[list(picks)].view(target.dtype).reshape(target.shape)
     return dst
+
+
+def _shard(src, dst, arg, device) -> np.ndarray:
+    leaf, side = arg
+    return (src if side == "src" else dst)[leaf][device]
+
+
+def _flat_words(parts: list[np.ndarray], word: int) -> np.ndarray:
+    """Arrays' bytes end to end, as unsigned words of ``word`` bytes."""
+    raw = np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts])
+    return raw.view(f"uint{8 * word}")
 
 
 def _word(slot) -> int:

@@ -37,7 +37,15 @@ COLOCATED_SRC = ((4, 2), ("fsdp", "tp"), tuple(range(8)))
 COLOCATED_DST = ((2, 4), ("dp", "tp"), (0, 2, 4, 6, 1, 3, 5, 7))
 
 
-def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False):
+MOVES = {
+    "by copies": 0,  # every piece one copy, as a large leaf's are
+    "mixed": 512,  # leaves of at most 512 B a shard by gathers, the others by copies
+    "by gathers": None,  # `schedule.GATHER_BYTES`: the small leaves here move by gathers
+    "all by gathers": 1 << 40,
+}
+
+
+def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False, gather_bytes=None):
     ids = sorted({d for lf in leaves for d in (*lf.src.devices, *lf.dst.devices)})
     topology = topology or Topology.from_groups([ids])
     assignment = route(leaves, topology, fan_out=fan_out)
@@ -47,8 +55,10 @@ def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False):
         bucket_bytes=bucket_bytes,
         link_class=topology.link_class,
         class_latency_bytes=topology.class_latency_bytes(),
+        gather_bytes=gather_bytes,
     )
-    return schedule, lower(leaves, schedule, bucket_bytes=bucket_bytes)
+    lowered = lower(leaves, schedule, bucket_bytes=bucket_bytes, gather_bytes=gather_bytes)
+    return schedule, lowered
 
 
 def gpt(src, dst, layers=4, d=64, dtype="float32", dst_dtype=None):
@@ -126,11 +136,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("moves", MOVES)
 @pytest.mark.parametrize("name", CASES)
-def test_lowered_programs_rebuild_every_destination_shard(name):
+def test_lowered_programs_rebuild_every_destination_shard(name, moves):
     made = CASES[name]()
     leaves, options = made if isinstance(made, tuple) else (made, {})
-    check(leaves, **options)
+    check(leaves, gather_bytes=MOVES[moves], **options)
 
 
 def test_relays_read_destination_shards_in_a_later_step():
@@ -238,7 +249,8 @@ def mesh_layout(draw, prefix, rank, devices=8, offset=0):
     return tuple(sizes), names, tuple(order[: math.prod(sizes)]), tuple(spec)
 
 
-def test_random_layouts_lower_exactly():
+@pytest.mark.parametrize("moves", ["by copies", "by gathers"])
+def test_random_layouts_lower_exactly(moves):
     """Random layout pairs over up to 16 virtual devices, random dtypes and casts, small
     buckets: exact through the lowered programs. Most examples must send between several
     devices over several steps (the distribution is asserted, not hoped for)."""
@@ -266,7 +278,9 @@ def test_random_layouts_lower_exactly():
         leaves = [leaf_spec(shape, src, dst, dtype, None if dtype == "uint8" else cast)]
         # A bucket of a fraction of what one destination device receives: several steps.
         per_device = math.prod(shape) * leaves[0].itemsize // len(dst[2])
-        _, lowered = check(leaves, bucket_bytes=max(48, per_device // parts))
+        _, lowered = check(
+            leaves, bucket_bytes=max(48, per_device // parts), gather_bytes=MOVES[moves]
+        )
         senders = {d for s in lowered.steps for c in s.packs for d in c.program.mesh.devices}
         receivers = {d for s in lowered.steps for c in s.unpacks for d in c.program.mesh.devices}
         seen["examples"] += 1
@@ -395,7 +409,8 @@ def test_slab_units_price_their_streams_without_cutting_and_cut_the_same_bytes()
     assert covered == whole
 
 
-def test_random_layouts_with_fan_out_lower_exactly():
+@pytest.mark.parametrize("moves", ["by copies", "by gathers"])
+def test_random_layouts_with_fan_out_lower_exactly(moves):
     """Random layouts over two domains, routed as `jaxreshard.plan` routes clusters (fewer
     importers for small leaves, pooled leaves) and planned in pipelined units with slabs:
     exact through the lowered programs, and no relay forwards a byte before it arrived. Many
@@ -423,10 +438,16 @@ def test_random_layouts_with_fan_out_lower_exactly():
         assignment = route(leaves, TWO_DOMAINS, min_share_bytes=min_share, pool_bytes=pool)
         per_device = math.prod(shape) * 4 // len(dst[2])
         bucket = max(64, per_device // parts)
+        gather = MOVES[moves]
         schedule = build_plan_schedule(
-            leaves, assignment, bucket_bytes=bucket, link_class=TWO_DOMAINS.link_class
+            leaves,
+            assignment,
+            bucket_bytes=bucket,
+            link_class=TWO_DOMAINS.link_class,
+            gather_bytes=gather,
         )
-        assert_lowered_exact(leaves, lower(leaves, schedule, bucket_bytes=bucket))
+        lowered = lower(leaves, schedule, bucket_bytes=bucket, gather_bytes=gather)
+        assert_lowered_exact(leaves, lowered)
         _relays_forward_only_what_arrived(leaves, schedule)
         seen["examples"] += 1
         seen["relays, pipelined"] += any(u.overlap for u in schedule.units)
@@ -441,8 +462,9 @@ def test_random_layouts_with_fan_out_lower_exactly():
 THREE_DOMAINS = Topology.from_groups([range(4), range(4, 8), range(8, 12)])
 
 
+@pytest.mark.parametrize("moves", ["by copies", "by gathers"])
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_random_layouts_with_chained_domains_lower_exactly(pipeline):
+def test_random_layouts_with_chained_domains_lower_exactly(pipeline, moves):
     """Random layouts whose destination is replicated over two domains and the sources sit in
     a third, routed as `jaxreshard.plan` routes clusters (destination domains chained where
     the sources would carry the fan-out): exact through the lowered programs, pipelined three
@@ -478,8 +500,10 @@ def test_random_layouts_with_chained_domains_lower_exactly(pipeline):
             bucket_bytes=bucket,
             link_class=THREE_DOMAINS.link_class,
             pipeline=pipeline,
+            gather_bytes=MOVES[moves],
         )
-        assert_lowered_exact(leaves, lower(leaves, schedule, bucket_bytes=bucket))
+        lowered = lower(leaves, schedule, bucket_bytes=bucket, gather_bytes=MOVES[moves])
+        assert_lowered_exact(leaves, lowered)
         _relays_forward_only_what_arrived(leaves, schedule)
         seen["examples"] += 1
         seen["chained"] += any(p.stage == 2 for p in assignment.pieces)
@@ -522,3 +546,65 @@ def test_chained_units_colour_imports_and_forwards_together():
         mixed += stages == {"forward", "import"}
         assert rounds == max(degree.values(), default=0), u
     assert mixed >= 2
+
+
+# --------------------------------------------------------------- small leaves: gathers
+
+
+def tiny_leaves(n: int) -> list:
+    """``n`` float32 (8, 4) leaves, a row per device on 8 devices -> a column per device on 4
+    of them: each destination shard is 8 pieces of one element (7 sent, 1 local)."""
+    src = ((8,), ("x",), tuple(range(8)), ("x",))
+    dst = ((4,), ("t",), (4, 5, 6, 7), (None, "t"))
+    return [leaf_spec((8, 4), src, dst, path=f"b{i}") for i in range(n)]
+
+
+def _programs(lowered, kind):
+    return [c.program for s in lowered.steps for c in getattr(s, kind)]
+
+
+def test_small_leaves_move_by_one_gather_per_program_not_a_copy_per_piece():
+    """A pack reads all of its small leaves' pieces with one gather per slot, and an unpack
+    rebuilds each small destination shard with one gather, local copies included. A small
+    leaf then counts once per device against a unit's copy cap, so 40 leaves of 8 pieces a
+    shard fit one unit, where a copy per piece cuts them into several."""
+    leaves = tiny_leaves(40)
+    schedule, lowered = check(leaves)
+    packs, unpacks = _programs(lowered, "packs"), _programs(lowered, "unpacks")
+    assert packs and all(not p.reads and p.gathers for p in packs)
+    assert all(len({g.slot for g in p.gathers}) == len(p.gathers) for p in packs)
+    assert all(not u.writes and not u.copies for u in unpacks)
+    assert all(len(u.rebuilds) == len(u.targets) for u in unpacks)
+    assert len(schedule.units) == 1
+
+    copied, by_copies = check(leaves, gather_bytes=0)
+    reads = sum(
+        len(c.program.reads) * len(c.program.mesh.devices) for s in by_copies.steps for c in s.packs
+    )
+    assert reads == sum(len(m.segments) for b in copied.buckets for m in b.messages)
+    assert len(copied.units) >= 4
+
+
+def test_a_message_carries_its_gathered_words_first_then_its_copies():
+    """A message that carries a small leaf and a large one lays the small leaf's words at the
+    head of its slot, where the pack's gather writes them, and the large leaf's pieces after
+    them, copied one by one; exact either way."""
+    big = leaf_spec((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")), path="w")
+    small = leaf_spec((8, 4), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")), path="b")
+    _, lowered = check([big, small], gather_bytes=512)
+    mixed = [p for p in _programs(lowered, "packs") if p.reads and p.gathers]
+    assert mixed
+    for p in mixed:
+        head = {g.slot: g.words for g in p.gathers}
+        assert all(r.offset >= head.get(r.slot, 0) for r in p.reads)
+    unpacks = _programs(lowered, "unpacks")
+    assert any(u.writes and u.rebuilds for u in unpacks)
+
+
+def test_a_small_leaf_moved_over_several_steps_keeps_what_the_others_wrote():
+    """A small leaf cut over several buckets is rebuilt in each: the gather takes the words
+    this step does not bring from the shard's own old words (``flat_targets``)."""
+    leaves = [leaf_spec((16, 8), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))]
+    _, lowered = check(leaves, bucket_bytes=96)
+    assert len(lowered.steps) > 1
+    assert any(u.flat_targets for u in _programs(lowered, "unpacks"))

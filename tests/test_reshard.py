@@ -3,7 +3,8 @@
 Every case moves a random array from a source NamedSharding to a destination NamedSharding
 and checks: each destination shard equals NumPy slicing of the source; the result carries the
 requested sharding; the source is unchanged; bytes sent equal the lower bound; staging stays
-within two buckets.
+within two buckets. The layout and dtype tables run both ways pieces move: by gathers (small
+leaves) and by one copy each (large leaves).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from arrays import assert_exact, random_array, sharding
 
 import jaxreshard as jr
+from jaxreshard.planning import schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,13 +160,28 @@ def run_case(case: Case, dtype: str | None = None, bucket_bytes: int | None = No
     return plan, out
 
 
+MOVES = {
+    "by gathers": None,  # these shapes are small: every leaf moves by gathers
+    "by copies": 0,  # every piece a copy of its own, as a large leaf's are
+}
+
+
+@pytest.fixture(params=list(MOVES))
+def moves(request, monkeypatch):
+    """Each executor test below runs both ways a leaf's pieces can move
+    (`schedule.GATHER_BYTES`)."""
+    if MOVES[request.param] is not None:
+        monkeypatch.setattr(schedule, "GATHER_BYTES", MOVES[request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_layout_pair(case):
+def test_layout_pair(case, moves):
     run_case(case)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_dtype_is_moved_bit_for_bit(dtype):
+def test_every_dtype_is_moved_bit_for_bit(dtype, moves):
     run_case(CASES[4], dtype)  # colocated: local copies and sends in one plan
     small = dataclasses.replace(CASES[0], shape=(16, 8))
     run_case(small, dtype, bucket_bytes=96)  # pieces cut across chunks and buckets

@@ -13,6 +13,12 @@ compiled program is a lookup by value:
   slots into boxes of its destination shards, and copies the parts it already holds from its
   own source shards (local copies).
 
+*Gathers.* Pieces of small leaves (`schedule.gathered`) are not copies of their own: a pack
+program reads all of them with one gather over the words of their arrays laid end to end, into
+the head of each slot (the lowering lays a message's gathered segments first), and an unpack
+program rebuilds each small destination shard with one gather over the slots' heads, its local
+sources and its own old words. The gathers' word indices go in the table, after the box starts.
+
 Devices run one program together when they do the same copies up to where the boxes start
 (every device of a regular ``NamedSharding`` usually does). Box starts are therefore not part
 of a program: each call carries a table of them, one row per device, so the programs of a
@@ -30,12 +36,15 @@ Nothing here imports JAX. tests/reference.py runs a `Lowered` on virtual devices
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from jaxreshard.planning.layout import AxisSpec, Box, Layout, MeshSpec, box_shape
+import numpy as np
+
+from jaxreshard.planning.layout import AxisSpec, Box, Layout, MeshSpec, box_shape, box_size
 from jaxreshard.planning.route import LeafSpec, LocalCopy
-from jaxreshard.planning.schedule import Bucket, PlanStats, Schedule, Segment
+from jaxreshard.planning.schedule import Bucket, PlanStats, Schedule, Segment, gathered
 
 GROUP_AXIS = "jaxreshard"
 """Axis name of the 1-D meshes of device groups (and of the union mesh of transfers)."""
@@ -111,20 +120,52 @@ class Copy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gather:
+    """Pack: the first ``words`` words of slot ``slot`` are the words at table columns
+    ``column ..`` of the program's gather source (`PackProgram.flat`)."""
+
+    slot: int
+    words: int
+    column: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """Unpack: target ``target``'s whole shard, as words of the program's ``word``, is the
+    words at table columns ``column ..`` of the program's gather source (`UnpackProgram`)."""
+
+    target: int
+    column: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PackProgram:
-    """Every device of ``mesh`` fills ``slots`` (donated staging buffers) with ``reads``."""
+    """Every device of ``mesh`` fills ``slots`` (donated staging buffers) with ``reads`` and
+    ``gathers``.
+
+    The gather source is the operands ``flat`` names, each ``(operand, wire)`` cast to ``wire``
+    and flattened into words of the slots' word type, end to end.
+    """
 
     mesh: MeshSpec
     operands: tuple[Operand, ...]
     slots: tuple[Slot, ...]
     reads: tuple[Read, ...]
     columns: int
+    flat: tuple[tuple[int, str], ...] = ()
+    gathers: tuple[Gather, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class UnpackProgram:
     """Every device of ``mesh`` writes its received ``slots`` into ``targets`` (its destination
-    shards, donated) and does its local ``copies`` from ``sources`` (its source shards)."""
+    shards, donated) and does its local ``copies`` from ``sources`` (its source shards); the
+    targets of ``rebuilds`` are made whole by one gather each instead.
+
+    The gather source, in words of ``word``: the first ``prefix[k]`` words of each slot ``k``
+    (in the slots' own words), then each source of ``flat_sources`` cast to its target's dtype,
+    then the old words of each target of ``flat_targets`` (those this step does not fill).
+    """
 
     mesh: MeshSpec
     slots: tuple[Slot, ...]
@@ -133,6 +174,11 @@ class UnpackProgram:
     writes: tuple[Write, ...]
     copies: tuple[Copy, ...]
     columns: int
+    word: str = "uint8"
+    prefix: tuple[int, ...] = ()
+    flat_sources: tuple[tuple[int, str], ...] = ()
+    flat_targets: tuple[int, ...] = ()
+    rebuilds: tuple[Rebuild, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +289,19 @@ class Lowered:
 # ----------------------------------------------------------------------------------- lowering
 
 
-def lower(leaves: Sequence[LeafSpec], schedule: Schedule, *, bucket_bytes: int) -> Lowered:
-    """Lower a unit schedule (`schedule.build_plan_schedule`) into steps of programs."""
+def lower(
+    leaves: Sequence[LeafSpec],
+    schedule: Schedule,
+    *,
+    bucket_bytes: int,
+    gather_bytes: int | None = None,
+) -> Lowered:
+    """Lower a unit schedule (`schedule.build_plan_schedule`) into steps of programs.
+
+    ``gather_bytes`` (`schedule.gathered`) says which leaves move by gathers; pass the value
+    the schedule was built with.
+    """
+    small = frozenset(i for i, leaf in enumerate(leaves) if gathered(leaf, gather_bytes))
     union = tuple(sorted({d for b in schedule.buckets for m in b.messages for d in (m.src, m.dst)}))
     position = {d: i for i, d in enumerate(union)}
     by_unit: dict[int, list[Bucket]] = defaultdict(list)
@@ -254,10 +311,11 @@ def lower(leaves: Sequence[LeafSpec], schedule: Schedule, *, bucket_bytes: int) 
     for u, unit in enumerate(schedule.units):
         buckets = by_unit.get(u, [])
         if not buckets and (unit.local or unit.fresh):
-            steps.append(_step(leaves, None, unit.local, u, unit.fresh, position))
+            steps.append(_step(leaves, small, None, unit.local, u, unit.fresh, position))
         for i, bucket in enumerate(buckets):
             local = unit.local if i == 0 else ()
-            steps.append(_step(leaves, bucket, local, u, unit.fresh if i == 0 else (), position))
+            fresh = unit.fresh if i == 0 else ()
+            steps.append(_step(leaves, small, bucket, local, u, fresh, position))
     return Lowered(union, tuple(steps), 2 * int(bucket_bytes))
 
 
@@ -273,6 +331,7 @@ def _bits_itemsize(leaf: LeafSpec) -> int:
 
 def _step(
     leaves: Sequence[LeafSpec],
+    small: frozenset[int],
     bucket: Bucket | None,
     local: Sequence[LocalCopy],
     unit: int,
@@ -280,7 +339,7 @@ def _step(
     position: Mapping[int, int],
 ) -> Step:
     if bucket is None:
-        unpacks = _unpacks(leaves, {}, local, 1)
+        unpacks = _unpacks(leaves, small, {}, local, 1)
         return Step(unit, fresh, (), (), None, unpacks)
     w = _word_bytes(leaves, (seg for m in bucket.messages for seg in m.segments))
     word = f"uint{8 * w}"
@@ -288,15 +347,45 @@ def _step(
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     for m in bucket.messages:
-        sent[m.src][m.slot] = list(m.segments)
-        got[m.dst][m.slot] = list(m.segments)
+        segments = _gathered_first(m.segments, small)
+        sent[m.src][m.slot] = segments
+        got[m.dst][m.slot] = segments
     perms = tuple(
         tuple(sorted((position[s], position[d]) for s, d in perm)) for perm in bucket.perms()
     )
     transfer = TransferProgram(tuple(position), slots, perms)
-    packs = _packs(leaves, sent, slots, w)
-    unpacks = _unpacks(leaves, got, local, w, slots)
+    packs = _packs(leaves, small, sent, slots, w)
+    unpacks = _unpacks(leaves, small, got, local, w, slots)
     return Step(unit, fresh, slots, packs, transfer, unpacks)
+
+
+def _gathered_first(segments: Sequence[Segment], small: frozenset[int]) -> list[Segment]:
+    """A message's segments re-laid with those of gathered leaves first, back to back from
+    offset 0 (a pack's gather fills the head of the slot), the others after them in their
+    order. Sender and receiver both lower from this layout. Every segment's size is a
+    multiple of the bucket's word, so every offset stays on a word."""
+    if not any(g.leaf in small for g in segments):
+        return list(segments)
+    ordered = sorted(segments, key=lambda g: (g.leaf not in small, g.offset))
+    out, at = [], 0
+    for g in ordered:
+        out.append(dataclasses.replace(g, offset=at))
+        at += g.nbytes
+    return out
+
+
+def _word_indices(
+    start: Sequence[int], shape: Sequence[int], shard: Sequence[int], per: int
+) -> np.ndarray:
+    """Positions, in a shard of shape ``shard`` laid out in C order as ``per`` words an
+    element, of the words of its box of ``shape`` from ``start`` (box elements in C order)."""
+    if shape:
+        grid = np.indices(tuple(shape), dtype=np.int64).reshape(len(shape), -1)
+        grid += np.asarray(start, dtype=np.int64).reshape(-1, 1)
+        elements = np.ravel_multi_index(tuple(grid), tuple(shard))
+    else:
+        elements = np.zeros(1, np.int64)
+    return (elements[:, None] * per + np.arange(per, dtype=np.int64)).reshape(-1)
 
 
 def _groups(signature: Mapping[int, object]) -> list[list[int]]:
@@ -351,15 +440,13 @@ def _slot_key(slot: Slot) -> tuple[int, str]:
 
 def _packs(
     leaves: Sequence[LeafSpec],
+    small: frozenset[int],
     sent: Mapping[int, Mapping[int, list[Segment]]],
     slots: Sequence[Slot],
     w: int,
 ) -> tuple[PackCall, ...]:
-    def arg(seg: Segment) -> Arg:
-        return seg.leaf, "dst" if seg.from_dst else "src"
-
     def key(seg: Segment) -> tuple[object, ...]:
-        return arg(seg), box_shape(seg.box), seg.offset
+        return _arg(seg), box_shape(seg.box), seg.offset
 
     messages = {d: _messages(by_slot, slots, key) for d, by_slot in sent.items()}
     signature = {
@@ -369,35 +456,73 @@ def _packs(
     calls = []
     for group in _groups(signature):
         canonical = messages[group[0]]
-        args = tuple(dict.fromkeys(arg(g) for _, segs in canonical for g in segs))
+        args = tuple(dict.fromkeys(_arg(g) for _, segs in canonical for g in segs))
         mesh, native = _mesh_for(group, {_layout(leaves, a).mesh for a in args}, GROUP_AXIS)
         index = {a: i for i, a in enumerate(args)}
-        reads, column = [], 0
+        # The gather source: every operand of a gathered leaf, cast to the wire, end to end.
+        flat = tuple(a for a in args if a[0] in small)
+        base, at = {}, 0
+        for a in flat:
+            base[a] = at
+            at += math.prod(_layout(leaves, a).shard_shape) * leaves[a[0]].itemsize // w
+        reads, gathers, column = [], [], 0
         for k, (_, segs) in enumerate(canonical):
             for g in segs:
-                shape = box_shape(g.box)
-                wire = leaves[g.leaf].dst_dtype
-                reads.append(Read(k, index[arg(g)], shape, g.offset // w, wire, column))
-                column += len(shape)
+                if g.leaf not in small:
+                    shape = box_shape(g.box)
+                    wire = leaves[g.leaf].dst_dtype
+                    reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))
+                    column += len(shape)
+        for k, (_, segs) in enumerate(canonical):
+            words = sum(g.nbytes for g in segs if g.leaf in small) // w
+            if words:
+                gathers.append(Gather(k, words, column))
+                column += words
         program = PackProgram(
             mesh,
             tuple(_operand(leaves[leaf], side, native) for leaf, side in args),
             tuple(slots[t] for t, _ in canonical),
             tuple(reads),
             column,
+            tuple((index[a], leaves[a[0]].dst_dtype) for a in flat),
+            tuple(gathers),
         )
-        table = tuple(
-            tuple(
-                x
-                for _, segs in messages[d]
-                for g in segs
-                for x in _relative(g.box, _layout(leaves, arg(g)).box_of[d])
-            )
-            for d in mesh.devices
-        )
+        table = tuple(_pack_row(leaves, small, d, messages[d], base, w) for d in mesh.devices)
         per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
         calls.append(PackCall(program, args, per_device, table))
     return tuple(calls)
+
+
+def _pack_row(
+    leaves: Sequence[LeafSpec],
+    small: frozenset[int],
+    device: int,
+    messages: Sequence[Message],
+    base: Mapping[Arg, int],
+    w: int,
+) -> Starts:
+    """``device``'s table row of a pack: its box starts, then its gathers' word indices."""
+    starts: list[int] = []
+    picks: list[np.ndarray] = []
+    for _, segs in messages:
+        for g in segs:
+            held = _layout(leaves, _arg(g))
+            start = _relative(g.box, held.box_of[device])
+            if g.leaf not in small:
+                starts.extend(start)
+                continue
+            per = leaves[g.leaf].itemsize // w
+            at = _word_indices(start, box_shape(g.box), held.shard_shape, per)
+            picks.append(base[_arg(g)] + at)
+    return (*starts, *_ints(picks))
+
+
+def _arg(seg: Segment) -> Arg:
+    return seg.leaf, "dst" if seg.from_dst else "src"
+
+
+def _ints(parts: Sequence[np.ndarray]) -> list[int]:
+    return np.concatenate(parts).tolist() if parts else []
 
 
 def _layout(leaves: Sequence[LeafSpec], arg: Arg) -> Layout:
@@ -407,6 +532,7 @@ def _layout(leaves: Sequence[LeafSpec], arg: Arg) -> Layout:
 
 def _unpacks(
     leaves: Sequence[LeafSpec],
+    small: frozenset[int],
     got: Mapping[int, Mapping[int, list[Segment]]],
     local: Sequence[LocalCopy],
     w: int,
@@ -443,16 +569,19 @@ def _unpacks(
         writes, column = [], 0
         for k, (_, segs) in enumerate(canonical):
             for g in segs:
-                shape = box_shape(g.box)
-                writes.append(Write(k, target_of[g.leaf], shape, g.offset // w, column))
-                column += len(shape)
+                if g.leaf not in small:
+                    shape = box_shape(g.box)
+                    writes.append(Write(k, target_of[g.leaf], shape, g.offset // w, column))
+                    column += len(shape)
         program_copies = []
         for c in copies_in:
-            shape = box_shape(c.box)
-            program_copies.append(
-                Copy(source_of[c.leaf], target_of[c.leaf], shape, column, column + len(shape))
-            )
-            column += 2 * len(shape)
+            if c.leaf not in small:
+                shape = box_shape(c.box)
+                program_copies.append(
+                    Copy(source_of[c.leaf], target_of[c.leaf], shape, column, column + len(shape))
+                )
+                column += 2 * len(shape)
+        rebuild = _Rebuild(leaves, small, canonical, copies_in, targets, sources, w, column)
         program = UnpackProgram(
             mesh,
             tuple(slots[t] for t, _ in canonical),
@@ -462,16 +591,127 @@ def _unpacks(
             tuple(_operand(leaves[i], "dst", native) for i in targets),
             tuple(writes),
             tuple(program_copies),
-            column,
+            rebuild.columns,
+            f"uint{8 * rebuild.u}",
+            rebuild.prefix,
+            tuple((source_of[i], leaves[i].dst_dtype) for i in rebuild.sources),
+            tuple(target_of[i] for i in rebuild.keep),
+            tuple(
+                Rebuild(target_of[i], column)
+                for i, column in zip(rebuild.targets, rebuild.columns_of, strict=True)
+            ),
         )
-        table = tuple(_unpack_row(leaves, d, messages[d], copies.get(d, ())) for d in mesh.devices)
+        table = tuple(
+            (
+                *_unpack_row(leaves, small, d, messages[d], copies.get(d, ())),
+                *rebuild.row(d, messages[d], copies.get(d, ())),
+            )
+            for d in mesh.devices
+        )
         per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
         calls.append(UnpackCall(program, sources, targets, per_device, table))
     return tuple(calls)
 
 
+class _Rebuild:
+    """The gathers of one unpack program: which of its targets are rebuilt (gathered leaves),
+    the gather source's layout, and each device's word indices.
+
+    The source is laid in words of ``u`` bytes (the slots' word, or narrower where a rebuilt
+    target's elements are): the gathered head of each slot, then each rebuilt leaf's local
+    source cast to its destination dtype, then the old words of each rebuilt target this step
+    does not fill (``keep``: its other parts arrive in other steps).
+    """
+
+    def __init__(
+        self,
+        leaves: Sequence[LeafSpec],
+        small: frozenset[int],
+        canonical: Sequence[Message],
+        copies: Sequence[LocalCopy],
+        targets: Sequence[int],
+        sources: Sequence[int],
+        w: int,
+        column: int,
+    ) -> None:
+        self.leaves = leaves
+        self.small = small
+        self.targets = [i for i in targets if i in small]
+        self.sources = [i for i in sources if i in small]
+        sizes = [_bits_itemsize(leaves[i]) for i in self.targets]
+        self.u = u = min([w] * bool(canonical) + sizes, default=w)
+        self.prefix = tuple(
+            sum(g.nbytes for g in segs if g.leaf in small) // w for _, segs in canonical
+        )
+        filled: dict[int, int] = defaultdict(int)
+        for _, segs in canonical:
+            for g in segs:
+                if g.leaf in small:
+                    filled[g.leaf] += box_size(g.box)
+        for c in copies:
+            if c.leaf in small:
+                filled[c.leaf] += box_size(c.box)
+        self.keep = [i for i in self.targets if filled[i] < math.prod(leaves[i].dst.shard_shape)]
+        self.base: dict[tuple[str, int], int] = {}
+        at = sum(self.prefix) * w // u
+        for i in self.sources:
+            self.base["src", i] = at
+            at += self.words(i, "src")
+        for i in self.keep:
+            self.base["dst", i] = at
+            at += self.words(i, "dst")
+        self.columns_of = []
+        for i in self.targets:
+            self.columns_of.append(column)
+            column += self.words(i, "dst")
+        self.columns = column
+
+    def words(self, leaf: int, side: str) -> int:
+        lf = self.leaves[leaf]
+        layout = lf.src if side == "src" else lf.dst
+        return math.prod(layout.shard_shape) * lf.itemsize // self.u
+
+    def row(
+        self, device: int, messages: Sequence[Message], copies: Sequence[LocalCopy]
+    ) -> list[int]:
+        """``device``'s word indices, target after target."""
+        if not self.targets:
+            return []
+        leaves, u = self.leaves, self.u
+        picks: dict[int, np.ndarray] = {}
+        for i in self.targets:
+            n = self.words(i, "dst")
+            picks[i] = (
+                self.base["dst", i] + np.arange(n) if i in self.keep else np.zeros(n, np.int64)
+            )
+        head = 0
+        for _, segs in messages:
+            for g in segs:
+                if g.leaf in self.small:
+                    per = leaves[g.leaf].itemsize // u
+                    dst = leaves[g.leaf].dst
+                    at = _word_indices(
+                        _relative(g.box, dst.box_of[device]), box_shape(g.box), dst.shard_shape, per
+                    )
+                    picks[g.leaf][at] = head + g.offset // u + np.arange(at.size)
+            head += sum(g.nbytes for g in segs if g.leaf in self.small) // u
+        for c in copies:
+            if c.leaf in self.small:
+                per = leaves[c.leaf].itemsize // u
+                src, dst = leaves[c.leaf].src, leaves[c.leaf].dst
+                shape = box_shape(c.box)
+                at = _word_indices(
+                    _relative(c.box, dst.box_of[device]), shape, dst.shard_shape, per
+                )
+                picks[c.leaf][at] = self.base["src", c.leaf] + _word_indices(
+                    _relative(c.box, src.box_of[device]), shape, src.shard_shape, per
+                )
+        return _ints([picks[i] for i in self.targets])
+
+
 def _unpack_row(
     leaves: Sequence[LeafSpec],
+    small: frozenset[int],
     device: int,
     messages: Sequence[Message],
     copies: Sequence[LocalCopy],
@@ -479,10 +719,12 @@ def _unpack_row(
     row: list[int] = []
     for _, segs in messages:
         for g in segs:
-            row.extend(_relative(g.box, leaves[g.leaf].dst.box_of[device]))
+            if g.leaf not in small:
+                row.extend(_relative(g.box, leaves[g.leaf].dst.box_of[device]))
     for c in copies:
-        row.extend(_relative(c.box, leaves[c.leaf].src.box_of[device]))
-        row.extend(_relative(c.box, leaves[c.leaf].dst.box_of[device]))
+        if c.leaf not in small:
+            row.extend(_relative(c.box, leaves[c.leaf].src.box_of[device]))
+            row.extend(_relative(c.box, leaves[c.leaf].dst.box_of[device]))
     return tuple(row)
 
 

@@ -426,6 +426,25 @@ MAX_REPEAT_COPIES = 64
 so its compile time is paid once for the whole stretch while each unit saves a step (three
 program launches and a host sync) on every call."""
 
+GATHER_BYTES = 16 * 1024
+"""Leaves whose source and destination shards are at most this many bytes (at the destination
+dtype) move by gathers: a pack program reads all of its pieces of such leaves with one gather
+over their words, and an unpack program rebuilds each such destination shard with one gather,
+where each piece would otherwise be a copy of its own. XLA compiles a program's copies one by
+one (about 13 ms each on this project's CPU), so a bias cut into 8 pieces cost 8 copies to
+each side and capped a unit at a handful of such leaves (`MAX_UNIT_COPIES` counts pieces);
+gathered, a leaf counts once per device, and a program pays one operand or one output for it.
+The price is a table of 4-byte word indices for every gathered word, built on the first call
+and kept on the devices (as large as the gathered bytes for 32-bit dtypes, 4x for 8-bit ones),
+which this bound keeps small."""
+
+
+def gathered(leaf: LeafSpec, gather_bytes: int | None = None) -> bool:
+    """Whether ``leaf`` moves by gathers (`GATHER_BYTES`, or ``gather_bytes`` when given)."""
+    limit = GATHER_BYTES if gather_bytes is None else gather_bytes
+    elements = max(math.prod(leaf.src.shard_shape), math.prod(leaf.dst.shard_shape))
+    return elements * leaf.itemsize <= limit
+
 
 def split_units(
     leaves: Sequence[LeafSpec],
@@ -438,12 +457,14 @@ def split_units(
     pipeline: bool = False,
     unit_bytes: int | None = None,
     prepared: PreparedPlan | None = None,
+    gather_bytes: int | None = None,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
     A unit never takes some device's sending or receiving past ``bucket_bytes``, never gives a
     device more than ``max_copies`` pieces to send or receive (`MAX_UNIT_COPIES`), and never
-    mixes meshes (programs run per mesh).
+    mixes meshes (programs run per mesh). A leaf that moves by gathers (`gathered`, with
+    ``gather_bytes``) counts one copy per device it touches, whatever its pieces.
 
     *Repeats.* A model's layers make the tree periodic: the same leaf shapes, layouts and
     dtypes every ``p`` leaves. `_period` finds the longest such stretch; inside it units hold
@@ -475,7 +496,7 @@ def split_units(
     """
     unit_bytes = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
     if prepared is None:
-        prepared = PreparedPlan(leaves, assignment)
+        prepared = PreparedPlan(leaves, assignment, gather_bytes)
     pieces_of, local_of, loads = prepared.pieces_of, prepared.local_of, prepared.loads
     signatures = prepared.signatures
 
@@ -549,7 +570,9 @@ class PreparedPlan:
     """An assignment's pieces and local copies grouped by leaf, each leaf's load and
     signature, and the slabs cut so far: what `split_units` needs whatever its options."""
 
-    def __init__(self, leaves: Sequence[LeafSpec], assignment: Assignment) -> None:
+    def __init__(
+        self, leaves: Sequence[LeafSpec], assignment: Assignment, gather_bytes: int | None = None
+    ) -> None:
         self.leaves = leaves
         self.pieces_of: dict[int, list[Piece]] = defaultdict(list)
         self.local_of: dict[int, list[LocalCopy]] = defaultdict(list)
@@ -557,7 +580,10 @@ class PreparedPlan:
             self.pieces_of[p.leaf].append(p)
         for c in assignment.local:
             self.local_of[c.leaf].append(c)
-        self.loads = [_load(leaf, self.pieces_of[i]) for i, leaf in enumerate(leaves)]
+        self.loads = [
+            _load(leaf, self.pieces_of[i], gathered(leaf, gather_bytes))
+            for i, leaf in enumerate(leaves)
+        ]
         ids: dict[tuple[object, ...], int] = {}
         self.signatures = [ids.setdefault(_signature(leaf), len(ids)) for leaf in leaves]
         self._slabs: dict[tuple[int, int], list[Unit]] = {}
@@ -666,14 +692,17 @@ def _period(signatures: Sequence[int]) -> tuple[int, int, int] | None:
 Load = tuple[dict[int, int], dict[int, int], Counter[int], Counter[int]]
 
 
-def _load(leaf: LeafSpec, pieces: Sequence[Piece]) -> Load:
-    """Bytes a leaf has each device send and receive, and how many pieces."""
+def _load(leaf: LeafSpec, pieces: Sequence[Piece], by_gather: bool = False) -> Load:
+    """Bytes a leaf has each device send and receive, and how many copies that takes: one
+    per piece, or one per device for a leaf that moves by gathers (``by_gather``)."""
     out: dict[int, int] = defaultdict(int)
     into: dict[int, int] = defaultdict(int)
     for p in pieces:
         n = box_size(p.box) * leaf.itemsize
         out[p.src] += n
         into[p.dst] += n
+    if by_gather:
+        return out, into, Counter(out.keys()), Counter(into.keys())
     return out, into, Counter(p.src for p in pieces), Counter(p.dst for p in pieces)
 
 
@@ -817,6 +846,7 @@ def plan_unit_rounds(
     pipeline: bool = True,
     unit_bytes: int | None = None,
     fault_cost: float = FAULT_COST,
+    gather_bytes: int | None = None,
 ) -> tuple[tuple[Unit, ...], RoundPlan]:
     """The units and rounds of a whole plan, as `build_plan_schedule` makes them, without
     cutting message contents (the cost model's input at any cluster size).
@@ -829,9 +859,9 @@ def plan_unit_rounds(
     (`split_units`) runs each unit's relays under the next unit's first stage; it changes
     nothing in a plan without relays. ``unit_bytes`` (`split_units`) lets a large leaf's slabs
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
-    (`choose_chunk_bytes`).
+    (`choose_chunk_bytes`). ``gather_bytes`` (`split_units`): which leaves move by gathers.
     """
-    prepared = PreparedPlan(leaves, assignment)  # both cuts below slab most leaves alike
+    prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
     units = split_units(
         leaves,
         assignment,
@@ -921,6 +951,7 @@ def build_plan_schedule(
     pipeline: bool = True,
     unit_bytes: int | None = None,
     fault_cost: float = FAULT_COST,
+    gather_bytes: int | None = None,
 ) -> Schedule:
     """The schedule of a whole plan: `plan_unit_rounds` (same options), then each unit's
     streams cut into its messages' segments, as `build_schedule` does for one unit."""
@@ -934,6 +965,7 @@ def build_plan_schedule(
         pipeline=pipeline,
         unit_bytes=unit_bytes,
         fault_cost=fault_cost,
+        gather_bytes=gather_bytes,
     )
     return cut_plan_schedule(leaves, units, plan, link_class=link_class)
 

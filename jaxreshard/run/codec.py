@@ -80,6 +80,13 @@ def read_bits(shard: jax.Array, at: Sequence[Any], shape: Sequence[int], dtype: 
     return lax.dynamic_slice(bits, (*at, *(ZERO,) * len(extra)), (*shape, *extra))
 
 
+def whole_bits(shard: jax.Array, dtype: Any) -> jax.Array:
+    """The bits of all of ``shard``, cast to ``dtype`` first when the dtypes differ."""
+    if jnp.dtype(shard.dtype) != jnp.dtype(dtype):
+        shard = shard.astype(dtype)
+    return to_bits(shard)
+
+
 def write_bits(bits: jax.Array, part: jax.Array, at: Sequence[Any]) -> jax.Array:
     """``bits`` with ``part`` written from ``at`` (in place when ``bits`` is donated)."""
     return lax.dynamic_update_slice(bits, part, (*at, *(ZERO,) * (bits.ndim - len(at))))

@@ -65,10 +65,12 @@ from jaxreshard.planning.lower import (
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
 from jaxreshard.run.codec import (
+    ZERO,
     bits_to_words,
     from_bits,
     read_bits,
     to_bits,
+    whole_bits,
     words_of,
     words_to_bits,
     write_bits,
@@ -724,6 +726,14 @@ def _build_pack(
             bits = read_bits(ops[r.operand], at, r.shape, r.wire)
             words = bits_to_words(bits, program.slots[r.slot].word)
             bufs[r.slot] = lax.dynamic_update_slice(bufs[r.slot], words, (np.int32(r.offset),))
+        if program.gathers:
+            word = program.slots[0].word
+            flat = _flat(
+                [bits_to_words(whole_bits(ops[i], wire), word) for i, wire in program.flat]
+            )
+            for g in program.gathers:
+                words = _gather(flat, row, g.column, g.words)
+                bufs[g.slot] = lax.dynamic_update_slice(bufs[g.slot], words, (ZERO,))
         return tuple(bufs)
 
     in_specs = (split,) * has_table + specs + (split,) * n_slots
@@ -788,10 +798,26 @@ def _build_unpack(
             if native[c.target]:
                 part = from_bits(part, dtype)
             out[c.target] = write_bits(out[c.target], part, _at(row, c.target_column, rank))
-        return tuple(
+        final = [
             x if n else from_bits(x, o.dtype)
             for x, n, o in zip(out, native, program.targets, strict=True)
-        )
+        ]
+        if program.rebuilds:
+            word = program.word
+            heads = [lax.slice(chunks[k], (0,), (n,)) for k, n in enumerate(program.prefix) if n]
+            flat = _flat(
+                [bits_to_words(x, word) for x in heads]
+                + [bits_to_words(whole_bits(sources[i], d), word) for i, d in program.flat_sources]
+                + [bits_to_words(to_bits(targets[t]), word) for t in program.flat_targets]
+            )
+            for r in program.rebuilds:
+                target = program.targets[r.target]
+                n = words_of(target.shard, target.dtype, word)
+                words = _gather(flat, row, r.column, n)
+                final[r.target] = from_bits(
+                    words_to_bits(words, target.dtype, target.shard), target.dtype
+                )
+        return tuple(final)
 
     in_specs = (split,) * has_table + (split,) * n_slots + specs
     out_specs = specs[n_src:]
@@ -803,7 +829,11 @@ def _build_unpack(
     # the compiled program could spell the spec differently from the caller's.
     out_shardings = tuple(NamedSharding(mesh, spec) for spec in out_specs)
     return jax.jit(
-        mapped, donate_argnums=tuple(range(first, first + n_tgt)), out_shardings=out_shardings
+        mapped,
+        donate_argnums=tuple(range(first, first + n_tgt)),
+        out_shardings=out_shardings,
+        # A rebuilt target whose old words go unread still hands its buffer to the result.
+        keep_unused=True,
     )
 
 
@@ -830,6 +860,17 @@ def _build_transfer(
         keep_unused=True,
         compiler_options=dict(options) if options else None,
     )
+
+
+def _flat(parts: Sequence[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _gather(flat: jax.Array, row: jax.Array | None, column: int, n: int) -> jax.Array:
+    """Words ``flat[row[column : column + n]]`` (the lowering keeps every index in range)."""
+    assert row is not None
+    indices = lax.slice(row, (column,), (column + n,))
+    return flat.at[indices].get(mode="promise_in_bounds")
 
 
 def _transfer_avals(program: TransferProgram, sharding: NamedSharding) -> list[Any]:

@@ -217,6 +217,12 @@ def matrices_tree(size_mib: float, n: int, like: int | None = None) -> Tree:
     return Tree({f"w{i:04d}": ((rows, cols), "col" if i % 2 == 0 else "row") for i in range(n)})
 
 
+def small_leaves_tree(d: int, layers: int) -> Tree:
+    """The small leaves of ``layers`` GPT blocks of width ``d``: layer-norm scales and biases
+    and the matrices' biases, 6 a block, a few KiB each (they move by gathers)."""
+    return Tree({k: v for k, v in gpt_blocks(d, layers).items() if len(v[0]) == 1})
+
+
 def one_leaf_tree(size_mib: float) -> Tree:
     """One square fp32 matrix of about ``size_mib`` MiB (16384 x 16384 for 1024 MiB)."""
     n = max(16, int(math.sqrt(size_mib * MiB / 4)) // 16 * 16)
@@ -391,6 +397,14 @@ SCENARIOS: dict[str, Scenario] = {
             disjoint_layouts,
             lambda a: matrices_tree(a.size_mib, a.many_leaves),
             strategies=("jaxreshard", "jaxreshard_8_leaves", "device_put", "gather_slice"),
+        ),
+        Scenario(
+            "small_leaves",
+            "the {a.small_leaves_layers} x 6 norm scales and biases of a GPT of width "
+            "{a.gpt_d} (no matrices: a few KiB a leaf)",
+            disjoint_layouts,
+            lambda a: small_leaves_tree(a.gpt_d, a.small_leaves_layers),
+            strategies=("jaxreshard", "device_put"),
         ),
         Scenario(
             "replicated_src",
@@ -2149,6 +2163,11 @@ def targets(records: Sequence[dict[str, Any]], platform_name: str = "cpu") -> li
         ratio("many_leaves", "jaxreshard_8_leaves"),
         1.2,
     )
+    add(
+        "small leaves: jaxreshard <= 1.0x device_put (norm scales and biases alone)",
+        ratio("small_leaves", "device_put"),
+        1.0,
+    )
     for name in family or ["disjoint"]:
         st = next(iter(timing.get(name, {}).get("stage_profile", [])), None)
         add(
@@ -2285,6 +2304,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--many-leaves", type=int, default=1024, help="leaves of many_leaves (a multiple of 8)"
     )
     p.add_argument(
+        "--small-leaves-layers",
+        type=int,
+        default=96,
+        help="blocks whose 6 small leaves make small_leaves",
+    )
+    p.add_argument(
         "--big-leaf-mib", type=float, default=1024.0, help="size of big_leaf's one matrix"
     )
     p.add_argument(
@@ -2344,6 +2369,7 @@ def _common_args(args: argparse.Namespace) -> list[str]:
         *("--pairs", str(args.pairs), "--warmup", str(args.warmup)),
         *("--profile-reps", str(args.profile_reps), "--size-mib", str(args.size_mib)),
         *("--layers", str(args.layers), "--many-leaves", str(args.many_leaves)),
+        *("--small-leaves-layers", str(args.small_leaves_layers)),
         *("--big-leaf-mib", str(args.big_leaf_mib), "--gpt-d", str(args.gpt_d)),
         *("--gpt-layers", str(args.gpt_layers), "--gpt-vocab", str(args.gpt_vocab)),
         *("--first-call-layers", ",".join(map(str, args.first_call_layers))),
@@ -2476,6 +2502,7 @@ def _header(args: argparse.Namespace, devices: Sequence[jax.Device]) -> dict[str
         "layers": args.layers,
         "gpt": {"d": args.gpt_d, "layers": args.gpt_layers, "vocab": args.gpt_vocab},
         "many_leaves": args.many_leaves,
+        "small_leaves_layers": args.small_leaves_layers,
         "big_leaf_mib": args.big_leaf_mib,
         "first_call": {
             "layers": args.first_call_layers,
