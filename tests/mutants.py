@@ -473,8 +473,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         LOWER,
         (
             (
-                "        self.keep = [i for i in self.targets if filled[i] < "
-                "math.prod(leaves[i].dst.shard_shape)]",
+                "        self.keep = [i for i in self.targets if i in short or i in self.keep]",
                 "        self.keep = []",
             ),
         ),

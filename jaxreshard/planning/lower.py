@@ -426,12 +426,32 @@ Message = tuple[int, tuple[Segment, ...]]
 """``(step slot, segments)``: what one device sends (or receives) in one round."""
 
 
-def _messages(by_slot: Mapping[int, list[Segment]], slots: Sequence[Slot], key) -> list[Message]:
-    """A device's messages in canonical order: by size and structure (``key`` of each
-    segment), then by round, so that devices doing the same copies in different rounds have
-    equal programs."""
+def _messages(
+    by_slot: Mapping[int, list[Segment]], slots: Sequence[Slot], key, small: frozenset[int]
+) -> list[Message]:
+    """A device's messages in canonical order: by size and structure (``key`` of each segment
+    that is copied, and the bytes of those gathered), then by round, so that devices doing the
+    same copies in different rounds have equal programs."""
     messages = [(t, tuple(segs)) for t, segs in by_slot.items()]
-    return sorted(messages, key=lambda m: (_slot_key(slots[m[0]]), [key(g) for g in m[1]], m[0]))
+    return sorted(messages, key=lambda m: (_slot_key(slots[m[0]]), _shape(m[1], key, small), m[0]))
+
+
+def _shape(segments: Sequence[Segment], key, small: frozenset[int]) -> tuple[object, ...]:
+    """A message's structure as a program sees it: the ``key`` of each copied segment, and how
+    many bytes its gathered head holds (which leaves those are is only in the table)."""
+    copied = tuple(key(g) for g in segments if g.leaf not in small)
+    return copied, sum(g.nbytes for g in segments if g.leaf in small)
+
+
+def _split_unless_held(
+    group: list[int], union: Sequence[object], holds, exact: Mapping[int, object]
+) -> list[list[int]]:
+    """``group`` as one program, if every device of it holds every array of ``union`` (the
+    gathered leaves any of them moves); else its devices grouped by ``exact`` signature (the
+    gathered leaves named), each then with its own arrays."""
+    if all(holds(a, d) for a in union for d in group):
+        return [group]
+    return _groups({d: exact[d] for d in group})
 
 
 def _slot_key(slot: Slot) -> tuple[int, str]:
@@ -448,48 +468,63 @@ def _packs(
     def key(seg: Segment) -> tuple[object, ...]:
         return _arg(seg), box_shape(seg.box), seg.offset
 
-    messages = {d: _messages(by_slot, slots, key) for d, by_slot in sent.items()}
+    def gathered_args(d: int) -> list[Arg]:
+        return [_arg(g) for _, segs in messages[d] for g in segs if g.leaf in small]
+
+    def holds(a: Arg, d: int) -> bool:
+        return d in _layout(leaves, a).box_of
+
+    messages = {d: _messages(by_slot, slots, key, small) for d, by_slot in sent.items()}
     signature = {
+        d: tuple((slots[t], _shape(segs, key, small)) for t, segs in ms)
+        for d, ms in messages.items()
+    }
+    exact = {
         d: tuple((slots[t], tuple(key(g) for g in segs)) for t, segs in ms)
         for d, ms in messages.items()
     }
     calls = []
-    for group in _groups(signature):
-        canonical = messages[group[0]]
-        args = tuple(dict.fromkeys(_arg(g) for _, segs in canonical for g in segs))
-        mesh, native = _mesh_for(group, {_layout(leaves, a).mesh for a in args}, GROUP_AXIS)
-        index = {a: i for i, a in enumerate(args)}
-        # The gather source: every operand of a gathered leaf, cast to the wire, end to end.
-        flat = tuple(a for a in args if a[0] in small)
-        base, at = {}, 0
-        for a in flat:
-            base[a] = at
-            at += math.prod(_layout(leaves, a).shard_shape) * leaves[a[0]].itemsize // w
-        reads, gathers, column = [], [], 0
-        for k, (_, segs) in enumerate(canonical):
-            for g in segs:
-                if g.leaf not in small:
-                    shape = box_shape(g.box)
-                    wire = leaves[g.leaf].dst_dtype
-                    reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))
-                    column += len(shape)
-        for k, (_, segs) in enumerate(canonical):
-            words = sum(g.nbytes for g in segs if g.leaf in small) // w
-            if words:
-                gathers.append(Gather(k, words, column))
-                column += words
-        program = PackProgram(
-            mesh,
-            tuple(_operand(leaves[leaf], side, native) for leaf, side in args),
-            tuple(slots[t] for t, _ in canonical),
-            tuple(reads),
-            column,
-            tuple((index[a], leaves[a[0]].dst_dtype) for a in flat),
-            tuple(gathers),
-        )
-        table = tuple(_pack_row(leaves, small, d, messages[d], base, w) for d in mesh.devices)
-        per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
-        calls.append(PackCall(program, args, per_device, table))
+    for loose in _groups(signature):
+        union = list(dict.fromkeys(a for d in loose for a in gathered_args(d)))
+        for group in _split_unless_held(loose, union, holds, exact):
+            canonical = messages[group[0]]
+            copied = [_arg(g) for _, segs in canonical for g in segs if g.leaf not in small]
+            # The gather source: every array of a gathered leaf any device of the group sends
+            # from, cast to the wire, end to end (the same arrays on every device).
+            flat = list(dict.fromkeys(a for d in group for a in gathered_args(d)))
+            args = tuple(dict.fromkeys([*copied, *flat]))
+            meshes = {_layout(leaves, a).mesh for a in args}
+            mesh, native = _mesh_for(group, meshes, GROUP_AXIS)
+            index = {a: i for i, a in enumerate(args)}
+            base, at = {}, 0
+            for a in flat:
+                base[a] = at
+                at += math.prod(_layout(leaves, a).shard_shape) * leaves[a[0]].itemsize // w
+            reads, gathers, column = [], [], 0
+            for k, (_, segs) in enumerate(canonical):
+                for g in segs:
+                    if g.leaf not in small:
+                        shape = box_shape(g.box)
+                        wire = leaves[g.leaf].dst_dtype
+                        reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))
+                        column += len(shape)
+            for k, (_, segs) in enumerate(canonical):
+                words = _shape(segs, key, small)[1] // w
+                if words:
+                    gathers.append(Gather(k, words, column))
+                    column += words
+            program = PackProgram(
+                mesh,
+                tuple(_operand(leaves[leaf], side, native) for leaf, side in args),
+                tuple(slots[t] for t, _ in canonical),
+                tuple(reads),
+                column,
+                tuple((index[a], leaves[a[0]].dst_dtype) for a in flat),
+                tuple(gathers),
+            )
+            table = tuple(_pack_row(leaves, small, d, messages[d], base, w) for d in mesh.devices)
+            per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
+            calls.append(PackCall(program, args, per_device, table))
     return tuple(calls)
 
 
@@ -541,12 +576,29 @@ def _unpacks(
     def key(seg: Segment) -> tuple[object, ...]:
         return seg.leaf, box_shape(seg.box), seg.offset
 
+    def gathered(d: int) -> list[tuple[str, int]]:
+        """The arrays a device's rebuilds read: its small targets, and small local sources."""
+        into = [("dst", g.leaf) for _, segs in messages[d] for g in segs if g.leaf in small]
+        own = [c.leaf for c in copies.get(d, ()) if c.leaf in small]
+        return into + [("dst", i) for i in own] + [("src", i) for i in own]
+
+    def holds(a: tuple[str, int], d: int) -> bool:
+        side, i = a
+        return d in (leaves[i].src if side == "src" else leaves[i].dst).box_of
+
     copies: dict[int, list[LocalCopy]] = defaultdict(list)
     for c in sorted(local, key=lambda c: (c.leaf, box_shape(c.box), c.box)):
         copies[c.device].append(c)
     devices = set(got) | set(copies)
-    messages = {d: _messages(got.get(d, {}), slots, key) for d in devices}
+    messages = {d: _messages(got.get(d, {}), slots, key, small) for d in devices}
     signature = {
+        d: (
+            tuple((slots[t], _shape(segs, key, small)) for t, segs in messages[d]),
+            tuple((c.leaf, box_shape(c.box)) for c in copies.get(d, ()) if c.leaf not in small),
+        )
+        for d in devices
+    }
+    exact = {
         d: (
             tuple((slots[t], tuple(key(g) for g in segs)) for t, segs in messages[d]),
             tuple((c.leaf, box_shape(c.box)) for c in copies.get(d, ())),
@@ -554,73 +606,97 @@ def _unpacks(
         for d in devices
     }
     calls = []
-    for group in _groups(signature):
-        canonical = messages[group[0]]
-        copies_in = copies.get(group[0], [])
-        targets = tuple(
-            dict.fromkeys(
-                [*(g.leaf for _, segs in canonical for g in segs)] + [c.leaf for c in copies_in]
-            )
-        )
-        sources = tuple(dict.fromkeys(c.leaf for c in copies_in))
-        mesh, native = _mesh_for(group, {leaves[i].dst.mesh for i in targets}, GROUP_AXIS)
-        target_of = {leaf: k for k, leaf in enumerate(targets)}
-        source_of = {leaf: k for k, leaf in enumerate(sources)}
-        writes, column = [], 0
-        for k, (_, segs) in enumerate(canonical):
-            for g in segs:
-                if g.leaf not in small:
-                    shape = box_shape(g.box)
-                    writes.append(Write(k, target_of[g.leaf], shape, g.offset // w, column))
-                    column += len(shape)
-        program_copies = []
-        for c in copies_in:
-            if c.leaf not in small:
-                shape = box_shape(c.box)
-                program_copies.append(
-                    Copy(source_of[c.leaf], target_of[c.leaf], shape, column, column + len(shape))
-                )
-                column += 2 * len(shape)
-        rebuild = _Rebuild(leaves, small, canonical, copies_in, targets, sources, w, column)
-        program = UnpackProgram(
-            mesh,
-            tuple(slots[t] for t, _ in canonical),
-            tuple(
-                _operand(leaves[i], "src", native and leaves[i].src.mesh == mesh) for i in sources
-            ),
-            tuple(_operand(leaves[i], "dst", native) for i in targets),
-            tuple(writes),
-            tuple(program_copies),
-            rebuild.columns,
-            f"uint{8 * rebuild.u}",
-            rebuild.prefix,
-            tuple((source_of[i], leaves[i].dst_dtype) for i in rebuild.sources),
-            tuple(target_of[i] for i in rebuild.keep),
-            tuple(
-                Rebuild(target_of[i], column)
-                for i, column in zip(rebuild.targets, rebuild.columns_of, strict=True)
-            ),
-        )
-        table = tuple(
-            (
-                *_unpack_row(leaves, small, d, messages[d], copies.get(d, ())),
-                *rebuild.row(d, messages[d], copies.get(d, ())),
-            )
-            for d in mesh.devices
-        )
-        per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
-        calls.append(UnpackCall(program, sources, targets, per_device, table))
+    for loose in _groups(signature):
+        union = list(dict.fromkeys(a for d in loose for a in gathered(d)))
+        for group in _split_unless_held(loose, union, holds, exact):
+            calls.append(_unpack_call(leaves, small, messages, copies, group, w, slots, key))
     return tuple(calls)
 
 
+def _unpack_call(
+    leaves: Sequence[LeafSpec],
+    small: frozenset[int],
+    messages: Mapping[int, list[Message]],
+    copies: Mapping[int, list[LocalCopy]],
+    group: Sequence[int],
+    w: int,
+    slots: Sequence[Slot],
+    key,
+) -> UnpackCall:
+    """The unpack of one group of receivers: the copies of the first device's messages (the
+    same on every device of the group), and rebuilds of every small leaf any of them gets."""
+    canonical = messages[group[0]]
+    copies_in = [c for c in copies.get(group[0], []) if c.leaf not in small]
+    rebuilt = list(
+        dict.fromkeys(
+            i
+            for d in group
+            for i in [
+                *(g.leaf for _, segs in messages[d] for g in segs if g.leaf in small),
+                *(c.leaf for c in copies.get(d, ()) if c.leaf in small),
+            ]
+        )
+    )
+    copied = [g.leaf for _, segs in canonical for g in segs if g.leaf not in small]
+    targets = tuple(dict.fromkeys([*copied, *(c.leaf for c in copies_in), *rebuilt]))
+    local_sources = [c.leaf for d in group for c in copies.get(d, ()) if c.leaf in small]
+    sources = tuple(dict.fromkeys([*(c.leaf for c in copies_in), *local_sources]))
+    mesh, native = _mesh_for(group, {leaves[i].dst.mesh for i in targets}, GROUP_AXIS)
+    target_of = {leaf: k for k, leaf in enumerate(targets)}
+    source_of = {leaf: k for k, leaf in enumerate(sources)}
+    writes, column = [], 0
+    for k, (_, segs) in enumerate(canonical):
+        for g in segs:
+            if g.leaf not in small:
+                shape = box_shape(g.box)
+                writes.append(Write(k, target_of[g.leaf], shape, g.offset // w, column))
+                column += len(shape)
+    program_copies = []
+    for c in copies_in:
+        shape = box_shape(c.box)
+        program_copies.append(
+            Copy(source_of[c.leaf], target_of[c.leaf], shape, column, column + len(shape))
+        )
+        column += 2 * len(shape)
+    rebuild = _Rebuild(leaves, small, canonical, rebuilt, list(dict.fromkeys(local_sources)), w)
+    for d in group:
+        rebuild.fill(d, messages[d], copies.get(d, ()))
+    columns_of = rebuild.columns_from(column)
+    program = UnpackProgram(
+        mesh,
+        tuple(slots[t] for t, _ in canonical),
+        tuple(_operand(leaves[i], "src", native and leaves[i].src.mesh == mesh) for i in sources),
+        tuple(_operand(leaves[i], "dst", native) for i in targets),
+        tuple(writes),
+        tuple(program_copies),
+        column + sum(rebuild.words(i, "dst") for i in rebuilt),
+        f"uint{8 * rebuild.u}",
+        rebuild.prefix,
+        tuple((source_of[i], leaves[i].dst_dtype) for i in rebuild.sources),
+        tuple(target_of[i] for i in rebuild.keep),
+        tuple(Rebuild(target_of[i], at) for i, at in zip(rebuilt, columns_of, strict=True)),
+    )
+    table = tuple(
+        (
+            *_unpack_row(leaves, small, d, messages[d], copies.get(d, ())),
+            *rebuild.row(d, messages[d], copies.get(d, ())),
+        )
+        for d in mesh.devices
+    )
+    per_device = tuple(tuple(t for t, _ in messages[d]) for d in mesh.devices)
+    return UnpackCall(program, sources, targets, per_device, table)
+
+
 class _Rebuild:
-    """The gathers of one unpack program: which of its targets are rebuilt (gathered leaves),
-    the gather source's layout, and each device's word indices.
+    """The gathers of one unpack program: which of its targets are rebuilt (the small leaves
+    any device of the group gets), the gather source's layout, and each device's word indices.
 
     The source is laid in words of ``u`` bytes (the slots' word, or narrower where a rebuilt
-    target's elements are): the gathered head of each slot, then each rebuilt leaf's local
-    source cast to its destination dtype, then the old words of each rebuilt target this step
-    does not fill (``keep``: its other parts arrive in other steps).
+    target's elements are): the gathered head of each slot, then each small leaf's local
+    source cast to its destination dtype, then the old words of each rebuilt target some
+    device of the group does not fill in this step (``keep``: its other parts arrive in other
+    steps, or that device gets none of it here and keeps its shard as it is). Call `fill` for
+    every device of the group before `columns_from` and `row`.
     """
 
     def __init__(
@@ -628,43 +704,51 @@ class _Rebuild:
         leaves: Sequence[LeafSpec],
         small: frozenset[int],
         canonical: Sequence[Message],
-        copies: Sequence[LocalCopy],
         targets: Sequence[int],
         sources: Sequence[int],
         w: int,
-        column: int,
     ) -> None:
         self.leaves = leaves
         self.small = small
-        self.targets = [i for i in targets if i in small]
-        self.sources = [i for i in sources if i in small]
+        self.targets = list(targets)
+        self.sources = list(sources)
         sizes = [_bits_itemsize(leaves[i]) for i in self.targets]
-        self.u = u = min([w] * bool(canonical) + sizes, default=w)
+        self.u = min([w] * bool(canonical) + sizes, default=w)
+        self.w = w
         self.prefix = tuple(
             sum(g.nbytes for g in segs if g.leaf in small) // w for _, segs in canonical
         )
+        self.keep: list[int] = []
+        self.base: dict[tuple[str, int], int] = {}
+
+    def fill(self, device: int, messages: Sequence[Message], copies: Sequence[LocalCopy]) -> None:
+        """Mark the targets ``device`` does not fill whole in this step as kept."""
         filled: dict[int, int] = defaultdict(int)
-        for _, segs in canonical:
+        for _, segs in messages:
             for g in segs:
-                if g.leaf in small:
+                if g.leaf in self.small:
                     filled[g.leaf] += box_size(g.box)
         for c in copies:
-            if c.leaf in small:
+            if c.leaf in self.small:
                 filled[c.leaf] += box_size(c.box)
-        self.keep = [i for i in self.targets if filled[i] < math.prod(leaves[i].dst.shard_shape)]
-        self.base: dict[tuple[str, int], int] = {}
-        at = sum(self.prefix) * w // u
+        shards = {i: math.prod(self.leaves[i].dst.shard_shape) for i in self.targets}
+        short = {i for i in self.targets if filled[i] < shards[i]}
+        self.keep = [i for i in self.targets if i in short or i in self.keep]
+
+    def columns_from(self, column: int) -> list[int]:
+        """Lay the gather source out, and return each target's first table column."""
+        at = sum(self.prefix) * self.w // self.u
         for i in self.sources:
             self.base["src", i] = at
             at += self.words(i, "src")
         for i in self.keep:
             self.base["dst", i] = at
             at += self.words(i, "dst")
-        self.columns_of = []
+        out = []
         for i in self.targets:
-            self.columns_of.append(column)
+            out.append(column)
             column += self.words(i, "dst")
-        self.columns = column
+        return out
 
     def words(self, leaf: int, side: str) -> int:
         lf = self.leaves[leaf]

@@ -124,6 +124,7 @@ class Runtime:
         self._zeros: dict[tuple[Slot, tuple[int, ...]], Callable[..., Any]] = {}
         self._steps: list[_StepRun] | None = None
         self._tables: dict[tuple[MeshSpec, Any], jax.Array] = {}
+        self._dst_views: dict[int, views.View] = {}
         self._pool: dict[int, dict[Slot, list[jax.Array]]] = defaultdict(lambda: defaultdict(list))
         self.host_syncs = waits_between_steps(self.device[d].platform for d in lowered.union)
         self._lock = threading.Lock()
@@ -324,6 +325,15 @@ class Runtime:
         if fn is None:
             fn = self._unpacks[key] = _build_unpack(program, self.mesh(mesh), specs)
         return _UnpackRun(self, call, fn)
+
+    def dst_view(self, leaf: int) -> views.View:
+        """Makes leaf ``leaf``'s destination array from its per-device buffers."""
+        view = self._dst_views.get(leaf)
+        if view is None:
+            spec = self.leaves[leaf]
+            view = views.View(spec.shape, jnp.dtype(spec.dst_dtype), self.dst_shardings[leaf])
+            self._dst_views[leaf] = view
+        return view
 
     def _sharding(self, arg: tuple[int, str]) -> Sharding:
         leaf, side = arg
@@ -659,15 +669,9 @@ class _Destinations:
 
     def array(self, leaf: int) -> jax.Array:
         if self._arrays[leaf] is None:
-            sharding = self.runtime.dst_shardings[leaf]
-            spec = self.runtime.leaves[leaf]
+            view = self.runtime.dst_view(leaf)
             bufs = self._buffers[leaf] or {}
-            self._arrays[leaf] = jax.make_array_from_single_device_arrays(
-                spec.shape,
-                sharding,
-                [bufs[d.id] for d in sharding.addressable_devices],
-                dtype=jnp.dtype(spec.dst_dtype),
-            )
+            self._arrays[leaf] = view([bufs[d] for d in view.devices])
             self._buffers[leaf] = None
         return self._arrays[leaf]
 
