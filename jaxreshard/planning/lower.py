@@ -609,7 +609,7 @@ def _unpacks(
     for loose in _groups(signature):
         union = list(dict.fromkeys(a for d in loose for a in gathered(d)))
         for group in _split_unless_held(loose, union, holds, exact):
-            calls.append(_unpack_call(leaves, small, messages, copies, group, w, slots, key))
+            calls.append(_unpack_call(leaves, small, messages, copies, group, w, slots))
     return tuple(calls)
 
 
@@ -621,7 +621,6 @@ def _unpack_call(
     group: Sequence[int],
     w: int,
     slots: Sequence[Slot],
-    key,
 ) -> UnpackCall:
     """The unpack of one group of receivers: the copies of the first device's messages (the
     same on every device of the group), and rebuilds of every small leaf any of them gets."""
