@@ -134,8 +134,7 @@ def run_lowered(
                 assert len(row) == program.columns
                 bufs = [rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in program.slots]
                 for r in program.reads:
-                    leaf, side = call.args[r.operand]
-                    shard = (src if side == "src" else dst)[leaf][d]
+                    shard = _shard(src, dst, call.args[r.operand], d)
                     operand = program.operands[r.operand]
                     assert tuple(shard.shape) == operand.shard, (shard.shape, operand)
                     assert np.dtype(operand.dtype) == shard.dtype

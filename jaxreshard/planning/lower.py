@@ -440,16 +440,24 @@ def _shape(segments: Sequence[Segment], key, small: frozenset[int]) -> tuple[obj
     """A message's structure as a program sees it: the ``key`` of each copied segment, and how
     many bytes its gathered head holds (which leaves those are is only in the table)."""
     copied = tuple(key(g) for g in segments if g.leaf not in small)
-    return copied, sum(g.nbytes for g in segments if g.leaf in small)
+    return copied, _head_bytes(segments, small)
+
+
+def _head_bytes(segments: Sequence[Segment], small: frozenset[int]) -> int:
+    """The bytes of a message's gathered head: its segments of small leaves."""
+    return sum(g.nbytes for g in segments if g.leaf in small)
 
 
 def _split_unless_held(
-    group: list[int], union: Sequence[object], holds, exact: Mapping[int, object]
+    leaves: Sequence[LeafSpec],
+    group: list[int],
+    union: Sequence[Arg],
+    exact: Mapping[int, object],
 ) -> list[list[int]]:
-    """``group`` as one program, if every device of it holds every array of ``union`` (the
-    gathered leaves any of them moves); else its devices grouped by ``exact`` signature (the
-    gathered leaves named), each then with its own arrays."""
-    if all(holds(a, d) for a in union for d in group):
+    """``group`` as one program, if every device of it holds a shard of every array of
+    ``union`` (the gathered leaves any of them moves); else its devices grouped by ``exact``
+    signature (the gathered leaves named), each then with its own arrays."""
+    if all(d in _layout(leaves, a).box_of for a in union for d in group):
         return [group]
     return _groups({d: exact[d] for d in group})
 
@@ -471,9 +479,6 @@ def _packs(
     def gathered_args(d: int) -> list[Arg]:
         return [_arg(g) for _, segs in messages[d] for g in segs if g.leaf in small]
 
-    def holds(a: Arg, d: int) -> bool:
-        return d in _layout(leaves, a).box_of
-
     messages = {d: _messages(by_slot, slots, key, small) for d, by_slot in sent.items()}
     signature = {
         d: tuple((slots[t], _shape(segs, key, small)) for t, segs in ms)
@@ -486,7 +491,7 @@ def _packs(
     calls = []
     for loose in _groups(signature):
         union = list(dict.fromkeys(a for d in loose for a in gathered_args(d)))
-        for group in _split_unless_held(loose, union, holds, exact):
+        for group in _split_unless_held(leaves, loose, union, exact):
             canonical = messages[group[0]]
             copied = [_arg(g) for _, segs in canonical for g in segs if g.leaf not in small]
             # The gather source: every array of a gathered leaf any device of the group sends
@@ -509,7 +514,7 @@ def _packs(
                         reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))
                         column += len(shape)
             for k, (_, segs) in enumerate(canonical):
-                words = _shape(segs, key, small)[1] // w
+                words = _head_bytes(segs, small) // w
                 if words:
                     gathers.append(Gather(k, words, column))
                     column += words
@@ -576,15 +581,11 @@ def _unpacks(
     def key(seg: Segment) -> tuple[object, ...]:
         return seg.leaf, box_shape(seg.box), seg.offset
 
-    def gathered(d: int) -> list[tuple[str, int]]:
+    def gathered(d: int) -> list[Arg]:
         """The arrays a device's rebuilds read: its small targets, and small local sources."""
-        into = [("dst", g.leaf) for _, segs in messages[d] for g in segs if g.leaf in small]
+        into = [(g.leaf, "dst") for _, segs in messages[d] for g in segs if g.leaf in small]
         own = [c.leaf for c in copies.get(d, ()) if c.leaf in small]
-        return into + [("dst", i) for i in own] + [("src", i) for i in own]
-
-    def holds(a: tuple[str, int], d: int) -> bool:
-        side, i = a
-        return d in (leaves[i].src if side == "src" else leaves[i].dst).box_of
+        return into + [(i, "dst") for i in own] + [(i, "src") for i in own]
 
     copies: dict[int, list[LocalCopy]] = defaultdict(list)
     for c in sorted(local, key=lambda c: (c.leaf, box_shape(c.box), c.box)):
@@ -608,7 +609,7 @@ def _unpacks(
     calls = []
     for loose in _groups(signature):
         union = list(dict.fromkeys(a for d in loose for a in gathered(d)))
-        for group in _split_unless_held(loose, union, holds, exact):
+        for group in _split_unless_held(leaves, loose, union, exact):
             calls.append(_unpack_call(leaves, small, messages, copies, group, w, slots))
     return tuple(calls)
 
@@ -714,9 +715,7 @@ class _Rebuild:
         sizes = [_bits_itemsize(leaves[i]) for i in self.targets]
         self.u = min([w] * bool(canonical) + sizes, default=w)
         self.w = w
-        self.prefix = tuple(
-            sum(g.nbytes for g in segs if g.leaf in small) // w for _, segs in canonical
-        )
+        self.prefix = tuple(_head_bytes(segs, small) // w for _, segs in canonical)
         self.keep: list[int] = []
         self.base: dict[tuple[str, int], int] = {}
 
@@ -750,9 +749,8 @@ class _Rebuild:
         return out
 
     def words(self, leaf: int, side: str) -> int:
-        lf = self.leaves[leaf]
-        layout = lf.src if side == "src" else lf.dst
-        return math.prod(layout.shard_shape) * lf.itemsize // self.u
+        shard = _layout(self.leaves, (leaf, side)).shard_shape
+        return math.prod(shard) * self.leaves[leaf].itemsize // self.u
 
     def row(
         self, device: int, messages: Sequence[Message], copies: Sequence[LocalCopy]
@@ -777,7 +775,7 @@ class _Rebuild:
                         _relative(g.box, dst.box_of[device]), box_shape(g.box), dst.shard_shape, per
                     )
                     picks[g.leaf][at] = head + g.offset // u + np.arange(at.size)
-            head += sum(g.nbytes for g in segs if g.leaf in self.small) // u
+            head += _head_bytes(segs, self.small) // u
         for c in copies:
             if c.leaf in self.small:
                 per = leaves[c.leaf].itemsize // u
