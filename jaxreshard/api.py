@@ -1281,9 +1281,24 @@ def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval
         shape, dtype = tuple(np.shape(x)), _host_dtype(x)
     except TypeError as e:
         raise _LeafProblem(f"jax.device_put cannot take it either ({e})", "type") from None
+    if not isinstance(x, jax.Array) and not (
+        jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+    ):  # strings, objects: jax.device_put would refuse them only when called
+        raise _LeafProblem(
+            f"jax.device_put cannot take it either (arrays of dtype {dtype} cannot be on a "
+            "device)",
+            "type",
+        )
+    if isinstance(dst, NamedSharding) and len(dst.spec) > len(shape):
+        # (JAX itself fails on this with a bare IndexError from inside its sharding code)
+        raise _LeafProblem(
+            f"through jax.device_put: the spec {tuple(dst.spec)} has {len(dst.spec)} entries "
+            f"but the array has rank {len(shape)}",
+            "layout",
+        )
     try:
         dst.shard_shape(shape)
-    except ValueError as e:
+    except (ValueError, IndexError) as e:
         raise _LeafProblem(f"through jax.device_put: {e}", "layout") from None
     cast = _cast(dtype, want, own)
     return shape, dtype, (None if cast == dtype else cast)

@@ -245,3 +245,19 @@ def test_fallback_leaves_take_the_cast_and_are_checked_before_anything_moves():
     misfit = dict(src, m=np.ones((7, 4), np.float32))  # 7 rows split 4 ways
     with pytest.raises(jr.ReshardError, match=r"\['m'\]: through jax.device_put.*4 times"):
         jr.plan(misfit, dst, fallback="device_put")
+
+
+def test_fallback_leaves_device_put_cannot_take_are_refused_when_planning():
+    """Regression: with ``fallback="device_put"`` a spec longer than the leaf's rank failed
+    with a bare IndexError from inside JAX, and NumPy arrays of strings or objects were
+    planned, then failed in the call with a raw TypeError."""
+    host = random_array((8, 8), "float32")
+    w = jax.device_put(host, sharding(*SRC, "dp"))
+    dst = {"w": sharding(*DST, "tp"), "s": sharding(*DST, None, "tp")}
+    for rank_zero in (7, np.float32(1.0)):
+        with pytest.raises(jr.ReshardError, match=r"\['s'\]: .*2 entries but the array has rank 0"):
+            jr.plan({"w": w, "s": rank_zero}, dst, fallback="device_put")
+    dst = {"w": sharding(*DST, "tp"), "s": sharding(*DST)}
+    for bad, dtype in ((np.array(["a", "b"]), "<U1"), (np.array([object()]), "object")):
+        with pytest.raises(jr.ReshardTypeError, match=rf"\['s'\]: .*dtype {dtype} cannot be on"):
+            jr.plan({"w": w, "s": bad}, dst, fallback="device_put")
