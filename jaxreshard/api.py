@@ -1285,8 +1285,7 @@ def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval
         jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
     ):  # strings, objects: jax.device_put would refuse them only when called
         raise _LeafProblem(
-            f"jax.device_put cannot take it either (arrays of dtype {dtype} cannot be on a "
-            "device)",
+            f"jax.device_put cannot take it either (arrays of dtype {dtype} cannot be on a device)",
             "type",
         )
     if isinstance(dst, NamedSharding) and len(dst.spec) > len(shape):
