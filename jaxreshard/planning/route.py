@@ -55,7 +55,7 @@ class LeafSpec:
         return self.src.shape
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class LocalCopy:
     """Part ``box`` (global coordinates) of leaf ``leaf`` that ``device`` copies from itself."""
 
@@ -64,7 +64,7 @@ class LocalCopy:
     box: Box
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Piece:
     """Part ``box`` of leaf ``leaf`` sent from device ``src`` to device ``dst``.
 
@@ -123,17 +123,40 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
     receiver) pairs, it wins the tie: its senders then send alike (every replica the same
     shapes), which lets the executor run them as one SPMD program (`jaxreshard.planning.lower`).
     """
-    totals: dict[tuple[int, ...], int] = defaultdict(int)
-    for demand in demands:
-        totals[demand.candidates] += demand.nbytes
-    quota = _min_max_quotas(dict(sorted(totals.items())))
+    # Candidate groups are tuples of up to hundreds of replicas, and CPython does not cache
+    # tuple hashes or shortcut comparing equal ones: each demand's group is hashed once here,
+    # and the passes below key and sort by its number (groups numbered in sorted order).
+    index: dict[tuple[int, ...], int] = {}
+    seen: dict[int, int] = {}  # id(tuple) -> its index: demands share their groups' tuples
+    first = []
+    for d in demands:  # (``demands`` keeps every tuple alive, so no id is reused meanwhile)
+        g = seen.get(id(d.candidates))
+        if g is None:
+            g = seen[id(d.candidates)] = index.setdefault(d.candidates, len(index))
+        first.append(g)
+    groups = sorted(index)
+    number = {group: n for n, group in enumerate(groups)}
+    renumber = [number[group] for group in index]  # first-seen order -> sorted order
+    numbered = [(renumber[g], d) for g, d in zip(first, demands, strict=True)]
+    totals = [0] * len(groups)
+    for g, d in numbered:
+        totals[g] += d.nbytes
+    quota = _min_max_quotas(dict(zip(groups, totals, strict=True)))
     optimum: dict[int, int] = defaultdict(int)
     for by_sender in quota.values():
         for sender, nbytes in by_sender.items():
             optimum[sender] += nbytes
-    plain = _hand_out(demands, quota, None)
-    paired = _hand_out(demands, quota, max(optimum.values(), default=0))
-    options = [(sent, _busiest(sent)) for sent in (_rotate(demands), paired, plain)]
+
+    def largest_first(gd: tuple[int, _Demand]) -> tuple[object, ...]:
+        g, d = gd
+        return len(d.candidates) > 1, -d.nbytes, g, d.leaf, d.dst, d.box
+
+    ordered = sorted(numbered, key=largest_first)  # (both passes hand out in this order)
+    quotas = [quota[group] for group in groups]
+    plain = _hand_out(ordered, quotas, None)
+    paired = _hand_out(ordered, quotas, max(optimum.values(), default=0))
+    rotated = _rotate(numbered, number)
+    options = [(sent, _busiest(sent)) for sent in (rotated, paired, plain)]
     best = min(busiest for _, busiest in options)
     balanced = [
         (_pairs(sent), busiest, sent)
@@ -143,7 +166,8 @@ def _choose_senders(demands: Sequence[_Demand]) -> list[Piece]:
     fewest = min((pairs, busiest) for pairs, busiest, _ in balanced)
     tied = [sent for pairs, busiest, sent in balanced if (pairs, busiest) == fewest]
     chosen = tied[0] if len(tied) == 1 else min(tied, key=_shapes)  # shapes: only for ties
-    return sorted((s.piece for s in chosen), key=lambda p: (p.src, p.dst, p.leaf, p.box))
+    # (sorted as (src, dst, leaf, box): a piece occurs once, so its nbytes never decide)
+    return [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sorted(chosen)]
 
 
 MIN_SHARE_BYTES = 1 << 20
@@ -172,7 +196,15 @@ BALANCE_SLACK = 0.01
 bytes) when it saves (sender, receiver) pairs; see `_choose_senders`."""
 
 
-def _rotate(demands: Sequence[_Demand]) -> list[_Sent]:
+_Sent = tuple[int, int, int, Box, int]
+"""``(src, dst, leaf, box, nbytes)``: one candidate sender choice for a piece. A plain tuple,
+not a `Piece`: each of the three candidates of `_choose_senders` makes one per piece (millions
+at scale), and only the chosen become pieces."""
+
+
+def _rotate(
+    numbered: Sequence[tuple[int, _Demand]], number: Mapping[tuple[int, ...], int]
+) -> list[_Sent]:
     """Deterministic, symmetric sender choice, blind to quotas.
 
     Demands with one candidate fix their (sender, receiver) pairs first. Every other demand
@@ -180,83 +212,91 @@ def _rotate(demands: Sequence[_Demand]) -> list[_Sent]:
     the next in turn: turns are counted per set of choices, receivers in id order. Where the
     layouts are regular this gives every sender the same pieces, and replicated small leaves
     (biases, norms) ride on the pairs the large ones need anyway.
+
+    ``numbered`` pairs each demand with its group's number in ``number`` (see
+    `_choose_senders`); a set of choices that is a whole group is counted under that number.
     """
     out = []
     pairs: set[tuple[int, int]] = set()
     shared = []
-    for d in demands:
+    for g, d in numbered:
         if len(d.candidates) == 1:
-            out.append(_Sent(Piece(d.leaf, d.candidates[0], d.dst, d.box), d.nbytes))
+            out.append((d.candidates[0], d.dst, d.leaf, d.box, d.nbytes))
             pairs.add((d.candidates[0], d.dst))
         else:
-            shared.append(d)
-    turn: dict[tuple[int, ...], int] = defaultdict(int)
+            shared.append((g, d))
+    turn: dict[int | tuple[int, ...], int] = defaultdict(int)
     paired_with: dict[int, set[int]] = defaultdict(set)  # receiver -> its senders so far
     for s, d in pairs:
         paired_with[d].add(s)
-    position: dict[tuple[int, ...], dict[int, int]] = {}
-    for d in sorted(shared, key=lambda d: (d.candidates, d.leaf, d.box, d.dst)):
+    position: dict[int, dict[int, int]] = {}
+    for g, d in sorted(shared, key=lambda gd: (gd[0], gd[1].leaf, gd[1].box, gd[1].dst)):
         # The candidates already paired with the receiver, in candidate order: few, so
         # looked up from the receiver's side when groups are large.
+        group = d.candidates
         near = paired_with[d.dst]
-        if len(near) < len(d.candidates):
-            at = position.get(d.candidates)
+        if len(near) < len(group):
+            at = position.get(g)
             if at is None:
-                at = position[d.candidates] = {s: i for i, s in enumerate(d.candidates)}
+                at = position[g] = {s: i for i, s in enumerate(group)}
             choices = tuple(sorted((s for s in near if s in at), key=at.__getitem__))
         else:
-            choices = tuple(s for s in d.candidates if s in near)
-        choices = choices or d.candidates
-        sender = choices[turn[choices] % len(choices)]
-        turn[choices] += 1
-        out.append(_Sent(Piece(d.leaf, sender, d.dst, d.box), d.nbytes))
+            choices = tuple(s for s in group if s in near)
+        key: int | tuple[int, ...] = g  # one key per set of choices: a group's own number
+        if not choices or len(choices) == len(group):
+            choices = group
+        else:
+            key = number.get(choices, choices)
+        sender = choices[turn[key] % len(choices)]
+        turn[key] += 1
+        out.append((sender, d.dst, d.leaf, d.box, d.nbytes))
     return out
 
 
 def _pairs(sent: Sequence[_Sent]) -> int:
-    return len({(s.piece.src, s.piece.dst) for s in sent})
+    return len({s[:2] for s in sent})
 
 
 def _shapes(sent: Sequence[_Sent]) -> int:
     """How many different lists of piece shapes the senders send (1: all alike)."""
     shapes: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     for s in sent:
-        shapes[s.src].append(tuple(b - a for a, b in s.piece.box))
+        shapes[s[0]].append(tuple([b - a for a, b in s[3]]))
     return len({tuple(sorted(v)) for v in shapes.values()})
 
 
 def _busiest(sent: Sequence[_Sent]) -> int:
     load: dict[int, int] = defaultdict(int)
-    for s in sent:
-        load[s.src] += s.nbytes
+    for src, _, _, _, nbytes in sent:
+        load[src] += nbytes
     return max(load.values(), default=0)
 
 
-def _hand_out(demands: Sequence[_Demand], quotas: Quotas, limit: int | None) -> list[_Sent]:
-    """One pass of sender choice; ``limit`` enables the pair preference (None: quotas only).
-    Spends a copy of ``quotas``."""
-    # Quotas are looked up per group, then per sender: a group is a tuple of up to hundreds
-    # of replicas, and CPython does not cache tuple hashes, so a (group, sender) key would
-    # hash the whole group on every lookup (millions at 4,096 GPUs).
-    quota = {group: dict(by_sender) for group, by_sender in quotas.items()}
+def _hand_out(
+    ordered: Sequence[tuple[int, _Demand]], quotas: Sequence[dict[int, int]], limit: int | None
+) -> list[_Sent]:
+    """One pass of sender choice over demands in the order ``ordered`` (single-candidate
+    ones first, then largest first), each paired with its group's number, ``quotas[g]``
+    being group ``g``'s quota per member; ``limit`` enables the pair preference (None: quotas
+    only). Spends a copy of ``quotas``."""
+    # Everything per group is looked up by its number, then per sender: a group is a tuple
+    # of up to hundreds of replicas, and CPython does not cache tuple hashes, so keying by
+    # the group would hash the whole group on every lookup (millions at 4,096 GPUs).
+    quota = [dict(by_sender) for by_sender in quotas]
     load: dict[int, int] = defaultdict(int)
     out: list[_Sent] = []
-    ordered = sorted(
-        demands,
-        key=lambda d: (len(d.candidates) > 1, -d.nbytes, d.candidates, d.leaf, d.dst, d.box),
-    )
     paired_with: dict[int, set[int]] = defaultdict(set)  # receiver -> its senders so far
-    ranks: dict[tuple[int, ...], _Ranked] = {}
-    members: dict[tuple[int, ...], frozenset[int]] = {}
-    heaps: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+    ranks: dict[int, _Ranked] = {}
+    members: dict[int, frozenset[int]] = {}
+    heaps: dict[int, list[tuple[int, int, int]]] = {}
 
-    def most_left(group: tuple[int, ...], left: dict[int, int]) -> int:
+    def most_left(g: int, group: tuple[int, ...], left: dict[int, int]) -> int:
         """The member with the most quota left (then the least loaded, then the lowest id),
         from a lazy heap of negated keys: keys only ever fall (quotas shrink, loads grow), so
         a top entry whose key is still current is the best; a stale one goes back updated."""
-        heap = heaps.get(group)
+        heap = heaps.get(g)
         if heap is None:
-            heap = heaps[group] = [(-left[s], load[s], s) for s in group]
+            heap = heaps[g] = [(-left[s], load[s], s) for s in group]
             heapq.heapify(heap)
         while True:
             stored = heap[0]
@@ -266,9 +306,9 @@ def _hand_out(demands: Sequence[_Demand], quotas: Quotas, limit: int | None) -> 
                 return s
             heapq.heapreplace(heap, now)
 
-    for demand in ordered:
+    for g, demand in ordered:
         group = demand.candidates
-        left = quota[group]
+        left = quota[g]
         paired = []
         if limit is not None and len(group) > 1:
             # Senders already paired with this receiver are few; look them up, not the group.
@@ -276,37 +316,33 @@ def _hand_out(demands: Sequence[_Demand], quotas: Quotas, limit: int | None) -> 
             if len(group) <= len(near):
                 paired = [s for s in group if s in near]
             else:
-                member = members.get(group) or members.setdefault(group, frozenset(group))
+                member = members.get(g) or members.setdefault(g, frozenset(group))
                 paired = [s for s in near if s in member]
             paired = [s for s in paired if load[s] + demand.nbytes <= limit]
-        if paired or len(group) < 8:
+        if len(group) == 1:
+            best = group[0]
+        elif paired or len(group) < 8:
             best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
         else:
-            best = most_left(group, left)
+            best = most_left(g, group, left)
         if len(group) == 1 or paired or left[best] >= demand.nbytes:
             parts = [(best, demand.box)]
         else:
-            ranked = ranks.get(group)
+            ranked = ranks.get(g)
             if ranked is None:
-                ranked = ranks[group] = _Ranked(group, left)
+                ranked = ranks[g] = _Ranked(group, left)
             parts = _split(demand, ranked)
         for sender, box in parts:
-            nbytes = box_size(box) * demand.nbytes // box_size(demand.box)
+            nbytes = (
+                demand.nbytes
+                if len(parts) == 1
+                else box_size(box) * demand.nbytes // box_size(demand.box)
+            )
             left[sender] -= nbytes
             load[sender] += nbytes
             paired_with[demand.dst].add(sender)
-            out.append(_Sent(Piece(demand.leaf, sender, demand.dst, box), nbytes))
+            out.append((sender, demand.dst, demand.leaf, box, nbytes))
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sent:
-    piece: Piece
-    nbytes: int
-
-    @property
-    def src(self) -> int:
-        return self.piece.src
 
 
 class _Ranked:
