@@ -138,7 +138,10 @@ class Unit:
         return self.listed + tuple(p for slab in self.slabs for p in slab.pieces())
 
     def stream_bytes(self, leaves: Sequence[LeafSpec]) -> dict[tuple[int, tuple[int, int]], int]:
-        """Bytes of each ``(stage, (sender, receiver))`` stream, without cutting the slabs."""
+        """Bytes of each ``(stage, (sender, receiver))`` stream, without cutting the slabs
+        (a fresh dict)."""
+        if not self.listed and len(self.slabs) == 1:  # most large units: one slab, as it is
+            return self.slabs[0].stream_bytes()
         sizes = _stream_bytes(leaves, self.listed)
         for slab in self.slabs:
             for key, n in slab.stream_bytes().items():
@@ -862,6 +865,8 @@ def plan_unit_rounds(
     (`choose_chunk_bytes`). ``gather_bytes`` (`split_units`): which leaves move by gathers.
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
+    if link_class is not None:  # asked once per pair and unit below: answered once per pair
+        link_class = functools.cache(link_class)
     units = split_units(
         leaves,
         assignment,
@@ -1237,16 +1242,19 @@ def chunk_sizes(
     cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
     classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
+    by_class: dict[int, dict[tuple[Any, tuple[int, int]], int]] = defaultdict(dict)
+    for key, n in sizes.items():  # (one pass: ~10^6 streams at scale)
+        by_class[classes[key[1]]][key] = n
     chunk_of = {
         cls: choose_chunk_bytes(
-            {key: n for key, n in sizes.items() if classes[key[1]] == cls},
+            by_class[cls],
             cap=cap,
             latency_bytes=(class_latency_bytes or {}).get(cls, latency),
             ladder=ladder,
             fault_cost=fault_cost,
             weights=weights,
         )
-        for cls in sorted(set(classes.values()))
+        for cls in sorted(by_class)
     }
     return chunk_of, classes
 
