@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import keystr
 
 from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
-from jaxreshard.planning.layout import Layout, LayoutError
+from jaxreshard.planning.layout import Layout, LayoutError, normalize_spec
 from jaxreshard.planning.lower import Lowered, lower, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, planner_options, route
 from jaxreshard.planning.schedule import (
@@ -1281,23 +1281,18 @@ def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval
         shape, dtype = tuple(np.shape(x)), _host_dtype(x)
     except TypeError as e:
         raise _LeafProblem(f"jax.device_put cannot take it either ({e})", "type") from None
-    if not isinstance(x, jax.Array) and not (
-        jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
-    ):  # strings, objects: jax.device_put would refuse them only when called
+    if not isinstance(x, jax.Array) and not _on_device(dtype):
+        # strings, objects: jax.device_put would refuse them only when called
         raise _LeafProblem(
             f"jax.device_put cannot take it either (arrays of dtype {dtype} cannot be on a device)",
             "type",
         )
-    if isinstance(dst, NamedSharding) and len(dst.spec) > len(shape):
-        # (JAX itself fails on this with a bare IndexError from inside its sharding code)
-        raise _LeafProblem(
-            f"through jax.device_put: the spec {tuple(dst.spec)} has {len(dst.spec)} entries "
-            f"but the array has rank {len(shape)}",
-            "layout",
-        )
     try:
+        if isinstance(dst, NamedSharding):  # (a spec longer than the rank: JAX's own check is
+            # a bare IndexError from inside its sharding code)
+            normalize_spec(dst.spec, len(shape), tuple(dst.mesh.axis_names))
         dst.shard_shape(shape)
-    except (ValueError, IndexError) as e:
+    except (LayoutError, ValueError) as e:
         raise _LeafProblem(f"through jax.device_put: {e}", "layout") from None
     cast = _cast(dtype, want, own)
     return shape, dtype, (None if cast == dtype else cast)
@@ -1313,12 +1308,17 @@ def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:
         dtype = jax.dtypes.canonicalize_dtype(jnp.dtype(want))
     except TypeError as e:
         raise _LeafProblem(f"cannot use {want!r} as a destination dtype ({e})", "dtype") from None
-    if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+    if not _on_device(dtype):
         raise _LeafProblem(
             f"cannot use {want!r} as a destination dtype: arrays of it cannot be on a device",
             "dtype",
         )
     return np.dtype(dtype) if _takes_cast(src, own) else src
+
+
+def _on_device(dtype: Any) -> bool:
+    """Whether arrays of ``dtype`` can be on a device (numbers and booleans)."""
+    return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
 
 
 def _takes_cast(src: Any, own: bool) -> bool:
