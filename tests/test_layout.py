@@ -7,7 +7,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxreshard.planning.layout import Layout, LayoutError, box_size, split_flat, split_rows
+from jaxreshard.planning.layout import (
+    Layout,
+    LayoutError,
+    box_size,
+    contiguous_runs,
+    split_flat,
+    split_rows,
+)
 
 MESHES = [
     ((8,), ("x",)),
@@ -87,3 +94,25 @@ def test_split_rows_cuts_the_outermost_dimension():
         ((0, 1), (0, 2), (0, 2)),
         ((0, 1), (2, 6), (0, 2)),
     ]
+
+
+def _runs_by_numpy(box, shape) -> int:
+    """Oracle: the box's elements' flat offsets in a C-order array of ``shape``, counted where
+    one does not follow the previous one."""
+    offsets = np.arange(int(np.prod(shape))).reshape(shape)[tuple(slice(a, b) for a, b in box)]
+    flat = offsets.reshape(-1)
+    return 1 + int(np.count_nonzero(np.diff(flat) != 1)) if flat.size else 0
+
+
+@pytest.mark.parametrize("shape", [(6,), (4, 6), (3, 4, 5), (2, 1, 3, 4)])
+def test_contiguous_runs_counts_the_rows_a_box_covers(shape):
+    """Every box of a few small arrays, against NumPy's own offsets."""
+    ranges = [[(a, b) for a in range(n) for b in range(a + 1, n + 1)] for n in shape]
+    for box in itertools.product(*ranges):
+        assert contiguous_runs(box, shape) == _runs_by_numpy(box, shape), box
+
+
+def test_contiguous_runs_by_hand():
+    assert contiguous_runs(((0, 128), (0, 64)), (128, 128)) == 128  # half the columns: rows
+    assert contiguous_runs(((0, 128), (0, 64)), (256, 64)) == 1  # whole rows: one run
+    assert contiguous_runs((), ()) == 1  # a scalar

@@ -136,6 +136,24 @@ def test_modeled_time_counts_a_schedules_segments_by_hand():
     assert rounds_only.pack == pytest.approx(128 / 50 + 0.5)
 
 
+def test_modeled_time_charges_the_rows_copies_read_and_write():
+    """A (4, 8) uint8 leaf split over its columns on devices 0 and 1 goes to devices 4 and 5
+    split over its rows. Each sender sends half of its (4, 4) shard to each receiver: whole
+    rows of it, one run read per piece (2 s a sender at 1 s a run). Each receiver writes two
+    pieces of 2 half rows into its (2, 8) shard: 4 runs (4 s). Copies cost nothing else."""
+    src = Layout.from_mesh((4, 8), (2,), ("s",), (0, 1), (None, "s"))
+    dst = Layout.from_mesh((4, 8), (2,), ("d",), (4, 5), ("d", None))
+    lf = LeafSpec("x", src, dst, "uint8", "uint8", 1)
+    schedule = build_schedule([lf], topology_assign([lf], topo()).pieces, bucket_bytes=1 << 20)
+    free = profile(copy_bandwidth=math.inf, bucket_overhead=0.0, run_overhead=1.0)
+    m = costmodel.modeled_time(schedule, topo(), free, leaves=[lf])
+    assert (m.pack, m.unpack) == pytest.approx((2.0, 4.0))
+    rows_free = costmodel.modeled_time(
+        schedule, topo(), dataclasses.replace(free, run_overhead=0.0), leaves=[lf]
+    )
+    assert (rows_free.pack, rows_free.unpack) == (0.0, 0.0)
+
+
 def test_fan_out_plan_and_its_round_model_bound_by_hand():
     """128 bytes on device 0 only; devices 4 and 5 (the other domain) each need all of it.
 

@@ -40,6 +40,17 @@ def box_size(box: Box) -> int:
     return n
 
 
+def contiguous_runs(box: Box, shape: Sequence[int]) -> int:
+    """How many contiguous runs of memory (C order) a box covers in an array of ``shape``
+    that holds it: the box's extents before its innermost dimension that is not whole, where
+    every dimension after that one is whole (1 for a box that is one run, or a scalar)."""
+    extents = box_shape(box)
+    j = len(extents) - 1
+    while j > 0 and extents[j] == shape[j]:
+        j -= 1
+    return math.prod(extents[:j]) if j > 0 else 1  # one run, or a scalar
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes of the same rank, or None when it holds no element."""
     out = []

@@ -51,6 +51,10 @@ class Profile:
         where ``host_copy_bandwidth`` says the host's devices share it.
       copy_overhead: seconds per box copied (one per piece in pack, and in unpack), beyond its
         bytes.
+      run_overhead: seconds per contiguous run (a row, in C order) a box copy reads or writes
+        in a shard, beyond its bytes: a box of half the columns of a matrix is copied row by
+        row, and short rows copy far below the streaming speed on CPU. Pack counts the runs
+        it reads, unpack those it writes. Per device, or per host like ``copy_overhead``.
       host_link_bandwidth: bytes/s all messages between devices of one host carry together
         when they share the host's cores (CPU devices); None for GPUs.
       launch_overhead: seconds a device idles per program it runs (three per bucket: pack,
@@ -80,6 +84,7 @@ class Profile:
     host_copy_bandwidth: float | None = None
     narrow_copy_bandwidth: float | None = None
     copy_overhead: float = 0.0
+    run_overhead: float = 0.0
     host_link_bandwidth: float | None = None
     launch_overhead: float = 0.0
     bucket_overhead: float = 0.0
@@ -129,6 +134,11 @@ def _gpu_sources(copy_bandwidth: str) -> tuple[tuple[str, str], ...]:
         ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
         ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
         ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
+        (
+            "run_overhead",
+            "assumption: a fused copy kernel reads and writes strided rows of a few KiB at HBM "
+            "speed on GPUs",
+        ),
         ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
         ("launch_overhead", _LAUNCH),
         ("bucket_overhead", _BUCKET),
@@ -200,6 +210,10 @@ PROFILES: dict[str, Profile] = {
                 "XLA CPU moves bf16 through bit-casts (DESIGN.md); `--calibrate` measures it",
             ),
             ("copy_overhead", "`--calibrate` measures it: many small copies against one"),
+            (
+                "run_overhead",
+                "`--calibrate` measures it: a box of 256-byte rows against one of 16 KiB rows",
+            ),
             (
                 "bucket_overhead",
                 "measured here: ~1 ms per bucket of launches and host work "

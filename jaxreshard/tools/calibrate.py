@@ -5,11 +5,13 @@
 Two steps, both on JAX's CPU backend:
 
 1. **Measure a CPU profile** with microbenchmarks that know nothing of the planner: a jitted copy
-   into a donated buffer (one device alone, and all devices at once: the host's copy speed),
-   collective-permute rounds over the union mesh (a round's latency: what 16 rounds of 4 KiB
-   in one program take over one; the host's aggregate message bandwidth with 4 pairs of 16 MiB,
-   one pair alone for a single link), and a refit of a one-bucket, 4 KiB plan (the fixed cost
-   of one bucket, dispatches included, less its modeled rounds).
+   into a donated buffer (one device alone, and all devices at once: the host's copy speed;
+   with rows of 256 bytes instead of 16 KiB: a row's cost), compiled with the executor's own
+   options for its copy programs (`runtime.copy_options`), collective-permute rounds over
+   the union mesh (a round's latency: what 16 rounds of 4 KiB in one program take over one;
+   the host's aggregate message bandwidth with 4 pairs of 16 MiB, one pair alone for a single
+   link), and a refit of a one-bucket, 4 KiB plan (the fixed cost of one bucket, dispatches
+   included, less its modeled rounds).
 2. **Predict and measure** the bench scenarios: each is planned by `jaxreshard.plan`, priced by
    `costmodel.modeled_time` from its schedule with the measured profile, and timed (donated
    refits). The model must land within +-30% of the measurement on each.
@@ -36,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from jaxreshard.planning.topology import GB, PROFILES, Profile, Topology
+from jaxreshard.run import codec, runtime
 from jaxreshard.tools import bench, costmodel
 
 TOLERANCE = 0.30
@@ -54,6 +57,11 @@ SCENARIOS = (
     "big_leaf",
 )
 """The bench's timing scenarios (`jaxreshard.tools.bench.SCENARIOS`)."""
+
+SHORT_RUN_BYTES = 256
+"""Row length of the box copy whose extra time over 16 KiB rows gives a row's cost
+(`Profile.run_overhead`): rows this short are where it matters (a 256 x 256 float32 leaf split
+over its columns), and a row's cost per byte falls as rows grow."""
 
 LATENCY_ROUNDS = 16
 """Rounds of the program whose extra time over a one-round program gives a round's latency."""
@@ -85,6 +93,14 @@ def _median(fn: Any, reps: int, passes: int = 2) -> float:
     untimed one): load from elsewhere on the machine only ever adds time, so the quieter pass
     is the figure."""
     return min(bench._median_time(fn, reps) for _ in range(passes))
+
+
+def _copy_program(fn: Any, devices: Sequence[jax.Device], **kwargs: Any) -> Any:
+    """``jax.jit(fn, **kwargs)`` compiled as the executor compiles its pack and unpack
+    programs (`runtime.copy_options`): on CPU, XLA's older fusion emitters copy wide elements
+    about 1.3x faster and narrow ones slower than the default, so a copy timed otherwise
+    prices another program than the one the executor runs."""
+    return jax.jit(fn, compiler_options=runtime.copy_options(devices[0].platform), **kwargs)
 
 
 class _InPlace:
@@ -156,7 +172,7 @@ class _ManyCopies:
             return y
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g"), P("g"), P("g")), out_specs=P("g"))
-        self.fn = jax.jit(mapped, donate_argnums=1)
+        self.fn = _copy_program(mapped, devices, donate_argnums=1)
 
     def __call__(self) -> jax.Array:
         self.y = self.fn(self.x, self.y, self.starts)
@@ -165,14 +181,15 @@ class _ManyCopies:
 
 class _BoxCopy(_InPlace):
     """Half the columns of a float32 matrix written into a donated flat buffer (a pack), on
-    the first ``k`` devices at once: the executor copies boxes, not whole buffers."""
+    every device of ``devices`` at once: the executor copies boxes, not whole buffers. Each
+    row of the box is a contiguous run of ``run_bytes``; ``nbytes`` per device."""
 
-    def __init__(self, devices: Sequence[jax.Device], nbytes: int):
+    def __init__(self, devices: Sequence[jax.Device], nbytes: int, run_bytes: int = 16 << 10):
         n = len(devices)
-        rows, cols = 1024, max(2, nbytes // 4 // 1024 * 2)
+        half = max(1, run_bytes // 4)
+        rows, cols = max(1, nbytes // (half * 4)), 2 * half
         mesh = Mesh(np.array(list(devices)), ("g",))
         s2, s1 = NamedSharding(mesh, P("g", None)), NamedSharding(mesh, P("g"))
-        half = cols // 2
         self.x = jax.jit(lambda: jnp.ones((n * rows, cols), jnp.float32), out_shardings=s2)()
         self.y = jax.jit(lambda: jnp.zeros((n * rows * half,), jnp.float32), out_shardings=s1)()
 
@@ -180,15 +197,18 @@ class _BoxCopy(_InPlace):
             return lax.dynamic_update_slice(y, x[:, half:].reshape(-1), (np.int32(0),))
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g", None), P("g")), out_specs=P("g"))
-        self.fn = jax.jit(mapped, donate_argnums=1)
+        self.fn = _copy_program(mapped, devices, donate_argnums=1)
         self.nbytes = n * rows * half * 4
+        self.runs = n * rows
 
 
 class _NarrowCopy(_InPlace):
     """Narrow elements on every device at once, the two ways a bf16 refit copies them:
-    ``cast``: half the columns of a float32 matrix, cast to bfloat16 and written as 32-bit
-    words into a donated flat buffer (a casting pack); else: 32-bit words written as
-    bfloat16 into half the columns of a donated bf16 matrix (an unpack into a bf16 shard)."""
+    ``cast``: half the columns of a float32 matrix, cast to bfloat16 and written as 16-bit
+    words into a donated flat buffer (a casting pack); else: 16-bit words written as
+    bfloat16 into half the columns of a donated bf16 matrix (an unpack into a bf16 shard).
+    A bucket of bf16 leaves stages 16-bit words (`lower._word_bytes`: the widest word every
+    element is made of), so these are the executor's own copies."""
 
     def __init__(self, devices: Sequence[jax.Device], nbytes: int, *, cast: bool):
         n = len(devices)
@@ -199,30 +219,27 @@ class _NarrowCopy(_InPlace):
         half = cols // 2
         if cast:
             self.x = jax.jit(lambda: jnp.ones((n * rows, cols), jnp.float32), out_shardings=s2)()
-            self.y = jax.jit(
-                lambda: jnp.zeros((n * rows * half // 2,), jnp.uint32), out_shardings=s1
-            )()
+            self.y = jax.jit(lambda: jnp.zeros((n * rows * half,), jnp.uint16), out_shardings=s1)()
 
             def body(x: jax.Array, y: jax.Array) -> jax.Array:
-                bf = x[:, half:].astype(jnp.bfloat16).reshape(-1, 2)
-                words = lax.bitcast_convert_type(bf, jnp.uint32)
+                words = codec.read_bits(x, (0, half), (rows, half), jnp.bfloat16).reshape(-1)
                 return lax.dynamic_update_slice(y, words, (np.int32(0),))
 
             specs = (P("g", None), P("g"))
         else:
-            self.x = jax.jit(
-                lambda: jnp.ones((n * rows * half // 2,), jnp.uint32), out_shardings=s1
-            )()
+            self.x = jax.jit(lambda: jnp.ones((n * rows * half,), jnp.uint16), out_shardings=s1)()
             self.y = jax.jit(lambda: jnp.zeros((n * rows, cols), jnp.bfloat16), out_shardings=s2)()
 
             def body(x: jax.Array, y: jax.Array) -> jax.Array:
-                bf = lax.bitcast_convert_type(x, jnp.bfloat16).reshape(rows, half)
-                return lax.dynamic_update_slice(y, bf, (np.int32(0), np.int32(half)))
+                # As the executor writes a shard: on its bits (XLA's CPU backend would compute
+                # a bf16 update in float32), through its own codec.
+                bits = codec.write_bits(codec.to_bits(y), x.reshape(rows, half), (0, half))
+                return codec.from_bits(bits, jnp.bfloat16)
 
             specs = (P("g"), P("g", None))
         out = specs[1]
         mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
-        self.fn = jax.jit(mapped, donate_argnums=1)
+        self.fn = _copy_program(mapped, devices, donate_argnums=1)
         self.nbytes = n * rows * half * 2
 
 
@@ -236,8 +253,8 @@ class _ManyArguments:
         n = len(devices)
         make = jax.jit(lambda: jnp.zeros((n * 256,), jnp.uint32), out_shardings=s)
         self.xs = [make() for _ in range(k)]
-        self.fn = jax.jit(
-            lambda *xs: tuple(x.at[0].set(1) for x in xs), donate_argnums=tuple(range(k))
+        self.fn = _copy_program(
+            lambda *xs: tuple(x.at[0].set(1) for x in xs), devices, donate_argnums=tuple(range(k))
         )
 
     def __call__(self) -> Any:
@@ -251,7 +268,12 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
     big = 16 << 20
     alone, together = _BoxCopy(devices[:1], big), _BoxCopy(devices, big)
     copy_one = alone.nbytes / _median(alone, reps)
-    copy_all = together.nbytes / _median(together, reps)
+    t_together = _median(together, reps)
+    copy_all = together.nbytes / t_together
+    # Rows: the same bytes as boxes of 256-byte rows (a leaf of a few hundred columns split
+    # in two) take longer than boxes of 16 KiB rows; the difference, per extra row.
+    rows = _BoxCopy(devices, big, run_bytes=SHORT_RUN_BYTES)
+    per_run = max(0.0, (_median(rows, reps) - t_together) / (rows.runs - together.runs))
     half = n // 2
     pairs = [(i, half + i) for i in range(half)]
     # A round's latency is what one more round adds to a program (4 KiB: the bytes are
@@ -289,6 +311,7 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
         host_link_bandwidth=host_link,
         narrow_copy_bandwidth=narrow,
         copy_overhead=per_copy,
+        run_overhead=per_run,
         argument_overhead=per_argument,
         bucket_overhead=0.0,
         sources=(
@@ -316,6 +339,11 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
             (
                 "copy_overhead",
                 f"measured: {boxes} copies of 16 KiB against one, per copy summed over the host",
+            ),
+            (
+                "run_overhead",
+                f"measured: 16 MiB per device of {SHORT_RUN_BYTES}-byte rows against 16 KiB "
+                "rows, all devices at once, per row summed over the host",
             ),
             ("bucket_overhead", "measured: a one-bucket 4 KiB refit less its modeled rounds"),
         ),
@@ -392,6 +420,7 @@ def format_profile(p: Profile) -> str:
         ("copy, every device together", f"{(p.host_copy_bandwidth or math.inf) / GB:.2f} GB/s"),
         ("bf16 / cast copy, together", f"{(p.narrow_copy_bandwidth or math.inf) / GB:.2f} GB/s"),
         ("per box copied", f"{p.copy_overhead * 1e6:.2f} us"),
+        ("per row copied", f"{p.run_overhead * 1e9:.1f} ns"),
         ("per array a program takes", f"{p.argument_overhead * 1e6:.2f} us"),
         ("per bucket", f"{p.bucket_overhead * 1e3:.3f} ms"),
     ]

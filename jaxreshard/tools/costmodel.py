@@ -36,7 +36,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
-from jaxreshard.planning.layout import box_size
+from jaxreshard.planning.layout import box_shape, box_size, contiguous_runs
 from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
 from jaxreshard.planning.schedule import RoundPlan, Schedule
 from jaxreshard.planning.topology import Profile, Topology
@@ -236,7 +236,8 @@ def modeled_time(
     profile says a host's devices share its cores (CPU), also at least the round's bytes
     between that host's devices over ``host_link_bandwidth``. Pack and unpack copy, per
     device, what it sends or receives in the bucket (`_Copies`). With a `Schedule` and its
-    ``leaves``, each message's segments are counted (bytes, narrow elements, boxes); a
+    ``leaves``, each message's segments are counted (bytes, narrow elements, boxes, and the
+    rows pack reads and unpack writes: `layout.contiguous_runs`); a
     `RoundPlan` has no segments, so its slots are counted as wide bytes in one box each.
 
     The parts reported add up to ``seconds``: ``overhead`` is what launches and host work add
@@ -278,9 +279,13 @@ def modeled_time(
             read, written = set(), set()
             for m in schedule.buckets[b].messages:
                 for seg in m.segments:
-                    narrow = _narrow(leaves[seg.leaf])
-                    sent.add(m.src, seg.nbytes, narrow=narrow)
-                    got.add(m.dst, seg.nbytes, narrow=narrow)
+                    leaf = leaves[seg.leaf]
+                    narrow = _narrow(leaf)
+                    src_shard = _shard_shape(leaf, from_dst=seg.from_dst)
+                    runs = contiguous_runs(seg.box, src_shard)  # pack reads the box's rows
+                    sent.add(m.src, seg.nbytes, narrow=narrow, runs=runs)
+                    runs = contiguous_runs(seg.box, _shard_shape(leaf, from_dst=True))
+                    got.add(m.dst, seg.nbytes, narrow=narrow, runs=runs)  # unpack writes them
                     read.add((seg.leaf, seg.from_dst))
                     written.add(seg.leaf)
             arrays += len(read) + len(written)
@@ -305,8 +310,14 @@ def modeled_time(
     copies = _Copies()
     for c in local:
         leaf = leaves[c.leaf] if leaves is not None else None
-        n = box_size(c.box) * (leaf.itemsize if leaf is not None else 1)
-        copies.add(c.device, n, narrow=leaf is not None and _narrow(leaf))
+        if leaf is None:
+            copies.add(c.device, box_size(c.box), narrow=False)
+            continue
+        runs = max(  # a local copy reads rows of its source shard into rows of its destination
+            contiguous_runs(c.box, _shard_shape(leaf, from_dst=False)),
+            contiguous_runs(c.box, _shard_shape(leaf, from_dst=True)),
+        )
+        copies.add(c.device, box_size(c.box) * leaf.itemsize, narrow=_narrow(leaf), runs=runs)
     local_s = copies.time(host, profile)
     total = transfer + pack + unpack + local_s + overhead
     return ModeledTime(total, transfer, pack, unpack, local_s, overhead, buckets, rounds)
@@ -323,39 +334,51 @@ def _buckets(schedule: Schedule | RoundPlan) -> Iterator[Sequence[tuple[int, Seq
         yield from schedule.rounds_by_bucket()
 
 
+def _shard_shape(leaf: LeafSpec, *, from_dst: bool) -> tuple[int, ...]:
+    """The shape of every shard of the leaf's destination (``from_dst``) or source layout
+    (JAX shards evenly)."""
+    return box_shape((leaf.dst if from_dst else leaf.src).boxes[0])
+
+
 def _narrow(leaf: LeafSpec) -> bool:
     """Whether the leaf's copies take the narrow-element path (below 4 bytes, or a cast)."""
     return leaf.itemsize < 4 or leaf.src_dtype != leaf.dst_dtype
 
 
 class _Copies:
-    """What each device copies in one step: wide bytes, narrow bytes and boxes."""
+    """What each device copies in one step: wide bytes, narrow bytes, boxes and the
+    contiguous runs (rows) of its boxes in the shards it reads or writes."""
 
     def __init__(self) -> None:
         self.wide: dict[int, int] = defaultdict(int)
         self.narrow: dict[int, int] = defaultdict(int)
         self.boxes: dict[int, int] = defaultdict(int)
+        self.runs: dict[int, int] = defaultdict(int)
 
-    def add(self, device: int, nbytes: int, *, narrow: bool) -> None:
+    def add(self, device: int, nbytes: int, *, narrow: bool, runs: int = 1) -> None:
         (self.narrow if narrow else self.wide)[device] += nbytes
         self.boxes[device] += 1
+        self.runs[device] += runs
 
     def time(self, host: Mapping[int, int], profile: Profile) -> float:
         """Seconds for every device's copies at once: the slowest device, or where a host's
         devices share it (``host_copy_bandwidth``), the slowest host doing all of its own."""
         if not self.boxes:
             return 0.0
-        wide, narrow, boxes = self.wide, self.narrow, self.boxes
+        wide, narrow, boxes, runs = self.wide, self.narrow, self.boxes, self.runs
         wide_bw = profile.copy_bandwidth
         if profile.host_copy_bandwidth is not None:  # sum each host's devices
             wide_bw = profile.host_copy_bandwidth
-            wide, narrow, boxes = (_by_host(x, host) for x in (wide, narrow, boxes))
+            wide, narrow, boxes, runs = (_by_host(x, host) for x in (wide, narrow, boxes, runs))
         narrow_bw = (
             wide_bw if profile.narrow_copy_bandwidth is None else profile.narrow_copy_bandwidth
         )
-        per = profile.copy_overhead
+        per, per_run = profile.copy_overhead, profile.run_overhead
         return max(
-            wide.get(k, 0) / wide_bw + narrow.get(k, 0) / narrow_bw + n * per
+            wide.get(k, 0) / wide_bw
+            + narrow.get(k, 0) / narrow_bw
+            + n * per
+            + runs.get(k, 0) * per_run
             for k, n in boxes.items()
         )
 
