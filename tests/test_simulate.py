@@ -84,13 +84,40 @@ def test_modeled_time_adds_pack_unpack_buckets_and_local_copies_by_hand():
 
 
 def test_modeled_time_hides_host_work_behind_the_devices_when_the_host_runs_ahead():
-    """The same buckets take 6 s and 12 s on the devices, plus 0.5 s of launch gaps each (3
-    programs). Host work of 1 s per bucket is hidden; of 10 s, the first bucket waits for
-    the host: 10 - 6.5 s more."""
-    hidden = costmodel.modeled_time(TWO_BUCKETS, topo(), profile(launch_overhead=0.5 / 3))
-    assert hidden.overhead == pytest.approx(1.0) and hidden.seconds == pytest.approx(19)
+    """GPU-like: each device runs its programs in order, the host dispatching ahead. With
+    launch gaps of 1/6 s per program and 1 s of host work per bucket:
+
+    - bucket 1: device 0 waits for the host's first second, packs 100 B (2 s), the transfer
+      takes 2 s (100 B inside at 50 B/s), device 1 unpacks 2 s;
+    - bucket 2: device 1 packs 50 B (1 s) after its unpack, device 0 packed its 50 B while
+      1 unpacked; the transfer (50 B across at 5 B/s: 10 s) waits for device 1; devices 2
+      and 4 unpack 1 s each.
+
+    Rounds 12 s, pack 2 + 1 s, unpack 2 + 1 s on the critical path (device 1's), 1 s of host
+    and six launches (1 s): 20 s, where buckets in turn take 6.5 + 12.5 s plus the host's first
+    second. With 10 s of host work a bucket, bucket 2 is dispatched at 20 s: 20 + 1 + 10 + 1."""
+    hidden = costmodel.modeled_time(TWO_BUCKETS, topo(), profile(launch_overhead=1 / 6))
+    assert (hidden.transfer, hidden.pack, hidden.unpack) == pytest.approx((12, 3, 3))
+    assert hidden.overhead == pytest.approx(2.0) and hidden.seconds == pytest.approx(20)
     slow = costmodel.modeled_time(TWO_BUCKETS, topo(), profile(bucket_overhead=10))
-    assert slow.overhead == pytest.approx(10 - 6) and slow.seconds == pytest.approx(10 + 12)
+    assert (slow.transfer, slow.pack, slow.unpack) == pytest.approx((10, 1, 1))
+    assert slow.overhead == pytest.approx(20) and slow.seconds == pytest.approx(32)
+
+
+def test_the_next_buckets_pack_runs_while_the_receivers_unpack_when_the_host_runs_ahead():
+    """Two buckets of 100 B from device 0 to device 1 (inside a domain, 2 s a round), copies
+    of 2 s each way, no host or launch cost. Device 0 packs bucket 2 while device 1 unpacks
+    bucket 1: 2 + 2 + 2 + 2 + 2 = 10 s, where the CPU's buckets in turn take 12 s."""
+    twice = RoundPlan(
+        chunk_bytes=100,
+        class_chunk_bytes=(),
+        buckets=(PlannedBucket(0, ((100, (((0, 1), 0),)),)),) * 2,
+    )
+    gpu = profile(bucket_overhead=0.0)
+    m = costmodel.modeled_time(twice, topo(), gpu)
+    assert (m.transfer, m.pack + m.unpack, m.seconds) == pytest.approx((4, 6, 10))
+    in_turn = costmodel.modeled_time(twice, topo(), dataclasses.replace(gpu, host_runs_ahead=False))
+    assert in_turn.seconds == pytest.approx(12)
 
 
 def test_a_buckets_rounds_across_and_inside_domains_overlap_where_links_do():
@@ -382,6 +409,22 @@ def test_destination_domains_forward_to_each_other_where_the_source_nics_would_b
     assert r.bound.seconds <= r.rounds_only.seconds < twice
 
 
+def test_the_gap_to_the_bound_adds_up_by_cause():
+    """The causes add up to ``modeled - bound``; links at their efficiency cost exactly the
+    bound at that efficiency; latency is what the rounds' latencies add: without them the
+    rounds take that much less (to within a bucket whose longer lane changes)."""
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
+    gap = r.gap()
+    assert sum(gap.values()) == pytest.approx(r.modeled.seconds - r.bound.seconds)
+    eff = PROFILES["h100"].inter_efficiency  # the import over the NICs binds
+    assert gap["link_efficiency"] == pytest.approx(r.bound.seconds * (1 / eff - 1))
+    assert gap["round_latency"] == pytest.approx(r.modeled.latency) and gap["round_latency"] > 0
+    fast = dataclasses.replace(r.profile, round_latency=0.0)
+    no_latency = costmodel.modeled_time(r.rounds, r.topology, fast)
+    assert no_latency.latency == 0.0  # (a bucket's longer lane may change without latency)
+    assert no_latency.transfer == pytest.approx(r.modeled.transfer - r.modeled.latency, rel=0.01)
+
+
 def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     path = tmp_path / "out.json"
     argv = ["--model", "qwen3-4b", "--src", "FSDP8", "--dst", "TP8", "--colocated"]
@@ -394,7 +437,7 @@ def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     (record,) = json.loads(path.read_text())
     assert record.keys() >= {
         "scenario", "placement", "params", "bytes", "modeled_s", "lower_bound_s", "baselines",
-        "planning_s", "buckets",
+        "planning_s", "buckets", "gap_to_bound_s",
     }  # fmt: skip
     assert record["placement"] == "colocated" and record["params"] == sim.qwen3_4b().num_params
     assert record["bytes"]["cross_domain"] == 0

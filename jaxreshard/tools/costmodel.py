@@ -35,6 +35,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 from jaxreshard.planning.layout import box_shape, box_size, contiguous_runs
 from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
@@ -144,36 +145,54 @@ def round_model_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBo
     return LowerBound(seconds, binding, sum(p.cross_in.values()))
 
 
-def physical_bound(leaves: Sequence[LeafSpec], topology: Topology) -> LowerBound:
+def physical_bound(
+    leaves: Sequence[LeafSpec], topology: Topology, profile: Profile | None = None
+) -> LowerBound:
     """A floor under any schedule on this hardware (formula in the module docstring).
 
     Every device's NVLink and NIC run at peak at once; any NIC of a domain may import (a
     byte can enter through one device and be relayed over NVLink); a byte needed in several
     domains must enter each of them but leaves its own domain once (it could be relayed on
-    outside). No latency or per-bucket cost is added: it is a pure bandwidth bound.
+    outside). No latency or per-bucket cost is added: it is a pure bandwidth bound. With a
+    ``profile``, the same bound with every link at that profile's efficiency (what no
+    schedule beats once links run at the speed the profile says they reach).
     """
+    return physical_bounds(leaves, topology, [profile])[0]
+
+
+def physical_bounds(
+    leaves: Sequence[LeafSpec], topology: Topology, profiles: Sequence[Profile | None]
+) -> list[LowerBound]:
+    """`physical_bound` for each of ``profiles`` (None: at peak), counting the bytes once."""
     p = _profile(leaves, topology)
-    bi, bx = topology.intra_bandwidth, topology.inter_bandwidth
-    terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
-    terms += [
-        (n / (bi + bx), f"device {d} receives {n / 1e9:.2f} GB over NVLink + NIC")
-        for d, n in p.need.items()
-    ]
-    terms += [
-        (n / (bi + bx), f"device {s} sends {n / 1e9:.2f} GB only it holds")
-        for s, n in p.sole_out.items()
-    ]
-    for g, n in p.cross_in.items():
-        nics = len(topology.members[g])
-        terms.append((n / (nics * bx), f"domain {g} imports {n / 1e9:.2f} GB over its {nics} NICs"))
-    for g, n in p.cross_out.items():
-        nics = len(topology.members[g])
-        terms.append((
-            n / (nics * bx),
-            f"domain {g} exports {n / 1e9:.2f} GB only it holds over its {nics} NICs",
-        ))  # fmt: skip
-    seconds, binding = max(terms)
-    return LowerBound(seconds, binding, sum(p.cross_in.values()))
+    out = []
+    for profile in profiles:
+        bi, bx = topology.intra_bandwidth, topology.inter_bandwidth
+        if profile is not None:
+            bi, bx = bi * profile.intra_efficiency, bx * profile.inter_efficiency
+        terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
+        terms += [
+            (n / (bi + bx), f"device {d} receives {n / 1e9:.2f} GB over NVLink + NIC")
+            for d, n in p.need.items()
+        ]
+        terms += [
+            (n / (bi + bx), f"device {s} sends {n / 1e9:.2f} GB only it holds")
+            for s, n in p.sole_out.items()
+        ]
+        for g, n in p.cross_in.items():
+            nics = len(topology.members[g])
+            terms.append(
+                (n / (nics * bx), f"domain {g} imports {n / 1e9:.2f} GB over its {nics} NICs")
+            )
+        for g, n in p.cross_out.items():
+            nics = len(topology.members[g])
+            terms.append((
+                n / (nics * bx),
+                f"domain {g} exports {n / 1e9:.2f} GB only it holds over its {nics} NICs",
+            ))  # fmt: skip
+        seconds, binding = max(terms)
+        out.append(LowerBound(seconds, binding, sum(p.cross_in.values())))
+    return out
 
 
 # ----------------------------------------------------------------------------- modeled time
@@ -186,12 +205,13 @@ class ModeledTime:
     Attributes:
       seconds: the total: the sum of the parts below.
       transfer: the collective-permute rounds (links at their efficiency, plus latency).
-      pack: senders copying into staging, bucket by bucket (the busiest device or host).
+      pack: senders copying into staging, on the critical path.
       unpack: receivers copying out of staging, likewise.
       local: the bytes destination devices copy from their own source shards.
       overhead: what launch gaps and host work add to the devices' copies and rounds.
       buckets: buckets priced.
       rounds: rounds priced.
+      latency: the part of ``transfer`` that is the rounds' latency.
     """
 
     seconds: float
@@ -202,6 +222,7 @@ class ModeledTime:
     overhead: float
     buckets: int
     rounds: int
+    latency: float = 0.0
 
     def parts(self) -> dict[str, float]:
         """The parts of ``seconds`` by name (JSON records)."""
@@ -224,36 +245,101 @@ def modeled_time(
 ) -> ModeledTime:
     """Price ``schedule`` bucket by bucket, as the executor runs it.
 
-    On the devices a bucket is its pack, its rounds and its unpack one after the other, plus
-    a launch gap per program (three); nothing of one bucket overlaps the next. Its rounds are
-    independent collective-permutes: where the profile has ``overlap_links``, the rounds with
-    a cross-domain message (the NIC lane) run beside those inside domains (the NVLink lane),
-    and the bucket's transfer is the longer lane; else every round in turn. On the host a
-    bucket costs ``bucket_overhead``: where the host runs ahead (GPUs) a bucket takes the
-    longer of the two, else (CPU) their sum. The ``local`` copies come last.
+    A bucket is three kinds of programs (`jaxreshard.run.runtime`): packs over its senders,
+    one transfer over the plan's union of devices, unpacks over its receivers, each program a
+    launch gap on the devices it runs on. Its rounds are independent collective-permutes of
+    the transfer: where the profile has ``overlap_links``, the rounds with a cross-domain
+    message (the NIC lane) run beside those inside domains (the NVLink lane), and the
+    bucket's transfer is the longer lane; else every round in turn. The host does
+    ``bucket_overhead`` of work per bucket, plus ``argument_overhead`` per array its programs
+    take. How the buckets follow each other depends on the profile:
+
+    - ``host_runs_ahead`` (GPUs): the executor never waits between buckets, and each device
+      runs its programs in order (one stream). So a device's clock advances by its own
+      copies only: the next bucket's pack on a sender runs while a receiver still unpacks
+      the last one. A transfer starts once every device of the union is ready (priced as a
+      barrier, though a collective-permute waits only for its pairs), and a device's programs
+      start no earlier than the host has dispatched them (`_Timeline`);
+    - else (CPU, where the executor waits before each transfer): a bucket is its pack, its
+      rounds and its unpack one after the other (the busiest device, or host, for each), plus
+      its host work; nothing of one bucket overlaps the next.
+
+    The ``local`` copies come last.
 
     A round takes ``latency + slot / (bandwidth x efficiency)`` of its slowest link; where the
     profile says a host's devices share its cores (CPU), also at least the round's bytes
     between that host's devices over ``host_link_bandwidth``. Pack and unpack copy, per
     device, what it sends or receives in the bucket (`_Copies`). With a `Schedule` and its
     ``leaves``, each message's segments are counted (bytes, narrow elements, boxes, and the
-    rows pack reads and unpack writes: `layout.contiguous_runs`); a
-    `RoundPlan` has no segments, so its slots are counted as wide bytes in one box each.
+    rows pack reads and unpack writes: `layout.contiguous_runs`); a `RoundPlan` has no
+    segments, so its slots are counted as wide bytes in one box each.
 
-    The parts reported add up to ``seconds``: ``overhead`` is what launches and host work add
-    beyond the devices' copies and rounds.
+    The parts reported add up to ``seconds``: ``pack`` and ``unpack`` are the copies on the
+    critical path, and ``overhead`` what launches and host work add to it.
     """
+    host = topology.host_of
+    clock: _Timeline | _InTurn = _Timeline() if profile.host_runs_ahead else _InTurn()
+    buckets = rounds = 0
+    for bucket in _measured_buckets(schedule, topology, profile, leaves):
+        clock.add(bucket, host, profile)
+        buckets += 1
+        rounds += bucket.rounds
+    copies = _Copies()
+    for c in local:
+        leaf = leaves[c.leaf] if leaves is not None else None
+        if leaf is None:
+            copies.add(c.device, box_size(c.box), narrow=False)
+            continue
+        runs = max(  # a local copy reads rows of its source shard into rows of its destination
+            contiguous_runs(c.box, _shard_shape(leaf, from_dst=False)),
+            contiguous_runs(c.box, _shard_shape(leaf, from_dst=True)),
+        )
+        copies.add(c.device, box_size(c.box) * leaf.itemsize, narrow=_narrow(leaf), runs=runs)
+    local_s = copies.time(host, profile)
+    path = clock.critical_path()
+    total = path.total + local_s
+    return ModeledTime(
+        total,
+        path.transfer,
+        path.pack,
+        path.unpack,
+        local_s,
+        path.overhead,
+        buckets,
+        rounds,
+        path.latency,
+    )
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """What one bucket makes the devices and the host do (`_measured_buckets`)."""
+
+    sent: _Copies
+    got: _Copies
+    moved: float
+    latency: float  # the part of ``moved`` that is rounds' latency
+    host_work: float
+    rounds: int
+
+
+def _measured_buckets(
+    schedule: Schedule | RoundPlan,
+    topology: Topology,
+    profile: Profile,
+    leaves: Sequence[LeafSpec] | None,
+) -> Iterator[_Bucket]:
+    """Each bucket's copies per device, its rounds' time (`modeled_time`) and its host work."""
     bw = {
         True: topology.inter_bandwidth * profile.inter_efficiency,
         False: topology.intra_bandwidth * profile.intra_efficiency,
     }
     host = topology.host_of
     with_segments = leaves is not None and isinstance(schedule, Schedule)
-    transfer = pack = unpack = overhead = 0.0
-    buckets = rounds = 0
     for b, bucket in enumerate(_buckets(schedule)):
         sent, got = _Copies(), _Copies()
         lanes = [0.0, 0.0]  # rounds with a cross-domain message, rounds inside domains
+        waits = [0.0, 0.0]  # their latency
         for size, pairs in bucket:
             cross = any(topology.crosses(s, d) for s, d in pairs)
             link = size / bw[cross]
@@ -264,13 +350,13 @@ def modeled_time(
                         on_host[host[s]] += size
                 link = max(link, max(on_host.values(), default=0) / profile.host_link_bandwidth)
             lanes[cross] += profile.round_latency + link
+            waits[cross] += profile.round_latency
             if not with_segments:  # each slot one wide box (inlined: millions at scale)
                 for s, d in pairs:
                     sent.wide[s] += size
                     sent.boxes[s] += 1
                     got.wide[d] += size
                     got.boxes[d] += 1
-            rounds += 1
         # Arrays the bucket's programs take: staging (pack writes it, the transfer reads and
         # receives into it, unpack reads it), and the leaves pack reads and unpack writes.
         arrays = 4 * len(bucket)
@@ -292,35 +378,88 @@ def modeled_time(
         # A bucket's rounds are independent collective-permutes (`runtime._build_transfer`):
         # where the NICs and NVLink run at once, its cross-domain rounds and its rounds
         # inside domains take the longer of the two, else their sum.
-        moved = max(lanes) if profile.overlap_links else sum(lanes)
-        packed, unpacked = sent.time(host, profile), got.time(host, profile)
-        device = packed + moved + unpacked + 3 * profile.launch_overhead
-        host_work = profile.bucket_overhead + arrays * profile.argument_overhead
-        if profile.host_runs_ahead:
-            extra = max(device, host_work) - (packed + moved + unpacked)
+        if profile.overlap_links:
+            longer = int(lanes[1] > lanes[0])
+            moved, latency = lanes[longer], waits[longer]
         else:
-            extra = device + host_work - (packed + moved + unpacked)
-        transfer, pack, unpack, overhead = (
-            transfer + moved,
-            pack + packed,
-            unpack + unpacked,
-            overhead + extra,
+            moved, latency = sum(lanes), sum(waits)
+        host_work = profile.bucket_overhead + arrays * profile.argument_overhead
+        yield _Bucket(sent, got, moved, latency, host_work, len(bucket))
+
+
+class _Path(NamedTuple):
+    """Seconds of a critical path by part (`ModeledTime`'s parts; ``latency`` is in
+    ``transfer``)."""
+
+    transfer: float = 0.0
+    latency: float = 0.0
+    pack: float = 0.0
+    unpack: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.transfer + self.pack + self.unpack + self.overhead
+
+
+class _InTurn:
+    """Buckets one after the other, each its pack, rounds and unpack in turn (the busiest
+    device or host for each copy), three launches and its host work, added (CPU)."""
+
+    def __init__(self) -> None:
+        self.path = _Path()
+
+    def add(self, b: _Bucket, host: Mapping[int, int], profile: Profile) -> None:
+        tr, lat, pk, up, ov = self.path
+        self.path = _Path(
+            tr + b.moved,
+            lat + b.latency,
+            pk + b.sent.time(host, profile),
+            up + b.got.time(host, profile),
+            ov + 3 * profile.launch_overhead + b.host_work,
         )
-        buckets += 1
-    copies = _Copies()
-    for c in local:
-        leaf = leaves[c.leaf] if leaves is not None else None
-        if leaf is None:
-            copies.add(c.device, box_size(c.box), narrow=False)
-            continue
-        runs = max(  # a local copy reads rows of its source shard into rows of its destination
-            contiguous_runs(c.box, _shard_shape(leaf, from_dst=False)),
-            contiguous_runs(c.box, _shard_shape(leaf, from_dst=True)),
+
+    def critical_path(self) -> _Path:
+        return self.path
+
+
+class _Timeline:
+    """Per-device clocks (GPUs: one stream a device, the host dispatching ahead).
+
+    Each device's clock is the critical path that led to it, by part, so the parts of the
+    last clock add up to the total. A device packs when the host has dispatched the bucket
+    and its own earlier programs are done; the transfer starts when every device seen so far
+    is ready (a barrier, which is conservative); then each receiver unpacks."""
+
+    def __init__(self) -> None:
+        self.end = _Path()  # the last transfer's end: every device's clock then
+        self.clock: dict[int, _Path] = {}  # the devices that did something since
+        self.host = 0.0
+
+    def _ready(self, clock: _Path) -> _Path:
+        """A device's clock, or the host's dispatch of the bucket if that comes later (the
+        device idles until then: the host's work is the critical path)."""
+        return clock if clock.total >= self.host else _Path(overhead=self.host)
+
+    def add(self, b: _Bucket, host: Mapping[int, int], profile: Profile) -> None:
+        self.host += b.host_work
+        launch = profile.launch_overhead
+        for d, t in b.sent.device_times(host, profile).items():
+            c = self._ready(self.clock.get(d, self.end))
+            self.clock[d] = c._replace(pack=c.pack + t, overhead=c.overhead + launch)
+        c = max(map(self._ready, [self.end, *self.clock.values()]), key=lambda p: p.total)
+        self.end = c._replace(
+            transfer=c.transfer + b.moved,
+            latency=c.latency + b.latency,
+            overhead=c.overhead + launch,
         )
-        copies.add(c.device, box_size(c.box) * leaf.itemsize, narrow=_narrow(leaf), runs=runs)
-    local_s = copies.time(host, profile)
-    total = transfer + pack + unpack + local_s + overhead
-    return ModeledTime(total, transfer, pack, unpack, local_s, overhead, buckets, rounds)
+        self.clock = {
+            d: self.end._replace(unpack=self.end.unpack + t, overhead=self.end.overhead + launch)
+            for d, t in b.got.device_times(host, profile).items()
+        }
+
+    def critical_path(self) -> _Path:
+        return max(map(self._ready, [self.end, *self.clock.values()]), key=lambda p: p.total)
 
 
 def _buckets(schedule: Schedule | RoundPlan) -> Iterator[Sequence[tuple[int, Sequence[Pair]]]]:
@@ -363,8 +502,12 @@ class _Copies:
     def time(self, host: Mapping[int, int], profile: Profile) -> float:
         """Seconds for every device's copies at once: the slowest device, or where a host's
         devices share it (``host_copy_bandwidth``), the slowest host doing all of its own."""
+        return max(self.device_times(host, profile).values(), default=0.0)
+
+    def device_times(self, host: Mapping[int, int], profile: Profile) -> dict[int, float]:
+        """Seconds of copies per device, or per host where a host's devices share it."""
         if not self.boxes:
-            return 0.0
+            return {}
         wide, narrow, boxes, runs = self.wide, self.narrow, self.boxes, self.runs
         wide_bw = profile.copy_bandwidth
         if profile.host_copy_bandwidth is not None:  # sum each host's devices
@@ -374,13 +517,13 @@ class _Copies:
             wide_bw if profile.narrow_copy_bandwidth is None else profile.narrow_copy_bandwidth
         )
         per, per_run = profile.copy_overhead, profile.run_overhead
-        return max(
-            wide.get(k, 0) / wide_bw
+        return {
+            k: wide.get(k, 0) / wide_bw
             + narrow.get(k, 0) / narrow_bw
             + n * per
             + runs.get(k, 0) * per_run
             for k, n in boxes.items()
-        )
+        }
 
 
 def _by_host(per_device: Mapping[int, int], host: Mapping[int, int]) -> dict[int, int]:

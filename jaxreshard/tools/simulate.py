@@ -581,11 +581,33 @@ class Result:
     published: str
     note: str
     units: tuple[Unit, ...] = ()
+    bound_at_efficiency: costmodel.LowerBound | None = None
 
     @property
     def ratio(self) -> float:
         """Modeled time (overheads included) over the physical bound."""
         return self.modeled.seconds / self.bound.seconds if self.bound.seconds else 1.0
+
+    def gap(self) -> dict[str, float]:
+        """What the modeled time adds to the physical bound, by cause (they add up to
+        ``modeled - bound``):
+
+        - ``link_efficiency``: the bound again with links at the profile's efficiency;
+        - ``rounds_beyond_bound``: the rounds' bandwidth time beyond that (uneven rounds,
+          padding, one link a device at a time where the bound lets NVLink and NIC share);
+        - ``round_latency``: the rounds' latency on the critical path;
+        - ``copies``: pack, unpack and local copies on the critical path;
+        - ``launches_and_host``: launch gaps and host work on it.
+        """
+        m = self.modeled
+        at_efficiency = (self.bound_at_efficiency or self.bound).seconds
+        return {
+            "link_efficiency": at_efficiency - self.bound.seconds,
+            "rounds_beyond_bound": m.transfer - m.latency - at_efficiency,
+            "round_latency": m.latency,
+            "copies": m.pack + m.unpack + m.local,
+            "launches_and_host": m.overhead,
+        }
 
     def record(self, scenario: str = "") -> dict[str, object]:
         """A JSON-ready summary (`--json`)."""
@@ -618,6 +640,7 @@ class Result:
             "rounds_only_s": self.rounds_only.seconds,
             "lower_bound_s": self.bound.seconds,
             "lower_bound_binding": self.bound.binding,
+            "gap_to_bound_s": self.gap(),
             "round_model_bound_s": self.round_model_bound.seconds,
             "modeled_over_bound": self.ratio,
             "baselines": dict(self.baselines),
@@ -788,6 +811,7 @@ def simulate(
         "M2N-like (stages in order)": costmodel.m2n_like(leaves, m2n, topo, profile),
         "rank-0 broadcast": costmodel.rank0_broadcast(leaves, topo),
     }
+    bound, bound_at_efficiency = costmodel.physical_bounds(leaves, topo, [None, profile])
     return Result(
         title=title or f"{model.name}: {src} -> {dst}",
         model=model,
@@ -802,7 +826,8 @@ def simulate(
             rounds, topo, profile, leaves=leaves, local=assignment.local
         ),
         rounds_only=costmodel.schedule_cost(rounds, topo),
-        bound=costmodel.physical_bound(leaves, topo),
+        bound=bound,
+        bound_at_efficiency=bound_at_efficiency,
         round_model_bound=costmodel.round_model_bound(leaves, topo),
         baselines=baselines,
         planning_seconds=planning,
@@ -852,6 +877,12 @@ def format_result(r: Result) -> str:
         if r.profile.overlap_links
         else "every round in turn"
     )
+    order = (
+        "each GPU runs its programs in order, the next bucket's packs beside the last one's unpacks"
+        if r.profile.host_runs_ahead
+        else "buckets in turn, each pack, rounds, unpack"
+    )
+    gap = ", ".join(f"{k.replace('_', ' ')} +{_ms(v)}" for k, v in r.gap().items())
     domains = len({r.topology.domain_of[i] for i in r.topology.devices})
     relayed = s.bytes_relayed - s.bytes_relayed_cross_domain  # inside domains
     intra_direct = s.bytes_sent - s.bytes_cross_domain - relayed
@@ -872,10 +903,10 @@ def format_result(r: Result) -> str:
                       f"{p.round_latency * 1e6:.0f} us per round"),
         ("modeled time", f"{_ms(m.seconds)} (rounds {_ms(m.transfer)}, pack {_ms(m.pack)}, "
                          f"unpack {_ms(m.unpack)}, local {_ms(m.local)}, buckets "
-                         f"{_ms(m.overhead)}; buckets in turn, each pack, rounds, unpack; "
-                         f"{lanes})"),
+                         f"{_ms(m.overhead)}; {order}; {lanes})"),
         ("physical bound", f"{_ms(b.seconds)}  (modeled / bound = {r.ratio:.3f}; binding: "
                            f"{b.binding})" if b.seconds else _ms(0)),
+        ("gap to the bound", gap),
         ("round-model bound", f"{_ms(r.round_model_bound.seconds)} (destination NICs only, "
                               f"one message at a time; rounds alone at peak: "
                               f"{_ms(r.rounds_only.seconds)})"),
