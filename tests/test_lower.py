@@ -412,9 +412,10 @@ def test_slab_units_price_their_streams_without_cutting_and_cut_the_same_bytes()
 @pytest.mark.parametrize("moves", ["by copies", "by gathers"])
 def test_random_layouts_with_fan_out_lower_exactly(moves):
     """Random layouts over two domains, routed as `jaxreshard.plan` routes clusters (fewer
-    importers for small leaves, pooled leaves) and planned in pipelined units with slabs:
-    exact through the lowered programs, and no relay forwards a byte before it arrived. Many
-    examples must relay and pipeline (asserted, not hoped for)."""
+    importers for small leaves, pooled leaves) and planned in pipelined units with slabs
+    (with the tails' ladder of CPUs or of accelerators): exact through the lowered programs,
+    and no relay forwards a byte before it arrived. Many examples must relay and pipeline
+    (asserted, not hoped for)."""
     seen: Counter = Counter()
 
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -424,8 +425,9 @@ def test_random_layouts_with_fan_out_lower_exactly(moves):
         min_share=st.sampled_from([0, 64, 1 << 20]),
         pool=st.sampled_from([0, 1 << 20]),
         parts=st.sampled_from([2, 8]),
+        rungs=st.sampled_from([1, 2]),  # the tails' ladder of CPUs, of accelerators
     )
-    def one(data, rank, min_share, pool, parts):
+    def one(data, rank, min_share, pool, parts, rungs):
         src = data.draw(mesh_layout("s", rank, devices=4))  # domain A only
         devices, offset = data.draw(st.sampled_from([(4, 4), (4, 4), (8, 0)]))  # B, or A and B
         dst = data.draw(mesh_layout("d", rank, devices=devices, offset=offset))
@@ -445,6 +447,7 @@ def test_random_layouts_with_fan_out_lower_exactly(moves):
             bucket_bytes=bucket,
             link_class=TWO_DOMAINS.link_class,
             gather_bytes=gather,
+            ladder_rungs=rungs,
         )
         lowered = lower(leaves, schedule, bucket_bytes=bucket, gather_bytes=gather)
         assert_lowered_exact(leaves, lowered)

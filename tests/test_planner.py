@@ -18,7 +18,16 @@ from reference import assert_reference_exact, leaf_spec
 
 from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import route
-from jaxreshard.planning.schedule import _stage_rounds, build_schedule, colour_rounds, plan_stats
+from jaxreshard.planning.schedule import (
+    ALIGN,
+    _ladder_sizes,
+    _stage_rounds,
+    build_schedule,
+    colour_rounds,
+    ladder_size,
+    plan_stats,
+    platform_options,
+)
 from jaxreshard.planning.topology import Topology
 
 
@@ -170,6 +179,51 @@ def test_tails_rounded_up_to_a_chunk_are_coloured_with_the_full_chunks(tail, rou
     assert {p: sorted(ks) for p, ks in chunks.items()} == {
         (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
     }  # fmt: skip
+
+
+def _rungs_by_hand(chunk: int, quarters: bool) -> list[int]:
+    """The ladder of a chunk that halves exactly six times (``chunk`` a multiple of 64 x ALIGN):
+    chunk, (3/4), 1/2, (3/8), 1/4, ... 1/64."""
+    out = []
+    for k in range(7):
+        out.append(chunk >> k)
+        if quarters and k < 6:
+            out.append(3 * chunk >> (k + 2))
+    return sorted(out, reverse=True)
+
+
+@pytest.mark.parametrize("quarters", [False, True], ids=["halves", "three quarters"])
+def test_a_tail_takes_the_smallest_rung_that_holds_it(quarters):
+    """Against the ladder written out by hand: the smallest rung at least the tail, or the tail
+    itself (aligned) below half the last rung. Padding is at most 2x with halves and 1.5x with
+    three-quarter rungs between them (but for the last halving); the vectorised form used by
+    the chunk model agrees."""
+    chunk, rungs = 64 * 1024, 2 if quarters else 1
+    ladder = _rungs_by_hand(chunk, quarters)
+    tails = np.arange(1, chunk + 1, 7)
+    for n in tails.tolist():
+        size = ladder_size(n, chunk, rungs)
+        fits = [r for r in ladder if r >= n]
+        expected = min(fits) if min(fits) < 2 * n or min(fits) != ladder[-1] else n
+        if expected == n:
+            expected = -(-n // ALIGN) * ALIGN
+        assert size == expected, n
+        most = 1.5 if quarters and n > ladder[-1] else 2.0  # the last step is a halving
+        assert n <= size <= max(most * n, ALIGN)
+    np.testing.assert_array_equal(
+        _ladder_sizes(tails, chunk, rungs), [ladder_size(n, chunk, rungs) for n in tails.tolist()]
+    )
+
+
+def test_accelerators_pad_tails_less_than_cpus():
+    """A 300-byte tail of a 1,024-byte chunk rides in a 512-byte round on CPU (halves only:
+    few staging shapes, since fresh ones page-fault there) and in a 384-byte round on GPUs;
+    a tail over half a chunk is coloured with the full chunks either way."""
+    cpu, gpu = (platform_options(p, 1 << 20)["ladder_rungs"] for p in ("cpu", "gpu"))
+    assert (cpu, gpu) == (1, 2)
+    assert [size for size, _ in _stage_rounds({(0, 1): 300}, 1024, ladder=cpu)] == [512]
+    assert [size for size, _ in _stage_rounds({(0, 1): 300}, 1024, ladder=gpu)] == [384]
+    assert [size for size, _ in _stage_rounds({(0, 1): 700}, 1024, ladder=gpu)] == [1024]
 
 
 def _random_multigraphs():

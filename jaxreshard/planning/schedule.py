@@ -406,14 +406,28 @@ stays one bucket. On CPU a unit is one bucket (compile time dominates there)."""
 
 def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
     """The `build_plan_schedule` options that depend on the backend (``"cpu"``, ``"gpu"``,
-    ``"tpu"``): ``unit_bytes``, one bucket on CPU and `GPU_UNIT_BUCKETS` buckets elsewhere, and
+    ``"tpu"``): ``unit_bytes``, one bucket on CPU and `GPU_UNIT_BUCKETS` buckets elsewhere,
     ``fault_cost``, `FAULT_COST` on CPU only (fresh pages fault there; accelerators' allocators
-    reuse device memory). `jaxreshard.plan` and the cluster model both take them from here."""
+    reuse device memory), and ``ladder_rungs``, the tails' ladder (`CPU_LADDER_RUNGS`,
+    `ACCELERATOR_LADDER_RUNGS`). `jaxreshard.plan` and the cluster model both take them from
+    here."""
     cpu = platform == "cpu"
     return {
         "unit_bytes": bucket_bytes if cpu else GPU_UNIT_BUCKETS * bucket_bytes,
         "fault_cost": FAULT_COST if cpu else 0.0,
+        "ladder_rungs": CPU_LADDER_RUNGS if cpu else ACCELERATOR_LADDER_RUNGS,
     }
+
+
+CPU_LADDER_RUNGS = 1
+"""Rungs per halving of the tails' ladder on CPU (`tail_ladder`): halves only, so a plan has
+few staging shapes (a fresh shape page-faults on first touch there)."""
+
+ACCELERATOR_LADDER_RUNGS = 2
+"""The same on accelerators: halves and the three quarters between them, so a tail is padded
+at most 1.5x instead of 2x, for twice the staging shapes (an accelerator's allocator makes a
+buffer without touching its pages). Tails are where layouts leave uneven bytes: Kimi-K2's
+FP8 refit in the cluster model (1,605 -> 1,575 ms), Llama-3.1-70B (441 -> 434 ms)."""
 
 
 MAX_UNIT_COPIES = 24
@@ -850,6 +864,7 @@ def plan_unit_rounds(
     unit_bytes: int | None = None,
     fault_cost: float = FAULT_COST,
     gather_bytes: int | None = None,
+    ladder_rungs: int = CPU_LADDER_RUNGS,
 ) -> tuple[tuple[Unit, ...], RoundPlan]:
     """The units and rounds of a whole plan, as `build_plan_schedule` makes them, without
     cutting message contents (the cost model's input at any cluster size).
@@ -863,6 +878,7 @@ def plan_unit_rounds(
     nothing in a plan without relays. ``unit_bytes`` (`split_units`) lets a large leaf's slabs
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
     (`choose_chunk_bytes`). ``gather_bytes`` (`split_units`): which leaves move by gathers.
+    ``ladder_rungs``: rungs per halving of the tails' ladder (`tail_ladder`).
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
     if link_class is not None:  # asked once per pair and unit below: answered once per pair
@@ -903,7 +919,7 @@ def plan_unit_rounds(
         bucket_bytes=bucket_bytes,
         link_class=link_class,
         class_latency_bytes=class_latency_bytes,
-        ladder=True,
+        ladder=ladder_rungs,
         fault_cost=fault_cost,
         weights=weights,
         max_chunk_bytes=bucket_bytes // 2 if chained else None,
@@ -939,6 +955,7 @@ def plan_unit_rounds(
                 class_latency_bytes=class_latency_bytes,
                 chunks=chunks,
                 interleave=unit.overlap,
+                ladder_rungs=ladder_rungs,
             )
         buckets.extend(dataclasses.replace(b, unit=u) for b in planned[key].buckets)
     named = () if link_class is None else tuple(sorted(chunks.items()))
@@ -957,6 +974,7 @@ def build_plan_schedule(
     unit_bytes: int | None = None,
     fault_cost: float = FAULT_COST,
     gather_bytes: int | None = None,
+    ladder_rungs: int = CPU_LADDER_RUNGS,
 ) -> Schedule:
     """The schedule of a whole plan: `plan_unit_rounds` (same options), then each unit's
     streams cut into its messages' segments, as `build_schedule` does for one unit."""
@@ -971,6 +989,7 @@ def build_plan_schedule(
         unit_bytes=unit_bytes,
         fault_cost=fault_cost,
         gather_bytes=gather_bytes,
+        ladder_rungs=ladder_rungs,
     )
     return cut_plan_schedule(leaves, units, plan, link_class=link_class)
 
@@ -1128,8 +1147,10 @@ def _plan_stream_rounds(
     class_latency_bytes: Mapping[int, int] | None = None,
     chunks: Mapping[int, int] | None = None,
     interleave: bool = False,
+    ladder_rungs: int = CPU_LADDER_RUNGS,
 ) -> RoundPlan:
-    """`plan_rounds` from the bytes of each ``(stage, (sender, receiver))`` stream."""
+    """`plan_rounds` from the bytes of each ``(stage, (sender, receiver))`` stream (with
+    ``chunks``, tails take `ladder_size` rounds of ``tail_ladder`` rungs per halving)."""
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     if chunks is not None:
         classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
@@ -1144,7 +1165,7 @@ def _plan_stream_rounds(
             class_latency_bytes=class_latency_bytes,
         )
         chunk = max(chunk_of.values(), default=cap)
-    ladder = chunks is not None
+    ladder = ladder_rungs if chunks is not None else 0
     by_stage: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
     slowest = max(classes.values(), default=0)
     if interleave and len({st for st, pair in sizes if classes[pair] == slowest}) > 1:
@@ -1227,7 +1248,7 @@ def chunk_sizes(
     latency_bytes: int | None = None,
     link_class: Callable[[int, int], int] | None = None,
     class_latency_bytes: Mapping[int, int] | None = None,
-    ladder: bool = False,
+    ladder: int = 0,
     fault_cost: float = FAULT_COST,
     weights: Mapping[Any, int] | None = None,
     max_chunk_bytes: int | None = None,
@@ -1263,30 +1284,31 @@ Rounds = list[tuple[int, list[Entry]]]
 """Rounds of one stage as ``(slot_bytes, [((src, dst), chunk_index), ...])``."""
 
 
-def _stage_rounds(
-    streams: Mapping[tuple[int, int], int], chunk: int, ladder: bool = False
-) -> Rounds:
+def _stage_rounds(streams: Mapping[tuple[int, int], int], chunk: int, ladder: int = 0) -> Rounds:
     """Rounds of one stage, from its streams' byte counts.
 
     Full chunks are coloured together into rounds of ``chunk`` bytes. Each stream's last,
     partial chunk (its tail) is coloured separately, largest tails first, into rounds sized to
     their largest tail: tails of small leaves then ride in small rounds instead of being padded
-    to a full chunk.
+    to a full chunk. ``ladder``: 0, or the rungs per halving of `ladder_size` tails take.
     """
     full, tails = _full_and_tails(streams, chunk, ladder)
     out = [(chunk, entries) for entries in colour_rounds({p: n for p, n in full.items() if n})]
-    return out + _tail_rounds(tails, full, chunk if ladder else None)
+    return out + _tail_rounds(tails, full, chunk if ladder else None, ladder)
 
 
 def _full_and_tails(
-    streams: Mapping[tuple[int, int], int], chunk: int, ladder: bool
+    streams: Mapping[tuple[int, int], int], chunk: int, ladder: int
 ) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
     """Each stream's count of chunks coloured as full ones, and its tail (the bytes after
-    them) where it has one. With ``ladder``, a tail its `ladder_size` rounds up to a whole
-    chunk counts as a full chunk: its round would be chunk-sized anyway, and coloured with
-    the full chunks it takes a free slot of theirs instead of a round of its own (apart, the
-    rounds are the busiest device's full chunks plus the busiest device's tails, often two
-    different devices: a receiver of a few long streams and a sender of many short ones)."""
+    them) where it has one. With ``ladder``, a tail over half a chunk counts as a full chunk:
+    with halves only, its `ladder_size` is the chunk anyway, and coloured with the full chunks
+    it takes a free slot of theirs instead of a round of its own (apart, the rounds are the
+    busiest device's full chunks plus the busiest device's tails, often two different
+    devices: a receiver of a few long streams and a sender of many short ones). With
+    three-quarter rungs too it is padded to the chunk rather than to three quarters of it:
+    kept so, since tail rounds of their own cost more (NeMo-RL's setup in the cluster model:
+    1,222 ms this way, 1,228 ms with such tails in rounds of their own)."""
     full = {pair: n // chunk for pair, n in streams.items()}
     tails = {pair: n % chunk for pair, n in streams.items() if n % chunk}
     if ladder:
@@ -1301,15 +1323,18 @@ def _tail_rounds(
     tails: Mapping[tuple[int, int], int],
     full: Mapping[tuple[int, int], int],
     ladder: int | None = None,
+    rungs: int = 1,
 ) -> Rounds:
     """Each stream's tail (chunk index ``full[pair]``), largest first, in rounds sized to their
-    largest tail (with ``ladder``, rounded up by `ladder_size` of that chunk)."""
+    largest tail (with ``ladder``, a chunk size, rounded up by `ladder_size` of that chunk with
+    ``rungs`` rungs per halving)."""
     order = sorted(tails, key=lambda p: (-tails[p], p))
     out = []
     for entries in colour_rounds({p: 1 for p in order}, order=order):
         located = [(pair, full[pair]) for pair, _ in entries]
         largest = max(tails[pair] for pair, _ in entries)
-        out.append((_align(largest) if ladder is None else ladder_size(largest, ladder), located))
+        size = _align(largest) if ladder is None else ladder_size(largest, ladder, rungs)
+        out.append((size, located))
     return out
 
 
@@ -1317,28 +1342,48 @@ LADDER_STEPS = 6
 """How many halvings of the chunk size `ladder_size` offers below the chunk itself."""
 
 
-def ladder_size(nbytes: int, chunk: int) -> int:
-    """A round size for a tail of ``nbytes``: the smallest of ``chunk, chunk / 2, ...,
-    chunk / 2**LADDER_STEPS`` that holds it, or the tail itself (aligned) below that.
+@functools.cache
+def tail_ladder(chunk: int, rungs: int = 1) -> tuple[tuple[int, ...], bool]:
+    """The round sizes a tail of a ``chunk``-byte chunk may take, largest first: ``chunk``,
+    then each of ``LADDER_STEPS`` halvings, with (``rungs=2``) the three quarters of each step
+    between them; and whether the ladder went down all its steps (it stops where halving no
+    longer makes an aligned size smaller)."""
+    out, size = [chunk], chunk
+    for _ in range(LADDER_STEPS):
+        half = _align(size // 2)
+        if half >= size:
+            return tuple(out), False
+        if rungs > 1 and half < (three_quarters := _align(size * 3 // 4)) < size:
+            out.append(three_quarters)
+        out.append(half)
+        size = half
+    return tuple(out), True
+
+
+def ladder_size(nbytes: int, chunk: int, rungs: int = 1) -> int:
+    """A round size for a tail of ``nbytes``: the smallest rung of `tail_ladder` that holds
+    it, or the tail itself (aligned) below half the last rung.
 
     Round sizes are the shapes of staging buffers, which the runtime keeps and reuses between
     steps and calls only when they match: a few sizes per plan keep a refit allocation-free,
-    at the price of at most 2x padding on rounds of tails, which is cheaper than a fresh
-    buffer's page faults on CPU and allocator churn on accelerators."""
-    size = chunk
-    for _ in range(LADDER_STEPS):
-        half = _align(size // 2)
-        if half < nbytes or half >= size:
-            return size
-        size = half
-    return size if _align(size // 2) < nbytes else _align(nbytes)
+    at the price of at most 2x padding on rounds of tails (1.5x with ``rungs=2``), which is
+    cheaper than a fresh buffer's page faults on CPU and allocator churn on accelerators."""
+    ladder, complete = tail_ladder(chunk, rungs)
+    smallest = chunk
+    for size in ladder:  # largest first
+        if size < nbytes:
+            break
+        smallest = size
+    if complete and smallest == ladder[-1] and _align(smallest // 2) >= nbytes:
+        return _align(nbytes)
+    return smallest
 
 
 def _class_rounds(
     streams: Mapping[tuple[int, int], int],
     chunk_of: Mapping[int, int],
     classes: Mapping[tuple[int, int], int],
-    ladder: bool = False,
+    ladder: int = 0,
 ) -> Rounds:
     """Rounds of one stage whose pairs are on links of several speeds, slowest class first.
 
@@ -1370,7 +1415,7 @@ def _class_rounds(
         if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
             new = [[(p, full[p] - left[p] + k) for p, k in entries] for entries in new]
         rounds = [(chunk, entries) for entries in new]
-        for size, entries in rounds + _tail_rounds(tails, full, chunk if ladder else None):
+        for size, entries in rounds + _tail_rounds(tails, full, chunk if ladder else None, ladder):
             r = len(out)
             out.append((size, entries))
             for (s, d), _ in entries:
@@ -1432,7 +1477,7 @@ def choose_chunk_bytes(
     *,
     cap: int,
     latency_bytes: int,
-    ladder: bool = False,
+    ladder: int = 0,
     fault_cost: float = FAULT_COST,
     weights: Mapping[Any, int] | None = None,
 ) -> int:
@@ -1515,7 +1560,7 @@ class _ChunkModel:
             out[present] = np.maximum(out[present], most)
         return out
 
-    def time(self, chunk: int, ladder: bool = False) -> int:
+    def time(self, chunk: int, ladder: int = 0) -> int:
         full, rest = np.divmod(self.sizes, chunk)
         if ladder:  # tails rounded up to a whole chunk are coloured as one (`_full_and_tails`)
             whole = rest > _align(chunk // 2)
@@ -1524,7 +1569,7 @@ class _ChunkModel:
         n_tail = self._busiest((rest > 0).astype(np.int64))
         largest = np.zeros(len(self.stage_index), dtype=np.int64)
         np.maximum.at(largest, self.pair_stage, rest[self.pair_size])
-        tails = _ladder_sizes(largest, chunk) if ladder else _aligned(largest)
+        tails = _ladder_sizes(largest, chunk, ladder) if ladder else _aligned(largest)
         total = int(
             (self.weight * n_full * (chunk + self.latency)).sum()
             + (self.weight * n_tail * (tails + self.latency)).sum()
@@ -1560,22 +1605,15 @@ def _aligned(n: np.ndarray) -> np.ndarray:
     return np.maximum(ALIGN, -(-n // ALIGN) * ALIGN)
 
 
-def _ladder_sizes(nbytes: np.ndarray, chunk: int) -> np.ndarray:
+def _ladder_sizes(nbytes: np.ndarray, chunk: int, rungs: int = 1) -> np.ndarray:
     """`ladder_size` of every element (vectorised: the chunk model tries hundreds of chunk
     sizes on plans with thousands of stages)."""
-    rungs, size, complete = [chunk], chunk, True
-    for _ in range(LADDER_STEPS):
-        half = _align(size // 2)
-        if half >= size:
-            complete = False
-            break
-        rungs.append(half)
-        size = half
-    ladder = np.array(rungs, dtype=np.int64)  # decreasing
+    rungs_, complete = tail_ladder(chunk, rungs)
+    ladder = np.array(rungs_, dtype=np.int64)  # decreasing
     fits = (ladder[None, :] >= nbytes[:, None]).sum(axis=1)  # rungs holding each tail
     out = ladder[np.maximum(fits, 1) - 1]
     if complete:  # below the last rung's half a tail travels in a round of its own size
-        small = (fits == len(ladder)) & (_align(size // 2) >= nbytes)
+        small = (fits == len(ladder)) & (_align(int(ladder[-1]) // 2) >= nbytes)
         out = np.where(small, _aligned(nbytes), out)
     return out
 
