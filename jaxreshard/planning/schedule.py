@@ -1150,7 +1150,7 @@ def _plan_stream_rounds(
     ladder_rungs: int = CPU_LADDER_RUNGS,
 ) -> RoundPlan:
     """`plan_rounds` from the bytes of each ``(stage, (sender, receiver))`` stream (with
-    ``chunks``, tails take `ladder_size` rounds of ``tail_ladder`` rungs per halving)."""
+    ``chunks``, tails take `ladder_size` rounds of ``ladder_rungs`` rungs per halving)."""
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     if chunks is not None:
         classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
@@ -1608,8 +1608,8 @@ def _aligned(n: np.ndarray) -> np.ndarray:
 def _ladder_sizes(nbytes: np.ndarray, chunk: int, rungs: int = 1) -> np.ndarray:
     """`ladder_size` of every element (vectorised: the chunk model tries hundreds of chunk
     sizes on plans with thousands of stages)."""
-    rungs_, complete = tail_ladder(chunk, rungs)
-    ladder = np.array(rungs_, dtype=np.int64)  # decreasing
+    sizes, complete = tail_ladder(chunk, rungs)
+    ladder = np.array(sizes, dtype=np.int64)  # decreasing
     fits = (ladder[None, :] >= nbytes[:, None]).sum(axis=1)  # rungs holding each tail
     out = ladder[np.maximum(fits, 1) - 1]
     if complete:  # below the last rung's half a tail travels in a round of its own size

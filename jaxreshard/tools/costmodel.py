@@ -4,11 +4,13 @@ Pure arithmetic on integer device ids (no devices). Bandwidths and costs come fr
 `Topology` (the fabric the planner saw) and a `Profile` (what a run pays beyond the wire).
 
 - **Modeled time** (`modeled_time`) prices a schedule the way the executor runs it: bucket after
-  bucket, each a pack (senders copy into staging), its collective-permute rounds one after the
-  other, and an unpack (receivers copy out), plus a fixed cost per bucket and the local copies.
-  A round lasts as long as its slowest message at the link's *efficiency* (a fraction of peak),
-  plus the round latency. `schedule_cost` is the rounds alone at peak bandwidth: the
-  planner's own objective, not a prediction.
+  bucket, each a pack (senders copy into staging), its collective-permute rounds, and an
+  unpack (receivers copy out), plus launches, host work per bucket and the local copies; on
+  GPUs with a clock per device (the next bucket's packs run beside the last one's unpacks on
+  other devices), on CPU one bucket after the other. A round lasts as long as its slowest
+  message at the link's *efficiency* (a fraction of peak), plus the round latency.
+  `schedule_cost` is the rounds alone at peak bandwidth: the planner's own objective, not a
+  prediction.
 - **Physical bound** (`physical_bound`) holds for *any* schedule on the hardware, at peak
   bandwidth, every link of every device running at once:
 

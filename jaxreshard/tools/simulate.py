@@ -882,7 +882,7 @@ def format_result(r: Result) -> str:
         if r.profile.host_runs_ahead
         else "buckets in turn, each pack, rounds, unpack"
     )
-    gap = ", ".join(f"{k.replace('_', ' ')} +{_ms(v)}" for k, v in r.gap().items())
+    gap = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:+,.1f} ms" for k, v in r.gap().items())
     domains = len({r.topology.domain_of[i] for i in r.topology.devices})
     relayed = s.bytes_relayed - s.bytes_relayed_cross_domain  # inside domains
     intra_direct = s.bytes_sent - s.bytes_cross_domain - relayed
