@@ -497,6 +497,19 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "a leaf that moves by gathers still counts a copy per piece against the unit cap (many "
         "more units, steps and rounds for trees of small leaves)",
     ),
+    Mutant(
+        "schedule-stream-key-ignores-bytes",
+        SCHEDULE,
+        (
+            (
+                "(self._cut_id(slab.cut), slab.cut.stream_totals(slab.j, slab.stage).tobytes())",
+                '(self._cut_id(slab.cut), b"")',
+            ),
+        ),
+        (f"{T_LOWER}::test_units_share_a_stream_key_only_where_their_streams_are_equal",),
+        "units are keyed by their slabs' cuts alone, not the bytes each slab puts on its streams "
+        "(slabs of one leaf that differ in size reuse one unit's rounds: bytes never sent)",
+    ),
 ]
 API = "jaxreshard/api.py"
 

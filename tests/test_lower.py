@@ -27,7 +27,7 @@ from jaxreshard.planning.lower import (
     step_roles,
 )
 from jaxreshard.planning.route import route
-from jaxreshard.planning.schedule import build_plan_schedule
+from jaxreshard.planning.schedule import _StreamKeys, build_plan_schedule
 from jaxreshard.planning.topology import Topology
 
 FSDP_TP = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
@@ -407,6 +407,33 @@ def test_slab_units_price_their_streams_without_cutting_and_cut_the_same_bytes()
     for p in assignment.pieces:
         whole[p.leaf, p.stage, p.src, p.dst] += math.prod(b - a for a, b in p.box)
     assert covered == whole
+
+
+def test_units_share_a_stream_key_only_where_their_streams_are_equal():
+    """Rounds are planned once per distinct unit streams, found by a cheap key (`_StreamKeys`):
+    a large leaf's equal slabs, pipelined units (two slabs each) and units of listed pieces
+    alike, two keys are equal only where the units' stream bytes are, and the equal slabs of
+    one leaf do share their key (else nothing would be saved)."""
+    leaves = [
+        leaf_spec((256, 64), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp"))),
+        leaf_spec((8, 4), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")), path="small"),
+        leaf_spec((192, 64), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")), path="b"),
+    ]
+    assignment = route(leaves, TWO_DOMAINS, fan_out=True)
+    schedule = build_plan_schedule(
+        leaves, assignment, bucket_bytes=4096, link_class=TWO_DOMAINS.link_class
+    )
+    keys = _StreamKeys(leaves)
+    by_key = defaultdict(list)
+    for unit in schedule.units:
+        by_key[keys.of(unit)].append(unit.stream_bytes(leaves))
+    for streams in by_key.values():
+        assert all(s == streams[0] for s in streams)
+    kinds = Counter(
+        "listed" if u.listed else f"{len(u.slabs)} slabs" for u in schedule.units if u.pieces
+    )
+    assert kinds.keys() >= {"listed", "1 slabs", "2 slabs"}, kinds
+    assert len(by_key) < len(schedule.units)
 
 
 @pytest.mark.parametrize("moves", ["by copies", "by gathers"])

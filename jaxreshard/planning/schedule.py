@@ -220,11 +220,16 @@ class SlabCut:
         """The stages slab ``j`` (of stage ``stage``, or all) sends bytes of, in order."""
         return [int(s) for s in np.unique(self._arrays[3][self._rows(j, stage) > 0])]
 
-    def stream_bytes(self, j: int, stage: int | None) -> dict[tuple[int, tuple[int, int]], int]:
+    def stream_totals(self, j: int, stage: int | None) -> np.ndarray:
+        """Bytes slab ``j`` (of stage ``stage``, or all) puts on each stream of `_streams`,
+        in index order (float64: exact below 2**53 bytes per stream)."""
         _, row_bytes, _, _, stream = self._arrays
+        weights = self._rows(j, stage) * row_bytes
+        return np.bincount(stream, weights=weights, minlength=len(self._streams))
+
+    def stream_bytes(self, j: int, stage: int | None) -> dict[tuple[int, tuple[int, int]], int]:
+        totals = self.stream_totals(j, stage)
         keys = list(self._streams)  # in index order
-        # float64 sums are exact below 2**53 bytes per stream.
-        totals = np.bincount(stream, weights=self._rows(j, stage) * row_bytes, minlength=len(keys))
         return {keys[i]: int(totals[i]) for i in np.flatnonzero(totals)}
 
     def pieces(self, j: int, stage: int | None) -> list[Piece]:
@@ -241,6 +246,36 @@ class SlabCut:
             if run is not None:  # (the constructor: dataclasses.replace is 3x slower)
                 out.append(Piece(piece.leaf, piece.src, piece.dst, run, piece.stage, piece.relay))
         return out
+
+
+class _StreamKeys:
+    """Keys of units' streams that are equal only where `Unit.stream_bytes` is (a key may
+    miss equal streams of units built differently; that costs time, never a wrong plan).
+
+    A unit of slabs only (most large units: one slab, or a pipelined unit's two) is keyed by
+    each slab's cut's list of streams, interned, and the bytes the slab puts on each: a few
+    array bytes instead of a frozenset of up to a million ``(stream, bytes)`` items (hashing
+    those took about 8 s of a 4,096-GPU plan). A unit with listed pieces by that frozenset.
+    Cuts are held as dict keys (compared by identity), so an id is never reused while its key
+    lives."""
+
+    def __init__(self, leaves: Sequence[LeafSpec]) -> None:
+        self.leaves = leaves
+        self.interned: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
+        self.cut_ids: dict[SlabCut, int] = {}
+
+    def of(self, unit: Unit) -> object:
+        if unit.listed or not unit.slabs:
+            return frozenset(unit.stream_bytes(self.leaves).items())
+        return tuple(
+            (self._cut_id(slab.cut), slab.cut.stream_totals(slab.j, slab.stage).tobytes())
+            for slab in unit.slabs
+        )  # equal slabs put equal bytes on equal streams, so their sums are equal too
+
+    def _cut_id(self, cut: SlabCut) -> int:
+        if cut not in self.cut_ids:
+            self.cut_ids[cut] = self.interned.setdefault(tuple(cut._streams), len(self.interned))
+        return self.cut_ids[cut]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -895,15 +930,17 @@ def plan_unit_rounds(
     weights: dict[Any, int] = {}
     # Units with the same streams (a leaf's slabs, repeated layers) count once, weighted by
     # how often they occur; not where a fault cost makes the order of units matter.
-    first: dict[frozenset[object], int] = {}
+    first: dict[object, tuple[int, set[int]]] = {}  # streams' key -> first unit, its stages
+    keys = _StreamKeys(leaves)
     for u, unit in enumerate(units):
-        streams = unit.stream_bytes(leaves)
-        key = frozenset(streams.items())  # (hashed, not sorted: ~10^6 streams at scale)
+        key = keys.of(unit)
         if not fault_cost and key in first:
-            for stage in {stage for stage, _ in streams}:
-                weights[first[key], stage] += 1
+            v, stages = first[key]
+            for stage in stages:
+                weights[v, stage] += 1
             continue
-        first[key] = u
+        streams = unit.stream_bytes(leaves)
+        first[key] = u, {stage for stage, _ in streams}
         for (stage, pair), n in streams.items():
             sizes[(u, stage), pair] = n
             weights[u, stage] = 1
@@ -941,23 +978,27 @@ def plan_unit_rounds(
     buckets: list[PlannedBucket] = []
     # The slabs of a leaf put (nearly) the same bytes on the same streams: their rounds are
     # planned once.
-    planned: dict[tuple[object, ...], RoundPlan] = {}
+    planned: dict[tuple[object, ...], RoundPlan | None] = {}  # None: the unit sends nothing
+    keys = _StreamKeys(leaves)
     for u, unit in enumerate(units):
-        streams = unit.stream_bytes(leaves)
-        if not streams:
-            continue
-        key = (unit.overlap, frozenset(streams.items()))
+        key = (unit.overlap, keys.of(unit))
         if key not in planned:
-            planned[key] = _plan_stream_rounds(
-                streams,
-                bucket_bytes=bucket_bytes,
-                link_class=link_class,
-                class_latency_bytes=class_latency_bytes,
-                chunks=chunks,
-                interleave=unit.overlap,
-                ladder_rungs=ladder_rungs,
+            streams = unit.stream_bytes(leaves)
+            planned[key] = (
+                _plan_stream_rounds(
+                    streams,
+                    bucket_bytes=bucket_bytes,
+                    link_class=link_class,
+                    class_latency_bytes=class_latency_bytes,
+                    chunks=chunks,
+                    interleave=unit.overlap,
+                    ladder_rungs=ladder_rungs,
+                )
+                if streams
+                else None
             )
-        buckets.extend(dataclasses.replace(b, unit=u) for b in planned[key].buckets)
+        if (plan := planned[key]) is not None:
+            buckets.extend(dataclasses.replace(b, unit=u) for b in plan.buckets)
     named = () if link_class is None else tuple(sorted(chunks.items()))
     return units, RoundPlan(max(chunks.values(), default=0), named, tuple(buckets))
 
