@@ -1335,7 +1335,7 @@ def _stage_rounds(streams: Mapping[tuple[int, int], int], chunk: int, ladder: in
     """
     full, tails = _full_and_tails(streams, chunk, ladder)
     out = [(chunk, entries) for entries in colour_rounds({p: n for p, n in full.items() if n})]
-    return out + _tail_rounds(tails, full, chunk if ladder else None, ladder)
+    return out + _tail_rounds(tails, full, chunk, ladder)
 
 
 def _full_and_tails(
@@ -1363,18 +1363,18 @@ def _full_and_tails(
 def _tail_rounds(
     tails: Mapping[tuple[int, int], int],
     full: Mapping[tuple[int, int], int],
-    ladder: int | None = None,
-    rungs: int = 1,
+    chunk: int,
+    ladder: int = 0,
 ) -> Rounds:
     """Each stream's tail (chunk index ``full[pair]``), largest first, in rounds sized to their
-    largest tail (with ``ladder``, a chunk size, rounded up by `ladder_size` of that chunk with
-    ``rungs`` rungs per halving)."""
+    largest tail (with ``ladder``, rounded up by `ladder_size` of ``chunk`` with that many
+    rungs per halving)."""
     order = sorted(tails, key=lambda p: (-tails[p], p))
     out = []
     for entries in colour_rounds({p: 1 for p in order}, order=order):
         located = [(pair, full[pair]) for pair, _ in entries]
         largest = max(tails[pair] for pair, _ in entries)
-        size = _align(largest) if ladder is None else ladder_size(largest, ladder, rungs)
+        size = ladder_size(largest, chunk, ladder) if ladder else _align(largest)
         out.append((size, located))
     return out
 
@@ -1456,7 +1456,7 @@ def _class_rounds(
         if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
             new = [[(p, full[p] - left[p] + k) for p, k in entries] for entries in new]
         rounds = [(chunk, entries) for entries in new]
-        for size, entries in rounds + _tail_rounds(tails, full, chunk if ladder else None, ladder):
+        for size, entries in rounds + _tail_rounds(tails, full, chunk, ladder):
             r = len(out)
             out.append((size, entries))
             for (s, d), _ in entries:
