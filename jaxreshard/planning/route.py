@@ -435,7 +435,11 @@ def _min_max_quotas(totals: dict[tuple[int, ...], int]) -> Quotas:
     lo = max(math.ceil(total / len(senders)), *(math.ceil(b / len(g)) for g, b in totals.items()))
     # Feasible for sure: every group sent whole by any member loads a sender with at most the
     # bytes of all groups it belongs to. (The largest single group is not always feasible.)
-    hi = max(lo, max(sum(b for g, b in totals.items() if s in g) for s in senders))
+    load: dict[int, int] = defaultdict(int)
+    for group, b in totals.items():
+        for s in group:
+            load[s] += b
+    hi = max(lo, max(load.values()))
     best = _flow(totals, senders, lo)  # often feasible (replicas alike): one flow, not ~40
     if best is not None:
         return best
@@ -597,27 +601,37 @@ def route(
     # Fan-out groups: the devices of one domain that all lack the same regions (one replica
     # group of a destination box, the same for every leaf laid out alike) -> those regions.
     groups: dict[tuple[int, tuple[int, ...]], list[_Region]] = defaultdict(list)
+    held_in: dict[tuple[int, ...], set[int]] = {}  # replicas -> the domains that hold them
     for index, leaf in enumerate(leaves):
         for dst_box, holders in leaf.dst.replicas.items():
             if box_size(dst_box) == 0:
                 continue
+            # The holders by domain, when none of them holds a region (every region, where
+            # the sides are apart): at thousands of GPUs a box has hundreds of holders.
+            apart: list[tuple[int, list[int]]] | None = None
+            holding = set(holders)
             for _, replicas, common in leaf.src.overlapping(dst_box):
-                held_in = {domain[s] for s in replicas}
-                wanting: dict[int, list[int]] = defaultdict(list)
-                for d in holders:
-                    if d in replicas:
-                        local.append(LocalCopy(index, d, common))
-                    else:
-                        wanting[domain[d]].append(d)
+                if replicas not in held_in:
+                    held_in[replicas] = {domain[s] for s in replicas}
+                if holding.isdisjoint(replicas):
+                    if apart is None:
+                        apart = _by_domain(holders, domain)
+                    wanting = apart
+                else:
+                    for d in holders:
+                        if d in replicas:
+                            local.append(LocalCopy(index, d, common))
+                    wanting = _by_domain([d for d in holders if d not in replicas], domain)
+                held = held_in[replicas]
                 nbytes = box_size(common) * leaf.itemsize
-                for g, ds in sorted(wanting.items()):
-                    if fan_out and len(ds) > 1 and g not in held_in:
+                for g, ds in wanting:
+                    if fan_out and len(ds) > 1 and g not in held:
                         groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
                         continue
                     for d in ds:
                         senders = closeness(replicas, d)
                         demand = _Demand(index, d, common, senders, nbytes)
-                        (near if g in held_in else far).append(demand)
+                        (near if g in held else far).append(demand)
     by_leaf = fan_out if per_leaf is None else per_leaf
     relays: list[Piece] = []
     turn: dict[tuple[int, ...], int] = defaultdict(int)  # the next importer of each group
@@ -674,6 +688,14 @@ def route(
     pieces = choose(far) + near_pieces + relays
     pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
     return Assignment(tuple(local), tuple(pieces))
+
+
+def _by_domain(devices: Iterable[int], domain: Mapping[int, int]) -> list[tuple[int, list[int]]]:
+    """``devices`` grouped by domain, in order of domain; each group keeps their order."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for d in devices:
+        out[domain[d]].append(d)
+    return sorted(out.items())
 
 
 Group = tuple[int, tuple[int, ...]]

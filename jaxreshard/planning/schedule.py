@@ -263,14 +263,27 @@ class _StreamKeys:
         self.leaves = leaves
         self.interned: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
         self.cut_ids: dict[SlabCut, int] = {}
+        # The streams of the last unit with listed pieces keyed, for `streams` to hand out:
+        # summing its pieces' bytes again would take as long as keying it.
+        self.last: tuple[Unit, dict[tuple[int, tuple[int, int]], int]] | None = None
 
     def of(self, unit: Unit) -> object:
         if unit.listed or not unit.slabs:
-            return frozenset(unit.stream_bytes(self.leaves).items())
+            streams = unit.stream_bytes(self.leaves)
+            self.last = unit, streams
+            return frozenset(streams.items())
         return tuple(
             (self._cut_id(slab.cut), slab.cut.stream_totals(slab.j, slab.stage).tobytes())
             for slab in unit.slabs
         )  # equal slabs put equal bytes on equal streams, so their sums are equal too
+
+    def streams(self, unit: Unit) -> dict[tuple[int, tuple[int, int]], int]:
+        """`Unit.stream_bytes` of ``unit`` (a fresh dict), taken from `of` where it has just
+        computed them."""
+        if self.last is not None and self.last[0] is unit:
+            streams, self.last = self.last[1], None
+            return streams
+        return unit.stream_bytes(self.leaves)
 
     def _cut_id(self, cut: SlabCut) -> int:
         if cut not in self.cut_ids:
@@ -939,11 +952,11 @@ def plan_unit_rounds(
             for stage in stages:
                 weights[v, stage] += 1
             continue
-        streams = unit.stream_bytes(leaves)
+        streams = keys.streams(unit)
         first[key] = u, {stage for stage, _ in streams}
         for (stage, pair), n in streams.items():
             sizes[(u, stage), pair] = n
-            weights[u, stage] = 1
+        weights.update(((u, stage), 1) for stage in first[key][1])
     # Where destination domains forward to each other (relays of stage 2), the slowest links
     # carry two stages of every pipelined unit and the fastest a third: a chunk as large as a
     # bucket would leave each bucket one lane's round, so chunks stay within half a bucket
@@ -983,7 +996,7 @@ def plan_unit_rounds(
     for u, unit in enumerate(units):
         key = (unit.overlap, keys.of(unit))
         if key not in planned:
-            streams = unit.stream_bytes(leaves)
+            streams = keys.streams(unit)
             planned[key] = (
                 _plan_stream_rounds(
                     streams,
@@ -1174,8 +1187,12 @@ def _stream_bytes(
 ) -> defaultdict[tuple[int, tuple[int, int]], int]:
     """Bytes of each ``(stage, (sender, receiver))`` stream of ``pieces``."""
     sizes: defaultdict[tuple[int, tuple[int, int]], int] = defaultdict(int)
-    for p in pieces:
-        sizes[p.stage, (p.src, p.dst)] += box_size(p.box) * leaves[p.leaf].itemsize
+    itemsize = [leaf.itemsize for leaf in leaves]
+    for p in pieces:  # `box_size` inlined: millions of relays at thousands of GPUs
+        n = itemsize[p.leaf]
+        for start, stop in p.box:
+            n *= stop - start
+        sizes[p.stage, (p.src, p.dst)] += n
     return sizes
 
 
