@@ -444,6 +444,25 @@ def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     assert record["modeled_s"] >= record["lower_bound_s"] > 0
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--dst", "TP3"], "32 units cannot be split 3 ways"),
+        (["--dst", "XX8"], "unknown axis 'XX'"),
+        (["--dst", "TP8", "--dst-devices", "12"], "does not fit 12 devices"),
+        (["--dst", "TP8", "--bucket-mib", "0"], "--bucket-mib: must be above 0"),
+        (["--dst", "TP8", "--src-devices", "-8"], "--src-devices: must be above 0"),
+        (["--dst", "TP8", "--bytes-per-param", "3"], "invalid choice: 3"),
+    ],
+)
+def test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback(capsys, argv, says):
+    with pytest.raises(SystemExit) as exited:
+        sim.main(["--model", "qwen3-4b", "--src", "FSDP8", *argv])
+    assert exited.value.code == 2  # argparse's usage error
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
 def test_cli_runs_as_a_module():
     done = subprocess.run(
         [sys.executable, "-m", "jaxreshard.simulate", "--scenario", "qwen3-4b"],

@@ -53,6 +53,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from jaxreshard.errors import ReshardError
 from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import LeafSpec, planner_options
 from jaxreshard.planning.route import route as assign
@@ -979,14 +980,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--src", help="source layout, e.g. 'EP16 DP2 PP4'")
     parser.add_argument("--dst", help="destination layout, e.g. 'TP8 DP16'")
     parser.add_argument("--topology", choices=sorted(PROFILES), default="h100")
-    parser.add_argument("--src-devices", type=int, help="source GPUs (fills an unwritten DP)")
-    parser.add_argument("--dst-devices", type=int, help="destination GPUs")
+    parser.add_argument(
+        "--src-devices", type=_positive(int), help="source GPUs (fills an unwritten DP)"
+    )
+    parser.add_argument("--dst-devices", type=_positive(int), help="destination GPUs")
     parser.add_argument("--colocated", action="store_true", help="same GPUs for both")
     parser.add_argument("--placement", choices=PLACEMENTS, default="rack-aligned")
-    parser.add_argument("--domain-size", type=int, help="GPUs per fast domain (override)")
-    parser.add_argument("--bucket-mib", type=float, default=GPU_BUCKET_BYTES / MiB)
     parser.add_argument(
-        "--bytes-per-param", type=int, help="at the destination: 2 for bf16, 1 for fp8"
+        "--domain-size", type=_positive(int), help="GPUs per fast domain (override)"
+    )
+    parser.add_argument("--bucket-mib", type=_positive(float), default=GPU_BUCKET_BYTES / MiB)
+    parser.add_argument(
+        "--bytes-per-param",
+        type=int,
+        choices=(1, 2, 4),
+        help="at the destination: 2 for bf16, 1 for fp8, 4 for float32",
     )
     parser.add_argument("--no-fan-out", action="store_true", help="direct sends only")
     parser.add_argument(
@@ -1004,6 +1012,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.calibrate:
         return _calibrate(args.json)
+    try:
+        results = _run(args, parser)
+    except (ValueError, ReshardError) as e:  # a setup that cannot be laid out: say why
+        parser.error(str(e))
+    if len(results) > 1:
+        print(summary([r for _, r in results]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.record(name) for name, r in results], f, indent=1)
+    return 0
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: ``kind`` of the text, which must be above 0."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[str, Result]]:
+    """The scenarios or the setup ``args`` ask for, each printed as it is done."""
     common: dict[str, object] = {
         "bucket_bytes": int(args.bucket_mib * MiB),
         "fan_out": not args.no_fan_out,
@@ -1039,12 +1074,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results.append(("", r))
         print(format_result(r))
-    if len(results) > 1:
-        print(summary([r for _, r in results]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.record(name) for name, r in results], f, indent=1)
-    return 0
+    return results
 
 
 def _calibrate(json_path: str | None) -> int:
