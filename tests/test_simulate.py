@@ -394,6 +394,20 @@ def test_fan_out_scenario_on_a_small_virtual_cluster():
     assert r.modeled.transfer <= 1.35 * r.bound.seconds < r.round_model_bound.seconds * 1.25
 
 
+def test_the_plan_is_also_priced_with_one_lane_at_a_time():
+    """The two lanes at once are an assumption about XLA GPU: the same plan priced with a
+    bucket's rounds in turn is reported beside it, and is that profile's modeled time."""
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
+    assert r.profile.overlap_links and r.one_lane is not None
+    serial = dataclasses.replace(r.profile, overlap_links=False)
+    rounds_in_turn = costmodel.modeled_time(r.rounds, r.topology, serial)
+    assert r.one_lane.seconds > r.modeled.seconds  # relays and imports no longer overlap
+    assert r.one_lane.transfer == pytest.approx(rounds_in_turn.transfer)
+    assert r.record()["modeled_one_lane_s"] == r.one_lane.seconds
+    cpu = sim.simulate("qwen3-4b", "FSDP8", "TP8", "cpu", colocated=True)
+    assert cpu.one_lane is None and cpu.record()["modeled_one_lane_s"] is None  # one lane there
+
+
 def test_destination_domains_forward_to_each_other_where_the_source_nics_would_bind():
     """Two destination hosts need the whole model from one source host of 8 NICs. Sent into
     each destination domain, the model would leave the source twice and the source's export
