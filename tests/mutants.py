@@ -63,10 +63,14 @@ PLANNER_MUTANTS = [
         ROUTE,
         (
             (
-                "                    if d in replicas:\n"
-                "                        local.append(LocalCopy(index, d, common))",
-                "                    if d in replicas and len(replicas) == 1:\n"
-                "                        local.append(LocalCopy(index, d, common))",
+                "                        if d in replicas:\n"
+                "                            local.append(LocalCopy(index, d, common))\n"
+                "                    wanting = _by_domain([d for d in holders if d not in "
+                "replicas], domain)",
+                "                        if d in replicas and len(replicas) == 1:\n"
+                "                            local.append(LocalCopy(index, d, common))\n"
+                "                    wanting = _by_domain([d for d in holders if not (d in "
+                "replicas and len(replicas) == 1)], domain)",
             ),
             (
                 "                        senders = closeness(replicas, d)\n",
@@ -177,7 +181,7 @@ PLANNER_MUTANTS = [
     Mutant(
         "route-chain-ignored",
         ROUTE,
-        (("    if not holders:\n        return False", "    if True:\n        return False"),),
+        (("    if not sources:\n        return False", "    if True:\n        return False"),),
         (f"{T_TOPO}::test_destination_domains_that_outnumber_the_sources_forward_to_each_other",),
         "destination domains are never chained: the sources send every byte once per domain "
         "even where they, not the destinations, are the bottleneck",
@@ -187,13 +191,40 @@ PLANNER_MUTANTS = [
         ROUTE,
         (
             (
-                "    return sent / len(holders) > (1 + CHAIN_SLACK) * busiest_import",
+                "    return sent > (1 + CHAIN_SLACK) * imported",
                 "    return True",
             ),
         ),
         (f"{T_TOPO}::test_domains_are_not_chained_where_the_sources_keep_up",),
         "destination domains are chained even where the sources keep up (a stage and its "
         "pieces for nothing)",
+    ),
+    Mutant(
+        "route-chain-skips-devices-alone",
+        ROUTE,
+        (
+            (
+                "                        if chain and fan_out and g not in held:  # (d is alone "
+                "in ds)",
+                "                        if False:  # (d is alone in ds)",
+            ),
+        ),
+        (f"{T_TOPO}::test_devices_alone_in_their_domain_are_chained_as_groups_of_one",),
+        "devices alone in their domain to lack some bytes (a TP group over several domains) "
+        "are never chained: their sources send every byte once per replica",
+    ),
+    Mutant(
+        "route-chained-devices-alone-also-sent-directly",
+        ROUTE,
+        (
+            (
+                "        far = [x for x in far if x.dst not in alone]",
+                "        pass",
+            ),
+        ),
+        (f"{T_TOPO}::test_devices_alone_in_their_domain_are_chained_as_groups_of_one",),
+        "a chained device alone in its domain also keeps its direct demands: it gets its "
+        "bytes twice",
     ),
     Mutant(
         "route-chain-forwards-to-another-position",

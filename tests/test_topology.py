@@ -255,6 +255,30 @@ def test_destination_domains_that_outnumber_the_sources_forward_to_each_other():
     assert {p.stage for p in plain.pieces} == {0, 1}
 
 
+def test_devices_alone_in_their_domain_are_chained_as_groups_of_one():
+    """The destination's TP pairs lie inside domains B, C and D (one data-parallel replica
+    each), so no two devices of a domain lack the same bytes: there is nothing to fan out in
+    a domain. Sent directly, source 0 would send its half of the array to three devices
+    (1.5 arrays) while each takes in half of one. Chained, each half leaves its source once,
+    in three shares, one imported by each domain's device at that TP rank (stage 0), which
+    forwards it to the same TP rank in the two other domains (stage 1); there is no stage 2
+    (no peer inside a domain needs it)."""
+    src = ((2,), ("x",), (0, 1), ("x",))
+    dst = ((3, 2), ("dp", "tp"), (2, 3, 4, 5, 6, 7), ("tp",))
+    lf = leaf_spec((48, 32), src, dst)
+    stats, assignment, _ = check_virtual([lf], FOUR_BY_TWO, chain=True)  # exact, by NumPy
+    half = CHAIN_BYTES // 2
+    assert _sent(assignment, 0, True) == {0: half, 1: half}  # each half leaves once
+    assert {p.stage for p in assignment.pieces} == {0, 1}
+    assert _sent(assignment, 1, True) == {d: 2 * half // 3 for d in range(2, 8)}  # forwards
+    tp_rank = {2: 0, 4: 0, 6: 0, 3: 1, 5: 1, 7: 1}
+    assert all(tp_rank[p.src] == tp_rank[p.dst] for p in assignment.pieces if p.stage == 1)
+    assert stats.bytes_cross_domain == 3 * CHAIN_BYTES  # every domain takes in each byte once
+    assert stats.bytes_sent == stats.bytes_lower_bound
+    _, plain, _ = check_virtual([lf], FOUR_BY_TWO)  # without chaining: directly, thrice
+    assert _sent(plain, 0, True) == {0: 3 * half, 1: 3 * half}
+
+
 def test_domains_are_not_chained_where_the_sources_keep_up():
     """Four source devices in two domains and two destination domains: sending every domain
     its bytes loads a source device with half an array, as much as a destination device
@@ -392,6 +416,29 @@ def test_chained_plan_runs_bit_exact_under_the_transfer_guard(devices):
         _check_real(out[k], v)
     with jax.transfer_guard("disallow"):
         again = plan(x, donate=out)  # donated buffers receive the forwarded bytes too
+    for k, v in tree.items():
+        _check_real(again[k], v)
+
+
+def test_devices_alone_in_their_domain_chained_run_bit_exact(devices):
+    """The same on real buffers where each destination domain holds one TP pair (a device
+    alone in its domain to lack each half): chained as groups of one, stages 0 and 1 only."""
+    topo = Topology.from_groups([devices[i : i + 2] for i in range(0, 8, 2)])
+    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (3, 2), ("dp", "tp")), P("tp"))
+    rng = np.random.default_rng(2)
+    tree = {f"w{i}": rng.standard_normal((48, 32)).astype(np.float32) for i in range(3)}
+    x = {k: jax.device_put(v, src) for k, v in tree.items()}
+    plan = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
+    assert {p.stage for p in plan.assignment.pieces} == {0, 1}
+    assert plan.stats.bytes_relayed_cross_domain > 0  # the replicas forward to each other
+    assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
+    with jax.transfer_guard("disallow"):
+        out = plan(x)
+    for k, v in tree.items():
+        _check_real(out[k], v)
+    with jax.transfer_guard("disallow"):
+        again = plan(x, donate=out)
     for k, v in tree.items():
         _check_real(again[k], v)
 
