@@ -488,9 +488,10 @@ def test_cli_runs_as_a_module():
     assert "qwen3-4b: FSDP8 -> TP8" in done.stdout and "modeled time" in done.stdout
 
 
-# Scenarios whose planning takes over 10 s here (Kimi-K2 about 14 s, NeMo-RL's 22 s, 512 GPUs
-# 25 s, 4,096 GPUs 98 s) run in `python -m jaxreshard.simulate --all` (the README's table), not in
-# the suite, which must stay within ~10 minutes on 2 cores.
+# Scenarios whose planning and pricing take several seconds to minutes here (Kimi-K2 and
+# NeMo-RL's setup about 4-9 s to plan, 512 GPUs 11-17 s, 4,096 GPUs 33-50 s, each priced twice
+# more) run in `python -m jaxreshard.simulate --all` (the README's table), not in the suite,
+# which must stay within ~10 minutes on 2 cores.
 SLOW_SCENARIOS = {"deepseek-v3-4096", "deepseek-v3-512", "nemo-rl-deepseek-v3", "kimi-k2-fp8"}
 FAST_SCENARIOS = sorted(set(sim.SCENARIOS) - SLOW_SCENARIOS)
 
