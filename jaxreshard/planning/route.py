@@ -574,7 +574,9 @@ def route(
         imports (by `CHAIN_SLACK`; a sampler with more racks than the trainer), the bytes
         cross from the sources once: split into shares, each domain imports some of them
         and forwards each to the device at the same position in every other domain (stage
-        1), which relays it inside its own domain (stage 2). See `_chained`.
+        1), which relays it inside its own domain (stage 2). See `_chained`. A device alone
+        in its domain to lack some bytes (a TP group spread over several domains) counts as
+        a group of one, with no stage 2; unchained, it is sent to directly.
 
     Returns:
       An `Assignment` whose pieces deliver to every destination device exactly the bytes it
