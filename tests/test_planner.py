@@ -20,6 +20,7 @@ from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import route
 from jaxreshard.planning.schedule import (
     ALIGN,
+    _class_rounds,
     _ladder_sizes,
     _stage_rounds,
     build_schedule,
@@ -179,6 +180,28 @@ def test_tails_rounded_up_to_a_chunk_are_coloured_with_the_full_chunks(tail, rou
     assert {p: sorted(ks) for p, ks in chunks.items()} == {
         (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
     }  # fmt: skip
+
+
+def test_a_tail_takes_a_free_slot_of_a_larger_round_on_a_cluster():
+    """Planned with link classes (`_class_rounds`, a cluster's plans): the same streams with
+    tails under half a chunk. Receiver 1 takes device 5's three full chunks in rounds 0-2;
+    sender 0 is free in all three, as are receivers 2, 3 and 4, so three of its tails ride in
+    those rounds (a round lasts as long as its largest message) and only the tail to receiver
+    1, busy in every round, gets a round of its own: 4 rounds, not 3 + 4."""
+    chunk = 1024
+    streams = {(0, d): 400 for d in (1, 2, 3, 4)} | {(5, 1): 3 * chunk}
+    got = _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), ladder=1)
+    assert [size for size, _ in got] == [chunk, chunk, chunk, 512]
+    chunks = defaultdict(list)
+    for _, entries in got:
+        senders, receivers = {s for (s, _), _ in entries}, {d for (_, d), _ in entries}
+        assert len(senders) == len(receivers) == len(entries)
+        for pair, k in entries:
+            chunks[pair].append(k)
+    assert {p: sorted(ks) for p, ks in chunks.items()} == {
+        (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
+    }  # fmt: skip
+    assert [pair for pair, _ in got[3][1]] == [(0, 1)]
 
 
 def _rungs_by_hand(chunk: int, quarters: bool) -> list[int]:

@@ -10,10 +10,13 @@ form a bucket: one staging buffer per device per direction, at most ``bucket_byt
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
+import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -1449,11 +1452,24 @@ def _class_rounds(
     have free in the full-chunk rounds made so far that are at least as large (lowest rounds
     first; a faster message in a slower round costs nothing), then the rest is coloured into
     new rounds (`colour_rounds`: as many as the class's busiest device still needs); its tails
-    get rounds of their own (`_tail_rounds`), so a fast tail never pads a slow round.
+    take a slot free at both ends in a round made so far that is at least as large (largest
+    tails first, lowest round first: it costs that round nothing), and the rest get rounds of
+    their own (`_tail_rounds`), so a fast tail never pads a slow round. (Modeled: NeMo-RL's
+    setup 1,173 -> 1,160 ms, DeepSeek-V3 698 -> 692 ms, the 128-GPU Qwen3-235B sampler
+    283 -> 278 ms.)
     """
     out: Rounds = []
     busy_src: dict[int, int] = defaultdict(int)  # device -> mask of the rounds it sends in
     busy_dst: dict[int, int] = defaultdict(int)
+
+    def add(rounds: Iterable[tuple[int, list[Entry]]]) -> None:
+        for size, entries in rounds:
+            r = len(out)
+            out.append((size, entries))
+            for (s, d), _ in entries:
+                busy_src[s] |= 1 << r
+                busy_dst[d] |= 1 << r
+
     for cls in sorted({classes[p] for p in streams}, reverse=True):
         chunk = chunk_of[cls]
         mine = {p: n for p, n in sorted(streams.items()) if classes[p] == cls}
@@ -1472,13 +1488,22 @@ def _class_rounds(
         new = colour_rounds({p: n for p, n in left.items() if n})
         if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
             new = [[(p, full[p] - left[p] + k) for p, k in entries] for entries in new]
-        rounds = [(chunk, entries) for entries in new]
-        for size, entries in rounds + _tail_rounds(tails, full, chunk, ladder):
-            r = len(out)
-            out.append((size, entries))
-            for (s, d), _ in entries:
-                busy_src[s] |= 1 << r
-                busy_dst[d] |= 1 << r
+        add((chunk, entries) for entries in new)
+        # A tail takes a slot free at both ends in a round at least its size, where there is
+        # one (a round lasts as long as its largest message), and no round of its own.
+        by_size = sorted(range(len(out)), key=lambda r: -out[r][0])
+        smaller = [-out[r][0] for r in by_size]  # ascending
+        masks = list(itertools.accumulate((1 << r for r in by_size), operator.or_))
+        for pair in sorted(tails, key=lambda p: (-tails[p], p)):
+            large = bisect.bisect_right(smaller, -tails[pair])  # rounds by_size[:large] hold it
+            free = masks[large - 1] & ~(busy_src[pair[0]] | busy_dst[pair[1]]) if large else 0
+            if free:
+                r = (free & -free).bit_length() - 1
+                out[r][1].append((pair, full[pair]))
+                busy_src[pair[0]] |= 1 << r
+                busy_dst[pair[1]] |= 1 << r
+                del tails[pair]
+        add(_tail_rounds(tails, full, chunk, ladder))
     return out
 
 
