@@ -295,6 +295,7 @@ LOWER = "jaxreshard/planning/lower.py"
 SCHEDULE = "jaxreshard/planning/schedule.py"
 RUNTIME = "jaxreshard/run/runtime.py"
 T_LOWER = "tests/test_lower.py"
+T_PLANNER = "tests/test_planner.py"
 
 EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
@@ -527,6 +528,20 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         (f"{T_LOWER}::test_small_leaves_move_by_one_gather_per_program_not_a_copy_per_piece",),
         "a leaf that moves by gathers still counts a copy per piece against the unit cap (many "
         "more units, steps and rounds for trees of small leaves)",
+    ),
+    Mutant(
+        "schedule-tail-ignores-a-busy-receiver",
+        SCHEDULE,
+        (
+            (
+                "            free = masks[large - 1] & ~(busy_src[pair[0]] | busy_dst[pair[1]]) "
+                "if large else 0",
+                "            free = masks[large - 1] & ~busy_src[pair[0]] if large else 0",
+            ),
+        ),
+        (f"{T_PLANNER}::test_a_tail_takes_a_free_slot_of_a_larger_round_on_a_cluster",),
+        "a tail takes a slot of a larger round where its sender is free but its receiver may "
+        "not be: a device receives twice in one round",
     ),
     Mutant(
         "schedule-stream-key-ignores-bytes",
