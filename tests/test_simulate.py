@@ -404,6 +404,13 @@ def test_the_plan_is_also_priced_with_one_lane_at_a_time():
     assert r.one_lane.seconds > r.modeled.seconds  # relays and imports no longer overlap
     assert r.one_lane.transfer == pytest.approx(rounds_in_turn.transfer)
     assert r.record()["modeled_one_lane_s"] == r.one_lane.seconds
+    # Both priced in one pass over the schedule are each profile's own modeled time.
+    both = costmodel.modeled_times(r.rounds, r.topology, [r.profile, serial])
+    assert both == [costmodel.modeled_time(r.rounds, r.topology, p) for p in (r.profile, serial)]
+    with pytest.raises(ValueError, match="overlap_links only"):
+        costmodel.modeled_times(
+            r.rounds, r.topology, [r.profile, dataclasses.replace(serial, round_latency=0.0)]
+        )
     cpu = sim.simulate("qwen3-4b", "FSDP8", "TP8", "cpu", colocated=True)
     assert cpu.one_lane is None and cpu.record()["modeled_one_lane_s"] is None  # one lane there
 

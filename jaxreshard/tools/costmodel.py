@@ -279,11 +279,32 @@ def modeled_time(
     The parts reported add up to ``seconds``: ``pack`` and ``unpack`` are the copies on the
     critical path, and ``overhead`` what launches and host work add to it.
     """
+    return modeled_times(schedule, topology, [profile], leaves=leaves, local=local)[0]
+
+
+def modeled_times(
+    schedule: Schedule | RoundPlan,
+    topology: Topology,
+    profiles: Sequence[Profile],
+    *,
+    leaves: Sequence[LeafSpec] | None = None,
+    local: Sequence[LocalCopy] = (),
+) -> list[ModeledTime]:
+    """`modeled_time` under each of ``profiles``, which may differ in ``overlap_links`` only
+    (the lanes at once, or in turn), counting the schedule's copies and rounds once: on
+    thousands of GPUs that count is most of the cost model's work."""
+    profile = profiles[0]
+    alike = (dataclasses.replace(p, overlap_links=profile.overlap_links) for p in profiles)
+    if any(p != profile for p in alike):
+        raise ValueError("modeled_times: the profiles may differ in overlap_links only")
     host = topology.host_of
-    clock: _Timeline | _InTurn = _Timeline() if profile.host_runs_ahead else _InTurn()
+    clocks: list[_Timeline | _InTurn] = [
+        _Timeline() if profile.host_runs_ahead else _InTurn() for _ in profiles
+    ]
     buckets = rounds = 0
     for bucket in _measured_buckets(schedule, topology, profile, leaves):
-        clock.add(bucket, host, profile)
+        for clock, p in zip(clocks, profiles, strict=True):
+            clock.add(bucket, p)
         buckets += 1
         rounds += bucket.rounds
     copies = _Copies()
@@ -298,31 +319,45 @@ def modeled_time(
         )
         copies.add(c.device, box_size(c.box) * leaf.itemsize, narrow=_narrow(leaf), runs=runs)
     local_s = copies.time(host, profile)
-    path = clock.critical_path()
-    total = path.total + local_s
-    return ModeledTime(
-        total,
-        path.transfer,
-        path.pack,
-        path.unpack,
-        local_s,
-        path.overhead,
-        buckets,
-        rounds,
-        path.latency,
-    )
+    out = []
+    for clock in clocks:
+        path = clock.critical_path()
+        out.append(
+            ModeledTime(
+                path.total + local_s,
+                path.transfer,
+                path.pack,
+                path.unpack,
+                local_s,
+                path.overhead,
+                buckets,
+                rounds,
+                path.latency,
+            )
+        )
+    return out
 
 
 @dataclasses.dataclass
 class _Bucket:
     """What one bucket makes the devices and the host do (`_measured_buckets`)."""
 
-    sent: _Copies
-    got: _Copies
-    moved: float
-    latency: float  # the part of ``moved`` that is rounds' latency
+    packs: dict[int, float]  # seconds of copies per device (or host: `_Copies.device_times`)
+    unpacks: dict[int, float]
+    lanes: tuple[float, float]  # rounds inside domains, rounds with a cross-domain message
+    waits: tuple[float, float]  # their latency
     host_work: float
     rounds: int
+
+    def transfer(self, profile: Profile) -> tuple[float, float]:
+        """The bucket's rounds' time and the latency in it. Its rounds are independent
+        collective-permutes (`runtime._build_transfer`): where the profile's NICs and NVLink
+        run at once, its cross-domain rounds and its rounds inside domains take the longer of
+        the two, else their sum."""
+        if profile.overlap_links:
+            longer = int(self.lanes[1] > self.lanes[0])
+            return self.lanes[longer], self.waits[longer]
+        return sum(self.lanes), sum(self.waits)
 
 
 def _measured_buckets(
@@ -331,7 +366,8 @@ def _measured_buckets(
     profile: Profile,
     leaves: Sequence[LeafSpec] | None,
 ) -> Iterator[_Bucket]:
-    """Each bucket's copies per device, its rounds' time (`modeled_time`) and its host work."""
+    """Each bucket's copies per device, its rounds' time in each lane (`modeled_time`) and its
+    host work."""
     bw = {
         True: topology.inter_bandwidth * profile.inter_efficiency,
         False: topology.intra_bandwidth * profile.intra_efficiency,
@@ -340,7 +376,7 @@ def _measured_buckets(
     with_segments = leaves is not None and isinstance(schedule, Schedule)
     for b, bucket in enumerate(_buckets(schedule)):
         sent, got = _Copies(), _Copies()
-        lanes = [0.0, 0.0]  # rounds with a cross-domain message, rounds inside domains
+        lanes = [0.0, 0.0]  # rounds inside domains, rounds with a cross-domain message
         waits = [0.0, 0.0]  # their latency
         for size, pairs in bucket:
             cross = any(topology.crosses(s, d) for s, d in pairs)
@@ -377,16 +413,15 @@ def _measured_buckets(
                     read.add((seg.leaf, seg.from_dst))
                     written.add(seg.leaf)
             arrays += len(read) + len(written)
-        # A bucket's rounds are independent collective-permutes (`runtime._build_transfer`):
-        # where the NICs and NVLink run at once, its cross-domain rounds and its rounds
-        # inside domains take the longer of the two, else their sum.
-        if profile.overlap_links:
-            longer = int(lanes[1] > lanes[0])
-            moved, latency = lanes[longer], waits[longer]
-        else:
-            moved, latency = sum(lanes), sum(waits)
         host_work = profile.bucket_overhead + arrays * profile.argument_overhead
-        yield _Bucket(sent, got, moved, latency, host_work, len(bucket))
+        yield _Bucket(
+            sent.device_times(host, profile),
+            got.device_times(host, profile),
+            (lanes[0], lanes[1]),
+            (waits[0], waits[1]),
+            host_work,
+            len(bucket),
+        )
 
 
 class _Path(NamedTuple):
@@ -411,13 +446,14 @@ class _InTurn:
     def __init__(self) -> None:
         self.path = _Path()
 
-    def add(self, b: _Bucket, host: Mapping[int, int], profile: Profile) -> None:
+    def add(self, b: _Bucket, profile: Profile) -> None:
         tr, lat, pk, up, ov = self.path
+        moved, latency = b.transfer(profile)
         self.path = _Path(
-            tr + b.moved,
-            lat + b.latency,
-            pk + b.sent.time(host, profile),
-            up + b.got.time(host, profile),
+            tr + moved,
+            lat + latency,
+            pk + max(b.packs.values(), default=0.0),
+            up + max(b.unpacks.values(), default=0.0),
             ov + 3 * profile.launch_overhead + b.host_work,
         )
 
@@ -443,21 +479,22 @@ class _Timeline:
         device idles until then: the host's work is the critical path)."""
         return clock if clock.total >= self.host else _Path(overhead=self.host)
 
-    def add(self, b: _Bucket, host: Mapping[int, int], profile: Profile) -> None:
+    def add(self, b: _Bucket, profile: Profile) -> None:
         self.host += b.host_work
         launch = profile.launch_overhead
-        for d, t in b.sent.device_times(host, profile).items():
+        for d, t in b.packs.items():
             c = self._ready(self.clock.get(d, self.end))
             self.clock[d] = c._replace(pack=c.pack + t, overhead=c.overhead + launch)
         c = max(map(self._ready, [self.end, *self.clock.values()]), key=lambda p: p.total)
+        moved, latency = b.transfer(profile)
         self.end = c._replace(
-            transfer=c.transfer + b.moved,
-            latency=c.latency + b.latency,
+            transfer=c.transfer + moved,
+            latency=c.latency + latency,
             overhead=c.overhead + launch,
         )
         self.clock = {
             d: self.end._replace(unpack=self.end.unpack + t, overhead=self.end.overhead + launch)
-            for d, t in b.got.device_times(host, profile).items()
+            for d, t in b.unpacks.items()
         }
 
     def critical_path(self) -> _Path:

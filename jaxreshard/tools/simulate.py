@@ -817,6 +817,13 @@ def simulate(
         "rank-0 broadcast": costmodel.rank0_broadcast(leaves, topo),
     }
     bound, bound_at_efficiency = costmodel.physical_bounds(leaves, topo, [None, profile])
+    # The lanes' overlap is an assumption about XLA GPU, unverified: the same plan is priced
+    # without it too (in the same pass), so a reader sees what rests on it.
+    profiles = [profile]
+    if profile.overlap_links:
+        profiles.append(dataclasses.replace(profile, overlap_links=False))
+    times = costmodel.modeled_times(rounds, topo, profiles, leaves=leaves, local=assignment.local)
+    modeled, one_lane = times[0], times[1] if len(times) > 1 else None
     return Result(
         title=title or f"{model.name}: {src} -> {dst}",
         model=model,
@@ -827,20 +834,8 @@ def simulate(
         placement="colocated" if colocated else placement,
         stats=stats,
         rounds=rounds,
-        modeled=costmodel.modeled_time(
-            rounds, topo, profile, leaves=leaves, local=assignment.local
-        ),
-        # The lanes' overlap is an assumption about XLA GPU, unverified: the same plan priced
-        # without it too, so a reader sees what rests on it.
-        one_lane=costmodel.modeled_time(
-            rounds,
-            topo,
-            dataclasses.replace(profile, overlap_links=False),
-            leaves=leaves,
-            local=assignment.local,
-        )
-        if profile.overlap_links
-        else None,
+        modeled=modeled,
+        one_lane=one_lane,
         rounds_only=costmodel.schedule_cost(rounds, topo),
         bound=bound,
         bound_at_efficiency=bound_at_efficiency,
