@@ -266,27 +266,18 @@ class _StreamKeys:
         self.leaves = leaves
         self.interned: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
         self.cut_ids: dict[SlabCut, int] = {}
-        # The streams of the last unit with listed pieces keyed, for `streams` to hand out:
-        # summing its pieces' bytes again would take as long as keying it.
-        self.last: tuple[Unit, dict[tuple[int, tuple[int, int]], int]] | None = None
 
-    def of(self, unit: Unit) -> object:
+    def of(self, unit: Unit) -> tuple[object, dict[tuple[int, tuple[int, int]], int] | None]:
+        """The unit's key, and its `Unit.stream_bytes` where keying it summed them (a unit
+        with listed pieces: summing them again would take as long), else None."""
         if unit.listed or not unit.slabs:
             streams = unit.stream_bytes(self.leaves)
-            self.last = unit, streams
-            return frozenset(streams.items())
-        return tuple(
+            return frozenset(streams.items()), streams
+        key = tuple(
             (self._cut_id(slab.cut), slab.cut.stream_totals(slab.j, slab.stage).tobytes())
             for slab in unit.slabs
         )  # equal slabs put equal bytes on equal streams, so their sums are equal too
-
-    def streams(self, unit: Unit) -> dict[tuple[int, tuple[int, int]], int]:
-        """`Unit.stream_bytes` of ``unit`` (a fresh dict), taken from `of` where it has just
-        computed them."""
-        if self.last is not None and self.last[0] is unit:
-            streams, self.last = self.last[1], None
-            return streams
-        return unit.stream_bytes(self.leaves)
+        return key, None
 
     def _cut_id(self, cut: SlabCut) -> int:
         if cut not in self.cut_ids:
@@ -949,13 +940,13 @@ def plan_unit_rounds(
     first: dict[object, tuple[int, set[int]]] = {}  # streams' key -> first unit, its stages
     keys = _StreamKeys(leaves)
     for u, unit in enumerate(units):
-        key = keys.of(unit)
+        key, streams = keys.of(unit)
         if not fault_cost and key in first:
             v, stages = first[key]
             for stage in stages:
                 weights[v, stage] += 1
             continue
-        streams = keys.streams(unit)
+        streams = unit.stream_bytes(leaves) if streams is None else streams
         first[key] = u, {stage for stage, _ in streams}
         for (stage, pair), n in streams.items():
             sizes[(u, stage), pair] = n
@@ -997,9 +988,10 @@ def plan_unit_rounds(
     planned: dict[tuple[object, ...], RoundPlan | None] = {}  # None: the unit sends nothing
     keys = _StreamKeys(leaves)
     for u, unit in enumerate(units):
-        key = (unit.overlap, keys.of(unit))
+        streams_key, streams = keys.of(unit)
+        key = (unit.overlap, streams_key)
         if key not in planned:
-            streams = keys.streams(unit)
+            streams = unit.stream_bytes(leaves) if streams is None else streams
             planned[key] = (
                 _plan_stream_rounds(
                     streams,
@@ -1466,9 +1458,15 @@ def _class_rounds(
         for size, entries in rounds:
             r = len(out)
             out.append((size, entries))
-            for (s, d), _ in entries:
+            for (s, d), _ in entries:  # (inlined: millions of entries at scale)
                 busy_src[s] |= 1 << r
                 busy_dst[d] |= 1 << r
+
+    def place(r: int, pair: tuple[int, int], k: int) -> None:
+        """Chunk ``k`` of ``pair`` into the free slot of round ``r``."""
+        out[r][1].append((pair, k))
+        busy_src[pair[0]] |= 1 << r
+        busy_dst[pair[1]] |= 1 << r
 
     for cls in sorted({classes[p] for p in streams}, reverse=True):
         chunk = chunk_of[cls]
@@ -1481,9 +1479,7 @@ def _class_rounds(
             while left[s, d] and free:
                 r = (free & -free).bit_length() - 1
                 free ^= 1 << r
-                out[r][1].append(((s, d), n - left[s, d]))
-                busy_src[s] |= 1 << r
-                busy_dst[d] |= 1 << r
+                place(r, (s, d), n - left[s, d])
                 left[s, d] -= 1
         new = colour_rounds({p: n for p, n in left.items() if n})
         if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
@@ -1498,10 +1494,7 @@ def _class_rounds(
             large = bisect.bisect_right(smaller, -tails[pair])  # rounds by_size[:large] hold it
             free = masks[large - 1] & ~(busy_src[pair[0]] | busy_dst[pair[1]]) if large else 0
             if free:
-                r = (free & -free).bit_length() - 1
-                out[r][1].append((pair, full[pair]))
-                busy_src[pair[0]] |= 1 << r
-                busy_dst[pair[1]] |= 1 << r
+                place((free & -free).bit_length() - 1, pair, full[pair])
                 del tails[pair]
         add(_tail_rounds(tails, full, chunk, ladder))
     return out
