@@ -171,15 +171,21 @@ def test_tails_rounded_up_to_a_chunk_are_coloured_with_the_full_chunks(tail, rou
     streams = {(0, d): tail for d in (1, 2, 3, 4)} | {(5, 1): 3 * chunk}
     got = _stage_rounds(streams, chunk, ladder=True)
     assert len(got) == rounds and {size for size, _ in got} == sizes
-    chunks = defaultdict(list)  # every chunk of every stream once, in a one-to-one round
-    for _, entries in got:
+    assert _chunks_by_pair(got) == {  # every chunk of every stream once, one-to-one rounds
+        (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
+    }  # fmt: skip
+
+
+def _chunks_by_pair(rounds) -> dict[tuple[int, int], list[int]]:
+    """The chunk indices each pair's entries carry, sorted, after checking that every round is
+    one-to-one (no device sends, or receives, twice in it)."""
+    chunks = defaultdict(list)
+    for _, entries in rounds:
         senders, receivers = {s for (s, _), _ in entries}, {d for (_, d), _ in entries}
         assert len(senders) == len(receivers) == len(entries)
         for pair, k in entries:
             chunks[pair].append(k)
-    assert {p: sorted(ks) for p, ks in chunks.items()} == {
-        (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
-    }  # fmt: skip
+    return {p: sorted(ks) for p, ks in chunks.items()}
 
 
 def test_a_tail_takes_a_free_slot_of_a_larger_round_on_a_cluster():
@@ -192,13 +198,7 @@ def test_a_tail_takes_a_free_slot_of_a_larger_round_on_a_cluster():
     streams = {(0, d): 400 for d in (1, 2, 3, 4)} | {(5, 1): 3 * chunk}
     got = _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), ladder=1)
     assert [size for size, _ in got] == [chunk, chunk, chunk, 512]
-    chunks = defaultdict(list)
-    for _, entries in got:
-        senders, receivers = {s for (s, _), _ in entries}, {d for (_, d), _ in entries}
-        assert len(senders) == len(receivers) == len(entries)
-        for pair, k in entries:
-            chunks[pair].append(k)
-    assert {p: sorted(ks) for p, ks in chunks.items()} == {
+    assert _chunks_by_pair(got) == {  # every chunk of every stream once, one-to-one rounds
         (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
     }  # fmt: skip
     assert [pair for pair, _ in got[3][1]] == [(0, 1)]

@@ -410,12 +410,18 @@ def test_chained_plan_runs_bit_exact_under_the_transfer_guard(devices):
     plan = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
     assert {p.stage for p in plan.assignment.pieces} == {0, 1, 2}
     assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
+    _runs_bit_exact_under_the_guard(plan, x, tree)
+
+
+def _runs_bit_exact_under_the_guard(plan, x, tree) -> None:
+    """``plan(x)`` is ``tree`` to the bit with no host transfer, into fresh buffers and into
+    donated ones (which receive the forwarded bytes too)."""
     with jax.transfer_guard("disallow"):
         out = plan(x)
     for k, v in tree.items():
         _check_real(out[k], v)
     with jax.transfer_guard("disallow"):
-        again = plan(x, donate=out)  # donated buffers receive the forwarded bytes too
+        again = plan(x, donate=out)
     for k, v in tree.items():
         _check_real(again[k], v)
 
@@ -433,14 +439,7 @@ def test_devices_alone_in_their_domain_chained_run_bit_exact(devices):
     assert {p.stage for p in plan.assignment.pieces} == {0, 1}
     assert plan.stats.bytes_relayed_cross_domain > 0  # the replicas forward to each other
     assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
-    with jax.transfer_guard("disallow"):
-        out = plan(x)
-    for k, v in tree.items():
-        _check_real(out[k], v)
-    with jax.transfer_guard("disallow"):
-        again = plan(x, donate=out)
-    for k, v in tree.items():
-        _check_real(again[k], v)
+    _runs_bit_exact_under_the_guard(plan, x, tree)
 
 
 def test_hierarchical_plan_with_several_leaves_and_a_cast(devices):
