@@ -120,6 +120,61 @@ def test_the_next_buckets_pack_runs_while_the_receivers_unpack_when_the_host_run
     assert in_turn.seconds == pytest.approx(12)
 
 
+class _ClockPerDevice:
+    """The GPU timeline written plainly, one `_Path` per device (the cost model's previous
+    revision): the oracle for `costmodel._Timeline`, which keeps the clocks as arrays."""
+
+    def __init__(self):
+        self.end, self.clock, self.host = costmodel._Path(), {}, 0.0
+
+    def ready(self, clock):
+        return clock if clock.total >= self.host else costmodel._Path(overhead=self.host)
+
+    def add(self, b, profile):
+        self.host += b.host_work
+        launch = profile.launch_overhead
+        for d, t in b.packs.items():
+            c = self.ready(self.clock.get(d, self.end))
+            self.clock[d] = c._replace(pack=c.pack + t, overhead=c.overhead + launch)
+        c = self.critical_path()
+        moved, latency = b.transfer(profile)
+        self.end = c._replace(
+            transfer=c.transfer + moved, latency=c.latency + latency, overhead=c.overhead + launch
+        )
+        self.clock = {
+            d: self.end._replace(unpack=self.end.unpack + t, overhead=self.end.overhead + launch)
+            for d, t in b.unpacks.items()
+        }
+
+    def critical_path(self):
+        return max(map(self.ready, [self.end, *self.clock.values()]), key=lambda p: p.total)
+
+
+def test_the_gpu_timeline_equals_a_clock_per_device_to_the_bit():
+    """Random buckets over 12 devices, copy times drawn from a few values (so totals tie and
+    the tie-break decides which parts the critical path reports), host work sometimes longer
+    than the devices' work; then a real plan's buckets. Every part equal, not approximately."""
+    rng = np.random.default_rng(0)
+    p = profile(launch_overhead=0.25, round_latency=0.5)
+    buckets = []
+    for _ in range(300):
+        times = lambda: {  # noqa: E731
+            int(d): float(rng.choice([0.5, 1.0, 1.5, 0.1 + 0.2]))
+            for d in rng.choice(12, rng.integers(0, 7), replace=False)
+        }
+        lanes = tuple(float(x) for x in rng.choice([0.0, 1.0, 2.5], 2))
+        work = float(rng.choice([0.0, 0.3, 4.0]))
+        buckets.append(costmodel._Bucket(times(), times(), lanes, (0.5, 0.5), work, 2))
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
+    buckets += costmodel._measured_buckets(r.rounds, r.topology, r.profile, None)
+    for prof in (p, r.profile, dataclasses.replace(r.profile, overlap_links=False)):
+        ours, oracle = costmodel._Timeline(), _ClockPerDevice()
+        for i, b in enumerate(buckets):
+            ours.add(b, prof)
+            oracle.add(b, prof)
+            assert ours.critical_path() == oracle.critical_path(), i
+
+
 def test_a_buckets_rounds_across_and_inside_domains_overlap_where_links_do():
     """One bucket, two rounds (independent collective-permutes): 50 B from 0 to 4 across
     (5 B/s: 10 s) and 100 B from 1 to 2 inside (50 B/s: 2 s), 1 s latency each. With NIC

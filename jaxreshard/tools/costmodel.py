@@ -39,6 +39,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from jaxreshard.planning.layout import box_shape, box_size, contiguous_runs
 from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
 from jaxreshard.planning.schedule import RoundPlan, Schedule
@@ -374,32 +376,32 @@ def _measured_buckets(
     }
     host = topology.host_of
     with_segments = leaves is not None and isinstance(schedule, Schedule)
+    ids = _DeviceArrays(topology)
     for b, bucket in enumerate(_buckets(schedule)):
-        sent, got = _Copies(), _Copies()
         lanes = [0.0, 0.0]  # rounds inside domains, rounds with a cross-domain message
         waits = [0.0, 0.0]  # their latency
-        for size, pairs in bucket:
-            cross = any(topology.crosses(s, d) for s, d in pairs)
+        rounds = [(size, np.array(pairs, np.int64).reshape(-1, 2)) for size, pairs in bucket]
+        for size, pairs in rounds:
+            src, dst = pairs.T
+            cross = bool((ids.domain[src] != ids.domain[dst]).any())
             link = size / bw[cross]
             if profile.host_link_bandwidth is not None:
-                on_host: dict[int, int] = defaultdict(int)
-                for s, d in pairs:
-                    if host[s] == host[d]:
-                        on_host[host[s]] += size
-                link = max(link, max(on_host.values(), default=0) / profile.host_link_bandwidth)
+                on_host = ids.host[src][ids.host[src] == ids.host[dst]]
+                busiest = int(np.bincount(on_host).max()) * size if len(on_host) else 0
+                link = max(link, busiest / profile.host_link_bandwidth)
             lanes[cross] += profile.round_latency + link
             waits[cross] += profile.round_latency
-            if not with_segments:  # each slot one wide box (inlined: millions at scale)
-                for s, d in pairs:
-                    sent.wide[s] += size
-                    sent.boxes[s] += 1
-                    got.wide[d] += size
-                    got.boxes[d] += 1
         # Arrays the bucket's programs take: staging (pack writes it, the transfer reads and
         # receives into it, unpack reads it), and the leaves pack reads and unpack writes.
         arrays = 4 * len(bucket)
-        if with_segments:
+        if not with_segments:  # each slot one wide box (by arrays: millions of pairs at scale)
+            sizes = np.repeat([size for size, _ in rounds], [len(p) for _, p in rounds])
+            every = np.concatenate([p for _, p in rounds] or [np.zeros((0, 2), np.int64)])
+            packs = _slot_copy_times(every[:, 0], sizes, ids, profile)
+            unpacks = _slot_copy_times(every[:, 1], sizes, ids, profile)
+        else:
             assert leaves is not None and isinstance(schedule, Schedule)
+            sent, got = _Copies(), _Copies()
             read, written = set(), set()
             for m in schedule.buckets[b].messages:
                 for seg in m.segments:
@@ -413,15 +415,29 @@ def _measured_buckets(
                     read.add((seg.leaf, seg.from_dst))
                     written.add(seg.leaf)
             arrays += len(read) + len(written)
+            packs, unpacks = sent.device_times(host, profile), got.device_times(host, profile)
         host_work = profile.bucket_overhead + arrays * profile.argument_overhead
         yield _Bucket(
-            sent.device_times(host, profile),
-            got.device_times(host, profile),
+            packs,
+            unpacks,
             (lanes[0], lanes[1]),
             (waits[0], waits[1]),
             host_work,
             len(bucket),
         )
+
+
+class _DeviceArrays:
+    """A topology's domain and host of every device id, as arrays indexed by id."""
+
+    def __init__(self, topology: Topology) -> None:
+        size = max(topology.domain_of, default=-1) + 1
+        self.domain = np.full(size, -1, np.int64)
+        self.host = np.full(size, -1, np.int64)
+        for d, g in topology.domain_of.items():
+            self.domain[d] = g
+        for d, h in topology.host_of.items():
+            self.host[d] = h
 
 
 class _Path(NamedTuple):
@@ -467,38 +483,79 @@ class _Timeline:
     Each device's clock is the critical path that led to it, by part, so the parts of the
     last clock add up to the total. A device packs when the host has dispatched the bucket
     and its own earlier programs are done; the transfer starts when every device seen so far
-    is ready (a barrier, which is conservative); then each receiver unpacks."""
+    is ready (a barrier, which is conservative); then each receiver unpacks.
+
+    The clocks of the devices that did something since the last transfer are kept as one
+    array of parts per `_Path` field, in the order the devices did it (ties on the critical
+    path go to the earliest, as a list of clocks would), and every other device's clock is
+    that transfer's end: a bucket costs a few array operations, not a `_Path` per device (the
+    4,096-GPU scenario's two pricings took 49 s with one `_Path` per device, 7 s so).
+    """
 
     def __init__(self) -> None:
         self.end = _Path()  # the last transfer's end: every device's clock then
-        self.clock: dict[int, _Path] = {}  # the devices that did something since
+        self.devices = np.zeros(0, np.int64)  # the devices that did something since
+        self.parts = np.zeros((len(_Path._fields), 0))  # their clocks, a row per field
         self.host = 0.0
 
-    def _ready(self, clock: _Path) -> _Path:
-        """A device's clock, or the host's dispatch of the bucket if that comes later (the
+    def _ready(self, parts: np.ndarray) -> np.ndarray:
+        """Clocks (columns), or the host's dispatch of the bucket where that comes later (the
         device idles until then: the host's work is the critical path)."""
-        return clock if clock.total >= self.host else _Path(overhead=self.host)
+        late = _totals(parts) < self.host
+        if late.any():
+            parts = parts.copy()
+            parts[:, late] = np.array(_Path(overhead=self.host))[:, None]
+        return parts
+
+    def _latest(self) -> _Path:
+        """The clock every device waits for: the first largest total of the end's and the
+        clocks since, each `_ready`."""
+        parts = self._ready(np.column_stack([np.array(self.end), self.parts]))
+        return _Path(*(float(x) for x in parts[:, int(np.argmax(_totals(parts)))]))
 
     def add(self, b: _Bucket, profile: Profile) -> None:
         self.host += b.host_work
         launch = profile.launch_overhead
-        for d, t in b.packs.items():
-            c = self._ready(self.clock.get(d, self.end))
-            self.clock[d] = c._replace(pack=c.pack + t, overhead=c.overhead + launch)
-        c = max(map(self._ready, [self.end, *self.clock.values()]), key=lambda p: p.total)
+        packers = np.fromiter(b.packs, np.int64, len(b.packs))
+        # Each packer starts from its own clock, or the end's where it has none since.
+        at = np.full(len(packers), -1)
+        if len(self.devices) and len(packers):
+            order = np.argsort(self.devices, kind="stable")
+            i = np.minimum(np.searchsorted(self.devices, packers, sorter=order), len(order) - 1)
+            at = np.where(self.devices[order[i]] == packers, order[i], -1)
+        known = at >= 0
+        base = np.repeat(np.array(self.end)[:, None], len(packers), axis=1)
+        base[:, known] = self.parts[:, at[known]]
+        clocks = self._ready(base)
+        clocks[_PACK] += np.fromiter(b.packs.values(), float, len(b.packs))
+        clocks[_OVERHEAD] += launch
+        parts = self.parts.copy()
+        parts[:, at[known]] = clocks[:, known]
+        self.devices = np.concatenate([self.devices, packers[~known]])
+        self.parts = np.concatenate([parts, clocks[:, ~known]], axis=1)
+        c = self._latest()
         moved, latency = b.transfer(profile)
         self.end = c._replace(
             transfer=c.transfer + moved,
             latency=c.latency + latency,
             overhead=c.overhead + launch,
         )
-        self.clock = {
-            d: self.end._replace(unpack=self.end.unpack + t, overhead=self.end.overhead + launch)
-            for d, t in b.unpacks.items()
-        }
+        self.devices = np.fromiter(b.unpacks, np.int64, len(b.unpacks))
+        self.parts = np.repeat(np.array(self.end)[:, None], len(self.devices), axis=1)
+        self.parts[_UNPACK] += np.fromiter(b.unpacks.values(), float, len(b.unpacks))
+        self.parts[_OVERHEAD] += launch
 
     def critical_path(self) -> _Path:
-        return max(map(self._ready, [self.end, *self.clock.values()]), key=lambda p: p.total)
+        return self._latest()
+
+
+_PACK, _UNPACK, _OVERHEAD = (_Path._fields.index(f) for f in ("pack", "unpack", "overhead"))
+
+
+def _totals(parts: np.ndarray) -> np.ndarray:
+    """`_Path.total` of each column, added in the same order (so equal to the last bit)."""
+    transfer, _, pack, unpack, overhead = parts
+    return transfer + pack + unpack + overhead
 
 
 def _buckets(schedule: Schedule | RoundPlan) -> Iterator[Sequence[tuple[int, Sequence[Pair]]]]:
@@ -573,6 +630,23 @@ def _by_host(per_device: Mapping[int, int], host: Mapping[int, int]) -> dict[int
 
 
 # -------------------------------------------------------------------------------- baselines
+
+
+def _slot_copy_times(
+    devices: np.ndarray, nbytes: np.ndarray, ids: _DeviceArrays, profile: Profile
+) -> dict[int, float]:
+    """`_Copies.device_times` of a `RoundPlan`'s slots, ``nbytes[i]`` on ``devices[i]``: each
+    slot one wide box whose rows are not known, added per device (or per host, where a
+    host's devices share its cores) in the order they first occur, as `_Copies` would."""
+    bandwidth = profile.copy_bandwidth
+    if profile.host_copy_bandwidth is not None:
+        devices, bandwidth = ids.host[devices], profile.host_copy_bandwidth
+    unique, first, inverse = np.unique(devices, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    wide = np.bincount(inverse, weights=nbytes)  # sums of integers: exact below 2**53
+    boxes = np.bincount(inverse)
+    seconds = wide / bandwidth + boxes * profile.copy_overhead  # (no narrow bytes, no rows)
+    return dict(zip(unique[order].tolist(), seconds[order].tolist(), strict=True))
 
 
 def allgather_broadcast(
