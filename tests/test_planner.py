@@ -24,6 +24,7 @@ from jaxreshard.planning.schedule import (
     _ladder_sizes,
     _stage_rounds,
     build_schedule,
+    chunk_sizes,
     colour_rounds,
     ladder_size,
     plan_stats,
@@ -145,6 +146,20 @@ def test_gpt_like_tree_pads_under_five_percent():
         leaves.append(leaf_spec(shape, (*FSDP_TP, spec), (*TP4, dst_spec), path=f"p{i}"))
     stats, _, _ = check_plan(leaves, bucket_bytes=1 << 16)
     assert stats.bytes_wire - stats.bytes_sent < 0.05 * stats.bytes_sent
+
+
+def test_beside_the_slowest_links_two_faster_chunks_fit_a_bucket():
+    """Where a bucket runs rounds across and inside domains at once, the faster links' chunks
+    leave room for two of theirs beside one of the slowest class's: a lane's extra round then
+    shares a bucket with the other lane instead of taking one where the other idles. The
+    slowest class's chunk is chosen as before."""
+    across = lambda s, d: int(s // 4 != d // 4)  # noqa: E731  (1: the slower links)
+    sizes = {(0, (0, 4)): 1500, (0, (1, 5)): 1500, (1, (4, 5)): 40_000, (1, (5, 6)): 40_000}
+    options = dict(bucket_bytes=4096, link_class=across, max_chunk_bytes=2048)
+    alone, classes = chunk_sizes(sizes, **options)
+    beside, same = chunk_sizes(sizes, **options, beside_slowest=2)
+    assert alone == {0: 2048, 1: 2048}  # alone, the faster chunk fills its half of a bucket
+    assert beside == {0: 1024, 1: 2048} and same == classes  # 2 x 1024 + 2048 = one bucket
 
 
 def test_mixed_dtypes_keep_elements_whole_across_chunks():

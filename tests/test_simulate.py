@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxreshard.planning import schedule
 from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import LeafSpec, LocalCopy
 from jaxreshard.planning.route import route as topology_assign
@@ -483,6 +484,27 @@ def test_destination_domains_forward_to_each_other_where_the_source_nics_would_b
     twice = 2 * full / (8 * r.topology.inter_bandwidth)
     assert twice > 1.5 * r.bound.seconds
     assert r.bound.seconds <= r.rounds_only.seconds < twice
+
+
+def test_chained_plans_leave_room_for_two_faster_rounds_beside_a_slow_one(monkeypatch):
+    """A chained plan (stage 2: relays inside domains of what crossed between them) asks the
+    chunk choice for two faster chunks beside one of the slowest links' in a bucket; a plan
+    that is not chained keeps its chunks as large as they come (its lanes' rounds do not
+    outnumber each other the same way)."""
+    asked = []
+    real = schedule.chunk_sizes
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("beside_slowest", 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(schedule, "chunk_sizes", spy)
+    chained = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP4", "h100")
+    fanned = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
+    assert chained.stats.bytes_relayed_cross_domain > 0 == fanned.stats.bytes_relayed_cross_domain
+    assert asked == [2, 0]
+    room = dict(chained.rounds.class_chunk_bytes)
+    assert 2 * room[0] + room[1] <= sim.GPU_BUCKET_BYTES
 
 
 def test_the_gap_to_the_bound_adds_up_by_cause():
