@@ -556,6 +556,30 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "units are keyed by their slabs' cuts alone, not the bytes each slab puts on its streams "
         "(slabs of one leaf that differ in size reuse one unit's rounds: bytes never sent)",
     ),
+    Mutant(
+        "schedule-chained-chunks-leave-no-room",
+        SCHEDULE,
+        (("        beside_slowest=2 if chained else 0,", "        beside_slowest=0,"),),
+        (
+            "tests/test_simulate.py::"
+            "test_chained_plans_leave_room_for_two_faster_rounds_beside_a_slow_one",
+        ),
+        "a chained plan's faster chunks leave no room for two beside one of the slowest links' "
+        "(a lane's extra round takes a bucket where the other lane idles)",
+    ),
+    Mutant(
+        "costmodel-timeline-ties-to-the-last",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "parts[:, int(np.argmax(_totals(parts)))]",
+                "parts[:, -1 - int(np.argmax(_totals(parts)[::-1]))]",
+            ),
+        ),
+        ("tests/test_simulate.py::test_the_gpu_timeline_equals_a_clock_per_device_to_the_bit",),
+        "the GPU timeline's barrier takes the last of the clocks tied for the latest, not the "
+        "first (the parts reported on the critical path change)",
+    ),
 ]
 API = "jaxreshard/api.py"
 
