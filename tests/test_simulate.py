@@ -471,6 +471,28 @@ def test_the_plan_is_also_priced_with_one_lane_at_a_time():
     assert cpu.one_lane is None and cpu.record()["modeled_one_lane_s"] is None  # one lane there
 
 
+def test_the_plan_is_also_priced_without_each_overhead():
+    """What each overhead costs: the same plan re-priced with copies free, without round
+    latency, both, and also without host work and launch gaps. Each figure is the modeled
+    time under the profile without those costs, whose parts for them are zero."""
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")  # (no local copies)
+    w = r.without
+    assert list(w) == list(sim.WITHOUT) and r.record()["modeled_without_s"] == w
+    for name, costs in sim.WITHOUT.items():
+        m = costmodel.modeled_time(r.rounds, r.topology, sim._without(r.profile, costs))
+        assert w[name] == m.seconds
+        if "copies" in costs:
+            assert m.pack == m.unpack == m.local == 0.0
+        if "round_latency" in costs:
+            assert m.latency == 0.0
+        if "host" in costs:
+            assert m.overhead == 0.0
+    assert w["copies_latency_host"] < w["copies_and_latency"]
+    assert w["copies_and_latency"] < min(w["copies"], w["round_latency"])
+    assert max(w["copies"], w["round_latency"]) < r.modeled.seconds
+    assert "without overheads" in sim.format_result(r)
+
+
 def test_destination_domains_forward_to_each_other_where_the_source_nics_would_bind():
     """Two destination hosts need the whole model from one source host of 8 NICs. Sent into
     each destination domain, the model would leave the source twice and the source's export

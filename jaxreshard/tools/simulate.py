@@ -584,6 +584,7 @@ class Result:
     units: tuple[Unit, ...] = ()
     bound_at_efficiency: costmodel.LowerBound | None = None
     one_lane: costmodel.ModeledTime | None = None  # rounds one at a time (see `simulate`)
+    without: dict[str, float] = dataclasses.field(default_factory=dict)  # (`WITHOUT`)
 
     @property
     def ratio(self) -> float:
@@ -642,6 +643,8 @@ class Result:
             # Without the two lanes at once (`Profile.overlap_links`): None where the profile
             # has one lane already.
             "modeled_one_lane_s": self.one_lane.seconds if self.one_lane else None,
+            # The same plan re-priced with overheads taken away (`WITHOUT`): what each costs.
+            "modeled_without_s": dict(self.without),
             "rounds_only_s": self.rounds_only.seconds,
             "lower_bound_s": self.bound.seconds,
             "lower_bound_binding": self.bound.binding,
@@ -708,6 +711,42 @@ def _spread(n: int, size: int, unit: int, *, first_rack: int) -> tuple[list[int]
 def _unit(strategy: Strategy, host: int) -> int:
     """The placement unit of a side: its TP group in whole hosts (or one host)."""
     return math.lcm(host, strategy.size.get("tp", 1))
+
+
+WITHOUT: dict[str, tuple[str, ...]] = {
+    "copies": ("copies",),
+    "round_latency": ("round_latency",),
+    "copies_and_latency": ("copies", "round_latency"),
+    "copies_latency_host": ("copies", "round_latency", "host"),
+}
+"""The overheads each ``modeled_without_s`` figure takes away from the profile: ``copies``
+(pack, unpack and local copies cost nothing), ``round_latency`` (none), ``host`` (no host
+work per bucket or per argument, no launch gaps). The plan stays as it was chosen, for the
+costs as they are, so these say what each cost adds, not what a plan could reach."""
+
+WITHOUT_LABELS = {
+    "copies": "copies free",
+    "round_latency": "no round latency",
+    "copies_and_latency": "both",
+    "copies_latency_host": "and no host or launch cost",
+}
+"""How the report names each `WITHOUT` figure."""
+
+
+def _without(profile: Profile, costs: Sequence[str]) -> Profile:
+    """``profile`` with the overheads named in ``costs`` (`WITHOUT`) taken away."""
+    free: dict[str, object] = {}
+    if "copies" in costs:
+        inf = float("inf")
+        free.update(copy_bandwidth=inf, copy_overhead=0.0, run_overhead=0.0)
+        for name in ("host_copy_bandwidth", "narrow_copy_bandwidth"):
+            if getattr(profile, name) is not None:
+                free[name] = inf
+    if "round_latency" in costs:
+        free["round_latency"] = 0.0
+    if "host" in costs:
+        free.update(bucket_overhead=0.0, argument_overhead=0.0, launch_overhead=0.0)
+    return dataclasses.replace(profile, **free)  # type: ignore[arg-type]
 
 
 def simulate(
@@ -824,6 +863,12 @@ def simulate(
         profiles.append(dataclasses.replace(profile, overlap_links=False))
     times = costmodel.modeled_times(rounds, topo, profiles, leaves=leaves, local=assignment.local)
     modeled, one_lane = times[0], times[1] if len(times) > 1 else None
+    without = {
+        name: costmodel.modeled_time(
+            rounds, topo, _without(profile, costs), leaves=leaves, local=assignment.local
+        ).seconds
+        for name, costs in WITHOUT.items()
+    }
     return Result(
         title=title or f"{model.name}: {src} -> {dst}",
         model=model,
@@ -836,6 +881,7 @@ def simulate(
         rounds=rounds,
         modeled=modeled,
         one_lane=one_lane,
+        without=without,
         rounds_only=costmodel.schedule_cost(rounds, topo),
         bound=bound,
         bound_at_efficiency=bound_at_efficiency,
@@ -921,6 +967,13 @@ def format_result(r: Result) -> str:
                                     f"{r.one_lane.seconds / b.seconds:.3f}x the bound; the "
                                     f"two lanes at once are unverified on GPUs)")]
             if r.one_lane and b.seconds else []
+        ),
+        *(
+            [("without overheads", "the same plan re-priced, over the bound: "
+                                   + ", ".join(f"{WITHOUT_LABELS[k]} {t / b.seconds:.2f}x"
+                                               for k, t in r.without.items())
+                                   + " (what each costs, not what a plan could reach)")]
+            if r.without and b.seconds else []
         ),
         ("physical bound", f"{_ms(b.seconds)}  (modeled / bound = {r.ratio:.3f}; binding: "
                            f"{b.binding})" if b.seconds else _ms(0)),
