@@ -595,9 +595,10 @@ def test_cli_runs_as_a_module():
 
 
 # Scenarios whose planning and pricing take several seconds to minutes here (Kimi-K2 and
-# NeMo-RL's setup about 4-9 s to plan, 512 GPUs 11-17 s, 4,096 GPUs 33-50 s, each priced twice
-# more) run in `python -m jaxreshard.simulate --all` (the README's table), not in the suite,
-# which must stay within ~10 minutes on 2 cores.
+# NeMo-RL's setup about 3-9 s to plan, 512 GPUs 11-17 s, 4,096 GPUs 30-50 s, then priced with
+# both lanes and one in a pass and four more times without overheads) run in
+# `python -m jaxreshard.simulate --all` (the README's table), not in the suite, which must
+# stay within ~10 minutes on 2 cores.
 SLOW_SCENARIOS = {"deepseek-v3-4096", "deepseek-v3-512", "nemo-rl-deepseek-v3", "kimi-k2-fp8"}
 FAST_SCENARIOS = sorted(set(sim.SCENARIOS) - SLOW_SCENARIOS)
 

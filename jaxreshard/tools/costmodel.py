@@ -529,10 +529,9 @@ class _Timeline:
         clocks = self._ready(base)
         clocks[_PACK] += np.fromiter(b.packs.values(), float, len(b.packs))
         clocks[_OVERHEAD] += launch
-        parts = self.parts.copy()
-        parts[:, at[known]] = clocks[:, known]
+        self.parts[:, at[known]] = clocks[:, known]  # (``base`` took copies of these columns)
         self.devices = np.concatenate([self.devices, packers[~known]])
-        self.parts = np.concatenate([parts, clocks[:, ~known]], axis=1)
+        self.parts = np.concatenate([self.parts, clocks[:, ~known]], axis=1)
         c = self._latest()
         moved, latency = b.transfer(profile)
         self.end = c._replace(
@@ -629,9 +628,6 @@ def _by_host(per_device: Mapping[int, int], host: Mapping[int, int]) -> dict[int
     return out
 
 
-# -------------------------------------------------------------------------------- baselines
-
-
 def _slot_copy_times(
     devices: np.ndarray, nbytes: np.ndarray, ids: _DeviceArrays, profile: Profile
 ) -> dict[int, float]:
@@ -647,6 +643,9 @@ def _slot_copy_times(
     boxes = np.bincount(inverse)
     seconds = wide / bandwidth + boxes * profile.copy_overhead  # (no narrow bytes, no rows)
     return dict(zip(unique[order].tolist(), seconds[order].tolist(), strict=True))
+
+
+# -------------------------------------------------------------------------------- baselines
 
 
 def allgather_broadcast(
