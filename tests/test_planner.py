@@ -21,6 +21,7 @@ from jaxreshard.planning.route import route
 from jaxreshard.planning.schedule import (
     ALIGN,
     _class_rounds,
+    _ColourMemo,
     _ladder_sizes,
     _stage_rounds,
     build_schedule,
@@ -309,6 +310,22 @@ def test_colour_rounds_meets_the_konig_bound(name, ordered):
         for pair, k in entries:
             seen[pair].append(k)
     assert {p: sorted(ks) for p, ks in seen.items()} == {p: list(range(n)) for p, n in mult.items()}
+
+
+def test_remembered_colourings_are_the_colourings_and_stay_unchanged():
+    """A plan's units share one `_ColourMemo`: it answers as `colour_rounds` does, for full
+    chunks and for tails in order, and a caller adding entries to a round it got (as
+    `_class_rounds` does) changes no later answer."""
+    memo = _ColourMemo()
+    for mult in _random_multigraphs().values():
+        tails = dict.fromkeys(mult, 1)
+        order = sorted(tails, key=lambda p: (-(p[0] * p[1] % 7), p))
+        for _ in range(2):  # the second time from memory
+            got = memo(mult)
+            assert got == colour_rounds(mult)
+            got[0].append(((-1, -1), 0))
+            assert memo(tails, order) == colour_rounds(tails, order=order)
+    assert len(memo.known) == 2 * len(_random_multigraphs())
 
 
 @st.composite
