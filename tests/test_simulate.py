@@ -167,7 +167,9 @@ def test_the_gpu_timeline_equals_a_clock_per_device_to_the_bit():
         work = float(rng.choice([0.0, 0.3, 4.0]))
         buckets.append(costmodel._Bucket(times(), times(), lanes, (0.5, 0.5), work, 2))
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
-    buckets += costmodel._measured_buckets(r.rounds, r.topology, r.profile, None)
+    ids = costmodel._DeviceArrays(r.topology)
+    counted = costmodel._counted_buckets(r.rounds, ids, None)
+    buckets += [c.priced(r.topology, ids, r.profile) for c in counted]
     for prof in (p, r.profile, dataclasses.replace(r.profile, overlap_links=False)):
         ours, oracle = costmodel._Timeline(), _ClockPerDevice()
         for i, b in enumerate(buckets):
@@ -460,13 +462,17 @@ def test_the_plan_is_also_priced_with_one_lane_at_a_time():
     assert r.one_lane.seconds > r.modeled.seconds  # relays and imports no longer overlap
     assert r.one_lane.transfer == pytest.approx(rounds_in_turn.transfer)
     assert r.record()["modeled_one_lane_s"] == r.one_lane.seconds
-    # Both priced in one pass over the schedule are each profile's own modeled time.
-    both = costmodel.modeled_times(r.rounds, r.topology, [r.profile, serial])
-    assert both == [costmodel.modeled_time(r.rounds, r.topology, p) for p in (r.profile, serial)]
-    with pytest.raises(ValueError, match="overlap_links only"):
-        costmodel.modeled_times(
-            r.rounds, r.topology, [r.profile, dataclasses.replace(serial, round_latency=0.0)]
-        )
+    # Priced in one pass over the schedule (counted once), each is its profile's own modeled
+    # time, to the bit, whatever else the profiles change.
+    others = [
+        dataclasses.replace(serial, round_latency=0.0),
+        dataclasses.replace(r.profile, copy_bandwidth=1e9, copy_overhead=1e-3),
+        sim.PROFILES["cpu"],
+    ]
+    profiles = [r.profile, serial, *others]
+    each = [costmodel.modeled_time(r.rounds, r.topology, p) for p in profiles]
+    assert costmodel.modeled_times(r.rounds, r.topology, profiles) == each
+    assert len(set(each)) == len(each)
     cpu = sim.simulate("qwen3-4b", "FSDP8", "TP8", "cpu", colocated=True)
     assert cpu.one_lane is None and cpu.record()["modeled_one_lane_s"] is None  # one lane there
 

@@ -292,23 +292,21 @@ def modeled_times(
     leaves: Sequence[LeafSpec] | None = None,
     local: Sequence[LocalCopy] = (),
 ) -> list[ModeledTime]:
-    """`modeled_time` under each of ``profiles``, which may differ in ``overlap_links`` only
-    (the lanes at once, or in turn), counting the schedule's copies and rounds once: on
-    thousands of GPUs that count is most of the cost model's work."""
-    profile = profiles[0]
-    alike = (dataclasses.replace(p, overlap_links=profile.overlap_links) for p in profiles)
-    if any(p != profile for p in alike):
-        raise ValueError("modeled_times: the profiles may differ in overlap_links only")
+    """`modeled_time` under each of ``profiles``, counting the schedule's copies and rounds
+    once (`_counted_buckets`) and pricing that count under every profile: on thousands of
+    GPUs the count is most of the cost model's work (the 4,096-GPU plan's six pricings took
+    27 s counted once each)."""
     host = topology.host_of
+    ids = _DeviceArrays(topology)
     clocks: list[_Timeline | _InTurn] = [
-        _Timeline() if profile.host_runs_ahead else _InTurn() for _ in profiles
+        _Timeline() if p.host_runs_ahead else _InTurn() for p in profiles
     ]
     buckets = rounds = 0
-    for bucket in _measured_buckets(schedule, topology, profile, leaves):
+    for counted in _counted_buckets(schedule, ids, leaves):
         for clock, p in zip(clocks, profiles, strict=True):
-            clock.add(bucket, p)
+            clock.add(counted.priced(topology, ids, p), p)
         buckets += 1
-        rounds += bucket.rounds
+        rounds += counted.rounds
     copies = _Copies()
     for c in local:
         leaf = leaves[c.leaf] if leaves is not None else None
@@ -320,9 +318,9 @@ def modeled_times(
             contiguous_runs(c.box, _shard_shape(leaf, from_dst=True)),
         )
         copies.add(c.device, box_size(c.box) * leaf.itemsize, narrow=_narrow(leaf), runs=runs)
-    local_s = copies.time(host, profile)
     out = []
-    for clock in clocks:
+    for clock, profile in zip(clocks, profiles, strict=True):
+        local_s = copies.time(host, profile)
         path = clock.critical_path()
         out.append(
             ModeledTime(
@@ -342,7 +340,7 @@ def modeled_times(
 
 @dataclasses.dataclass
 class _Bucket:
-    """What one bucket makes the devices and the host do (`_measured_buckets`)."""
+    """What one bucket makes the devices and the host do under a profile (`_Counted.priced`)."""
 
     packs: dict[int, float]  # seconds of copies per device (or host: `_Copies.device_times`)
     unpacks: dict[int, float]
@@ -362,46 +360,79 @@ class _Bucket:
         return sum(self.lanes), sum(self.waits)
 
 
-def _measured_buckets(
-    schedule: Schedule | RoundPlan,
-    topology: Topology,
-    profile: Profile,
-    leaves: Sequence[LeafSpec] | None,
-) -> Iterator[_Bucket]:
-    """Each bucket's copies per device, its rounds' time in each lane (`modeled_time`) and its
-    host work."""
-    bw = {
-        True: topology.inter_bandwidth * profile.inter_efficiency,
-        False: topology.intra_bandwidth * profile.intra_efficiency,
-    }
-    host = topology.host_of
-    with_segments = leaves is not None and isinstance(schedule, Schedule)
-    ids = _DeviceArrays(topology)
-    for b, bucket in enumerate(_buckets(schedule)):
+@dataclasses.dataclass
+class _Counted:
+    """What one bucket moves and copies, whatever the profile (`_counted_buckets`): its
+    rounds' slot sizes, whether each has a cross-domain message, the most of each round's
+    messages between devices of one host, each side's copies and the arrays its programs
+    take. `priced` turns it into a `_Bucket` under a profile."""
+
+    sizes: list[int]
+    cross: list[bool]
+    on_host: list[int]
+    packs: _Slots | _Copies
+    unpacks: _Slots | _Copies
+    arrays: int
+
+    @property
+    def rounds(self) -> int:
+        return len(self.sizes)
+
+    def priced(self, topology: Topology, ids: _DeviceArrays, profile: Profile) -> _Bucket:
+        """The bucket's copies per device, its rounds' time in each lane (`modeled_time`)
+        and its host work, under ``profile``."""
+        bw = {
+            True: topology.inter_bandwidth * profile.inter_efficiency,
+            False: topology.intra_bandwidth * profile.intra_efficiency,
+        }
         lanes = [0.0, 0.0]  # rounds inside domains, rounds with a cross-domain message
         waits = [0.0, 0.0]  # their latency
-        rounds = [(size, np.array(pairs, np.int64).reshape(-1, 2)) for size, pairs in bucket]
-        for size, pairs in rounds:
-            src, dst = pairs.T
-            cross = bool((ids.domain[src] != ids.domain[dst]).any())
+        for size, cross, on_host in zip(self.sizes, self.cross, self.on_host, strict=True):
             link = size / bw[cross]
             if profile.host_link_bandwidth is not None:
-                on_host = ids.host[src][ids.host[src] == ids.host[dst]]
-                busiest = int(np.bincount(on_host).max()) * size if len(on_host) else 0
-                link = max(link, busiest / profile.host_link_bandwidth)
+                link = max(link, on_host * size / profile.host_link_bandwidth)
             lanes[cross] += profile.round_latency + link
             waits[cross] += profile.round_latency
+        host, sides = topology.host_of, (self.packs, self.unpacks)
+        packs, unpacks = (
+            c.device_times(host, profile) if isinstance(c, _Copies) else c.times(ids, profile)
+            for c in sides
+        )
+        return _Bucket(
+            packs,
+            unpacks,
+            (lanes[0], lanes[1]),
+            (waits[0], waits[1]),
+            profile.bucket_overhead + self.arrays * profile.argument_overhead,
+            self.rounds,
+        )
+
+
+def _counted_buckets(
+    schedule: Schedule | RoundPlan, ids: _DeviceArrays, leaves: Sequence[LeafSpec] | None
+) -> Iterator[_Counted]:
+    """Each bucket's rounds and copies, counted (`_Counted`)."""
+    with_segments = leaves is not None and isinstance(schedule, Schedule)
+    for b, bucket in enumerate(_buckets(schedule)):
+        rounds = [(size, np.array(pairs, np.int64).reshape(-1, 2)) for size, pairs in bucket]
+        cross, on_host = [], []
+        for _, pairs in rounds:
+            src, dst = pairs.T
+            cross.append(bool((ids.domain[src] != ids.domain[dst]).any()))
+            inside = ids.host[src][ids.host[src] == ids.host[dst]]
+            on_host.append(int(np.bincount(inside).max()) if len(inside) else 0)
         # Arrays the bucket's programs take: staging (pack writes it, the transfer reads and
         # receives into it, unpack reads it), and the leaves pack reads and unpack writes.
         arrays = 4 * len(bucket)
+        packs: _Slots | _Copies
+        unpacks: _Slots | _Copies
         if not with_segments:  # each slot one wide box (by arrays: millions of pairs at scale)
             sizes = np.repeat([size for size, _ in rounds], [len(p) for _, p in rounds])
             every = np.concatenate([p for _, p in rounds] or [np.zeros((0, 2), np.int64)])
-            packs = _slot_copy_times(every[:, 0], sizes, ids, profile)
-            unpacks = _slot_copy_times(every[:, 1], sizes, ids, profile)
+            packs, unpacks = _Slots(every[:, 0], sizes), _Slots(every[:, 1], sizes)
         else:
             assert leaves is not None and isinstance(schedule, Schedule)
-            sent, got = _Copies(), _Copies()
+            packs, unpacks = _Copies(), _Copies()
             read, written = set(), set()
             for m in schedule.buckets[b].messages:
                 for seg in m.segments:
@@ -409,22 +440,13 @@ def _measured_buckets(
                     narrow = _narrow(leaf)
                     src_shard = _shard_shape(leaf, from_dst=seg.from_dst)
                     runs = contiguous_runs(seg.box, src_shard)  # pack reads the box's rows
-                    sent.add(m.src, seg.nbytes, narrow=narrow, runs=runs)
+                    packs.add(m.src, seg.nbytes, narrow=narrow, runs=runs)
                     runs = contiguous_runs(seg.box, _shard_shape(leaf, from_dst=True))
-                    got.add(m.dst, seg.nbytes, narrow=narrow, runs=runs)  # unpack writes them
+                    unpacks.add(m.dst, seg.nbytes, narrow=narrow, runs=runs)  # unpack writes
                     read.add((seg.leaf, seg.from_dst))
                     written.add(seg.leaf)
             arrays += len(read) + len(written)
-            packs, unpacks = sent.device_times(host, profile), got.device_times(host, profile)
-        host_work = profile.bucket_overhead + arrays * profile.argument_overhead
-        yield _Bucket(
-            packs,
-            unpacks,
-            (lanes[0], lanes[1]),
-            (waits[0], waits[1]),
-            host_work,
-            len(bucket),
-        )
+        yield _Counted([size for size, _ in rounds], cross, on_host, packs, unpacks, arrays)
 
 
 class _DeviceArrays:
@@ -628,21 +650,36 @@ def _by_host(per_device: Mapping[int, int], host: Mapping[int, int]) -> dict[int
     return out
 
 
-def _slot_copy_times(
-    devices: np.ndarray, nbytes: np.ndarray, ids: _DeviceArrays, profile: Profile
-) -> dict[int, float]:
-    """`_Copies.device_times` of a `RoundPlan`'s slots, ``nbytes[i]`` on ``devices[i]``: each
-    slot one wide box whose rows are not known, added per device (or per host, where a
-    host's devices share its cores) in the order they first occur, as `_Copies` would."""
-    bandwidth = profile.copy_bandwidth
-    if profile.host_copy_bandwidth is not None:
-        devices, bandwidth = ids.host[devices], profile.host_copy_bandwidth
-    unique, first, inverse = np.unique(devices, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    wide = np.bincount(inverse, weights=nbytes)  # sums of integers: exact below 2**53
-    boxes = np.bincount(inverse)
-    seconds = wide / bandwidth + boxes * profile.copy_overhead  # (no narrow bytes, no rows)
-    return dict(zip(unique[order].tolist(), seconds[order].tolist(), strict=True))
+class _Slots:
+    """`_Copies` of a `RoundPlan`'s slots, ``nbytes[i]`` on ``devices[i]``: each slot one wide
+    box whose rows are not known. Their sums per device (or per host) are made once and priced
+    under any profile (`times`)."""
+
+    def __init__(self, devices: np.ndarray, nbytes: np.ndarray) -> None:
+        self.devices, self.nbytes = devices, nbytes
+        self._sums: dict[bool, tuple[list[int], np.ndarray, np.ndarray]] = {}
+
+    def _summed(
+        self, ids: _DeviceArrays, by_host: bool
+    ) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Per device (or host), in the order they first occur as `_Copies` adds them: its
+        id, its bytes and its boxes."""
+        if by_host not in self._sums:
+            devices = ids.host[self.devices] if by_host else self.devices
+            unique, first, inverse = np.unique(devices, return_index=True, return_inverse=True)
+            order = np.argsort(first, kind="stable")
+            wide = np.bincount(inverse, weights=self.nbytes)  # integer sums: exact below 2**53
+            boxes = np.bincount(inverse)
+            self._sums[by_host] = (unique[order].tolist(), wide[order], boxes[order])
+        return self._sums[by_host]
+
+    def times(self, ids: _DeviceArrays, profile: Profile) -> dict[int, float]:
+        """`_Copies.device_times` of the slots (no narrow bytes, no rows)."""
+        by_host = profile.host_copy_bandwidth is not None
+        bandwidth = profile.host_copy_bandwidth if by_host else profile.copy_bandwidth
+        keys, wide, boxes = self._summed(ids, by_host)
+        seconds = wide / bandwidth + boxes * profile.copy_overhead
+        return dict(zip(keys, seconds.tolist(), strict=True))
 
 
 # -------------------------------------------------------------------------------- baselines

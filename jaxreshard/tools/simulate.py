@@ -856,19 +856,18 @@ def simulate(
         "rank-0 broadcast": costmodel.rank0_broadcast(leaves, topo),
     }
     bound, bound_at_efficiency = costmodel.physical_bounds(leaves, topo, [None, profile])
-    # The lanes' overlap is an assumption about XLA GPU, unverified: the same plan is priced
-    # without it too (in the same pass), so a reader sees what rests on it.
-    profiles = [profile]
+    # What each overhead costs is the same plan re-priced without it (`WITHOUT`). The lanes'
+    # overlap is an assumption about XLA GPU, unverified: the plan is priced without it too,
+    # so a reader sees what rests on it. One pass over the schedule counts it for all.
+    profiles = [profile] + [_without(profile, costs) for costs in WITHOUT.values()]
     if profile.overlap_links:
         profiles.append(dataclasses.replace(profile, overlap_links=False))
     times = costmodel.modeled_times(rounds, topo, profiles, leaves=leaves, local=assignment.local)
-    modeled, one_lane = times[0], times[1] if len(times) > 1 else None
+    modeled = times[0]
     without = {
-        name: costmodel.modeled_time(
-            rounds, topo, _without(profile, costs), leaves=leaves, local=assignment.local
-        ).seconds
-        for name, costs in WITHOUT.items()
+        name: t.seconds for name, t in zip(WITHOUT, times[1 : 1 + len(WITHOUT)], strict=True)
     }
+    one_lane = times[-1] if profile.overlap_links else None
     return Result(
         title=title or f"{model.name}: {src} -> {dst}",
         model=model,
