@@ -557,6 +557,32 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "(slabs of one leaf that differ in size reuse one unit's rounds: bytes never sent)",
     ),
     Mutant(
+        "schedule-chunk-model-rows-by-sizes-only",
+        SCHEDULE,
+        (
+            (
+                "key = (int(stage_of[m]), size[a:b].tobytes(), count[a:b].tobytes())",
+                'key = (int(stage_of[m]), size[a:b].tobytes(), b"")',
+            ),
+        ),
+        (f"{T_PLANNER}::test_the_chunk_model_prices_the_busiest_device_of_each_stage",),
+        "the chunk model counts devices whose streams have the same sizes as one, however many "
+        "streams each has (the busiest device's rounds undercounted)",
+    ),
+    Mutant(
+        "schedule-colour-memo-hands-out-its-own-lists",
+        SCHEDULE,
+        (
+            (
+                "return [list(entries) for entries in self.known[key]]",
+                "return self.known[key]",
+            ),
+        ),
+        (f"{T_PLANNER}::test_remembered_colourings_are_the_colourings_and_stay_unchanged",),
+        "a remembered colouring is handed out as the memo's own lists, so a caller adding "
+        "entries to a round changes the next unit's rounds",
+    ),
+    Mutant(
         "schedule-chained-chunks-leave-no-room",
         SCHEDULE,
         (("        beside_slowest=2 if chained else 0,", "        beside_slowest=0,"),),

@@ -20,6 +20,7 @@ from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import route
 from jaxreshard.planning.schedule import (
     ALIGN,
+    _ChunkModel,
     _class_rounds,
     _ColourMemo,
     _ladder_sizes,
@@ -263,6 +264,50 @@ def test_accelerators_pad_tails_less_than_cpus():
     assert [size for size, _ in _stage_rounds({(0, 1): 300}, 1024, ladder=cpu)] == [512]
     assert [size for size, _ in _stage_rounds({(0, 1): 300}, 1024, ladder=gpu)] == [384]
     assert [size for size, _ in _stage_rounds({(0, 1): 700}, 1024, ladder=gpu)] == [1024]
+
+
+@pytest.mark.parametrize("ladder", [0, 1, 2])
+def test_the_chunk_model_prices_the_busiest_device_of_each_stage(ladder):
+    """`_ChunkModel.time` against the same rule written out per device: per stage, the most
+    full chunks one device sends or receives (a tail over half a chunk counts as one with a
+    ladder) times chunk plus latency, and the most tails one device has times the stage's
+    largest tail's round plus latency, each stage times its weight. Racks alike (the model
+    counts devices with the same streams once), devices that differ in their streams' sizes
+    or only in how many there are, and stages over the same devices."""
+    rng = np.random.default_rng(3)
+    sizes = {}
+    for stage in ("a", "b", "c"):
+        rack = {
+            (s, d): int(rng.choice([100, 250, 1000, 4096])) for s in range(4) for d in range(4, 8)
+        }
+        for r in range(3):
+            sizes |= {(stage, (s + 10 * r, d + 10 * r)): n for (s, d), n in rack.items()}
+        sizes[stage, (21, 5)] = int(rng.integers(1, 5000))  # a device unlike the others
+        # Two senders with streams of the same size, one of them three: the busiest.
+        sizes |= {(stage, pair): 50_000 for pair in [(40, 41), (42, 41), (42, 43), (42, 44)]}
+    weights = {"a": 1, "b": 3, "c": 2}
+    latency = 64
+    model = _ChunkModel(sizes, latency, 0.0, weights)
+    for chunk in (64, 256, 512, 1024, 4096):
+        expected = 0
+        for stage, weight in weights.items():
+            full, tails = defaultdict(int), defaultdict(int)
+            largest = 0
+            for (label, (s, d)), n in sizes.items():
+                if label != stage:
+                    continue
+                whole, rest = divmod(n, chunk)
+                if ladder and rest > -(-(chunk // 2) // ALIGN) * ALIGN:
+                    whole, rest = whole + 1, 0
+                for end in (("send", s), ("recv", d)):
+                    full[end] += whole
+                    tails[end] += rest > 0
+                largest = max(largest, rest)
+            tail = ladder_size(largest, chunk, ladder) if ladder else -(-largest // ALIGN) * ALIGN
+            tail = max(tail, ALIGN)
+            expected += weight * max(full.values()) * (chunk + latency)
+            expected += weight * max(tails.values()) * (tail + latency)
+        assert model.time(chunk, ladder) == expected, chunk
 
 
 def _random_multigraphs():
