@@ -232,15 +232,20 @@ def test_rounds_per_unit_meet_the_konig_bound_of_each_round_size():
 
 
 @st.composite
-def mesh_layout(draw, prefix, rank, devices=8, offset=0):
+def mesh_layout(draw, prefix, rank, devices=8, offset=0, spare=False):
     """A random mesh over a random subset of ids ``offset .. offset + devices``, and a spec of
-    ``rank`` entries."""
+    ``rank`` entries. With ``spare``, one mesh axis of size 2 or more is left out of the spec
+    (the layout is replicated over it) and the mesh has at least two devices."""
     order = [offset + i for i in draw(st.permutations(range(devices)))]
     sizes = draw(st.lists(st.sampled_from([2, 2, 4, 1, 3]), min_size=1, max_size=3))
     while math.prod(sizes) > devices:
         sizes = sizes[:-1] or [1]
+    if spare and max(sizes) == 1:
+        sizes = [*sizes[:-1], 2]
     names = tuple(f"{prefix}{i}" for i in range(len(sizes)))
     free = list(draw(st.permutations(names)))
+    if spare:  # an axis of 2 or more, out of the spec
+        free.remove(draw(st.sampled_from([n for n, k in zip(names, sizes, strict=True) if k > 1])))
     spec = []
     for _ in range(rank):
         k = draw(st.integers(0, min(2, len(free))))
@@ -295,8 +300,10 @@ def test_random_layouts_lower_exactly(moves):
 
     one()
     print(f"distribution: {dict(seen)}")
-    # Measured: 60-75% over runs of 80 examples.
-    assert seen["several senders, receivers and steps"] >= 0.5 * seen["examples"], seen
+    # Measured: 55 of 80 on CI's fixed draw, 36-63 of 80 over runs with fresh draws
+    # (HYPOTHESIS_PROFILE=explore); a fifth of the examples hold every byte where it goes
+    # already (nothing is sent).
+    assert seen["several senders, receivers and steps"] >= 0.4 * seen["examples"], seen
 
 
 # ------------------------------------------------------------------- pipelined relays (stage 1)
@@ -457,7 +464,10 @@ def test_random_layouts_with_fan_out_lower_exactly(moves):
     def one(data, rank, min_share, pool, parts, rungs):
         src = data.draw(mesh_layout("s", rank, devices=4))  # domain A only
         devices, offset = data.draw(st.sampled_from([(4, 4), (4, 4), (8, 0)]))  # B, or A and B
-        dst = data.draw(mesh_layout("d", rank, devices=devices, offset=offset))
+        # Replicated destinations (most of them) have devices of one domain lacking the same
+        # bytes: what fan-out relays.
+        spare = data.draw(st.sampled_from([True, True, False]))
+        dst = data.draw(mesh_layout("d", rank, devices=devices, offset=offset, spare=spare))
         size = dict(zip(src[1], src[0], strict=True)) | dict(zip(dst[1], dst[0], strict=True))
         ways = [math.lcm(*(math.prod(size[a] for a in lay[3][d]) for lay in (src, dst))) for d in
                 range(rank)]  # fmt: skip
@@ -483,7 +493,9 @@ def test_random_layouts_with_fan_out_lower_exactly(moves):
         seen["relays, pipelined"] += any(u.overlap for u in schedule.units)
 
     one()
-    # Measured: 18 of 40.
+    print(f"distribution: {dict(seen)}")
+    # Measured: 15 of 40 on CI's fixed draw, 20-25 of 40 over six runs with fresh draws
+    # (HYPOTHESIS_PROFILE=explore; 10-24 before destinations were drawn replicated on purpose).
     assert seen["relays, pipelined"] >= 0.3 * seen["examples"], seen
 
 
