@@ -367,6 +367,9 @@ def test_parse_strategy_multiplies_written_axes_and_folds_ep_to_fit():
         sim.parse_strategy("EP16 DP16 PP4", devices=128)
     with pytest.raises(ValueError, match="EP16 must divide the 8 devices"):
         sim.parse_strategy("EP16 PP4", devices=32)
+    for text in ("FSDP0", "TP0 DP4"):  # a size-0 axis is an error, not an axis left out
+        with pytest.raises(ValueError, match="has size 0"):
+            sim.parse_strategy(text)
 
 
 def test_folded_ep_repeats_expert_ranks_over_the_stage():

@@ -307,6 +307,8 @@ def parse_strategy(text: str, devices: int | None = None) -> Strategy:
             raise ValueError(f"unknown axis {name!r} in {text!r}; known: {MESH_ORDER}")
         if key in size:
             raise ValueError(f"axis {name!r} appears twice in {text!r}")
+        if int(n) < 1:  # (not dropped as if it were 1: 'TP0' is a typo, not a layout)
+            raise ValueError(f"axis {name!r} in {text!r} has size 0: write 1 or more")
         size[key] = int(n)
     ep = size.pop("ep", 1)
     base = math.prod(size.values())
