@@ -24,6 +24,7 @@ from jaxreshard.planning.schedule import (
     _class_rounds,
     _ColourMemo,
     _ladder_sizes,
+    _slab_dimension,
     _stage_rounds,
     build_schedule,
     chunk_sizes,
@@ -308,6 +309,26 @@ def test_the_chunk_model_prices_the_busiest_device_of_each_stage(ladder):
             expected += weight * max(full.values()) * (chunk + latency)
             expected += weight * max(tails.values()) * (tail + latency)
         assert model.time(chunk, ladder) == expected, chunk
+
+
+def test_slabs_cut_the_dimension_most_bytes_spread_along():
+    """`_slab_dimension` by hand: each piece counts its size times min(its rows, k) per
+    dimension; ties go to the first. Boxes of 2**62 elements (coordinates only) take the
+    exact Python path where 64-bit sums could overflow, and choose alike."""
+    from jaxreshard.planning.route import Piece
+
+    def pieces(boxes):
+        return [Piece(0, 0, 1, box) for box in boxes]
+
+    # dim 0: 4*8*min(4,k) + 2*16*min(2,k); dim 1: 4*8*min(8,k) + 2*16*min(16,k)
+    small = pieces([((0, 4), (0, 8)), ((4, 6), (0, 16))])
+    assert _slab_dimension(small, 2) == 0  # 64 + 64 against 64 + 64: a tie, the first
+    assert _slab_dimension(small, 8) == 1  # 128 + 64 against 256 + 256
+    big = 1 << 31
+    huge = pieces([((0, big), (0, big)), ((0, 2), (0, big))])
+    assert _slab_dimension(huge, 1) == 0  # equal spreads: the first
+    assert _slab_dimension(huge, 4) == 1  # dim 0: 4*2**62 + 2*2*2**31; dim 1 more
+    assert _slab_dimension(pieces([((0, 1), (0, 3), (0, 2))]), 4) == 1
 
 
 def _random_multigraphs():

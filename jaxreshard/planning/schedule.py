@@ -887,11 +887,16 @@ def _slab_dimension(pieces: Sequence[Piece], k: int) -> int:
     size times the share of the slabs its rows reach (ties: the first dimension). A dimension
     no layout shards gives every piece its full length there."""
     rank = len(pieces[0].box)
-
-    def spread(i: int) -> int:
-        return sum(box_size(p.box) * min(p.box[i][1] - p.box[i][0], k) for p in pieces)
-
-    return max(range(rank), key=lambda i: (spread(i), -i))
+    # Each piece's extent per dimension, as one array (a large leaf has 10^5 pieces at
+    # thousands of GPUs: three sums over them in Python took 0.5 s a leaf).
+    extent = np.array([[b - a for a, b in p.box] for p in pieces], np.int64).reshape(-1, rank)
+    size = extent.prod(axis=1)
+    if len(size) and int(size.max()) * k * len(size) >= 1 << 62:  # int64 could overflow
+        spread = [sum(int(n) * min(int(e), k) for n, e in zip(size, extent[:, i], strict=True))
+                  for i in range(rank)]  # fmt: skip
+    else:
+        spread = (size[:, None] * np.minimum(extent, k)).sum(axis=0).tolist()
+    return max(range(rank), key=lambda i: (spread[i], -i))
 
 
 def plan_unit_rounds(
