@@ -1084,7 +1084,9 @@ def _cache_key(
             treedef,
             signature,
             dst_def,
-            tuple(_sharding_key(d) for d in dst_leaves),
+            # Destinations as given, not `_sharding_key`: the result carries the plan's
+            # destination shardings, and JAX tells P("tp") and P("tp", None) apart.
+            tuple(dst_leaves),
             dt_def,
             tuple(
                 d if d is None or isinstance(d, Fp8Blockwise) else jnp.dtype(d) for d in dt_leaves

@@ -258,3 +258,17 @@ def test_one_layout_spelled_two_ways_shares_one_cached_plan():
         jax.block_until_ready(out)
     assert again.count == 0
     assert_exact(out, host, dst)
+
+
+def test_a_destination_spelled_two_ways_comes_back_as_asked():
+    """Destinations are cached as given: the result of ``reshard(x, P("a"))`` after
+    ``reshard(x, P("a", None))`` carries ``P("a")``, the sharding asked for (JAX's equality
+    tells the two apart), not the cached plan's spelling."""
+    host = random_array((8, 4), "float32")
+    src = jax.device_put(host, sharding(*DST))
+    short = sharding(tuple(range(4)), (4,), ("a",), "a")
+    long = sharding(tuple(range(4)), (4,), ("a",), "a", None)
+    assert long != short
+    jr.clear_cache()
+    for dst in (short, long, short):
+        assert_exact(jr.reshard(src, dst), host, dst)
