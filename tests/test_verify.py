@@ -81,6 +81,27 @@ def test_one_changed_word_is_found_naming_the_leaf_and_the_device():
         plan.verify(src, bad)
 
 
+@pytest.mark.parametrize("bit", [31, 30, 23])
+def test_the_same_bit_flipped_in_two_words_is_found(bit):
+    """Regression: two sign flips (bit 31) cancelled in the sum mod 2**32 and verified as
+    exact; two flips of bit 30 cancelled for half the pairs of positions. Every pair of
+    positions of one shard row, with the bit flipped in both words."""
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    columns = views.by_device(out["w"])[4].shape[-1]
+    for first in range(columns):
+        for second in range(first + 1, columns):
+
+            def flip(a, first=first, second=second):
+                a.view(np.uint32)[0, [first, second]] ^= np.uint32(1 << bit)
+                return a
+
+            bad = dict(out, w=with_shard(out["w"], 4, flip))
+            with pytest.raises(jr.ReshardError, match=r"\['w'\]: device 4"):
+                plan.verify(src, bad)
+
+
 def test_data_in_the_wrong_place_is_found():
     _, src, dst = tree()
     plan = jr.plan(src, dst)

@@ -2,17 +2,21 @@
 
 The checksum of a box of a global array is a position-weighted sum of its words,
 
-    checksum(box) = sum over elements e in box of  word(e) * (2 r(e) + 1) K2 * (2 c(e) + 1) K
-                    (mod 2**32)
+    checksum(box) = sum over elements e in box of
+                    mix(word(e)) * (2 r(e) + 1) K2 * (2 c(e) + 1) K      (mod 2**32)
 
 where ``word(e)`` is the element's bits as an unsigned 32-bit number (narrower dtypes widened,
-64-bit dtypes folded), ``c(e)`` its index along the last dimension and ``r(e)`` the row-major
-index of its row (every other dimension) in the *global* array, and ``K``, ``K2`` odd constants.
-Because the weight depends on the global position only, the checksum of a box is the sum of
-the checksums of any partition of it: each source device computes the part of every
-destination box it holds, each destination device the checksum of its whole shard, and only
-those 4-byte sums reach the host. A weight is odd, so changing one word always changes the sum;
-moving data to another position changes its weight.
+64-bit dtypes folded), ``mix`` MurmurHash3's 32-bit finalizer, ``c(e)`` the element's index
+along the last dimension and ``r(e)`` the row-major index of its row (every other dimension) in
+the *global* array, and ``K``, ``K2`` odd constants. Because the weight depends on the global
+position only, the checksum of a box is the sum of the checksums of any partition of it: each
+source device computes the part of every destination box it holds, each destination device the
+checksum of its whole shard, and only those 4-byte sums reach the host. ``mix`` is a bijection
+and a weight is odd, so changing one word always changes the sum; moving data to another
+position changes its weight. ``mix`` is there for several changed words: summed as they are, a
+flip of bit ``k`` adds ``2**k`` times an odd weight, so two sign flips (bit 31) always cancel
+mod 2**32 and two flips of bit 30 do for half the pairs of positions; mixed, a flipped bit
+changes about half of the word's bits and such patterns cancel with odds of about 2**-32.
 
 The source side is cast to the destination dtype first (the same XLA convert the senders run),
 so a cast refit verifies bit for bit too. Typed PRNG keys are checked as their key data.
@@ -64,6 +68,16 @@ def _words(x: jax.Array) -> jax.Array:
     return pair[..., 0] ^ (pair[..., 1] * np.uint32(0x85EBCA6B))
 
 
+def _mix(words: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer, element by element: a bijection of uint32 in which
+    every input bit flips about half of the output bits."""
+    h = words ^ (words >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
 def box_checksum(x: jax.Array, origin: Sequence[int], global_shape: Sequence[int]) -> jax.Array:
     """The checksum (uint32 scalar) of ``x``, the elements of a box starting at ``origin`` of
     an array of ``global_shape``. Traceable.
@@ -73,7 +87,7 @@ def box_checksum(x: jax.Array, origin: Sequence[int], global_shape: Sequence[int
     last dimension). So the sum is taken as ``sum_rows(row_weight * sum_cols(word *
     col_weight))``: two integer operations per element, the rest on the (small) row grid.
     """
-    words = _words(x)
+    words = _mix(_words(x))
     if words.ndim == 0:
         words = words.reshape(1, 1)
         origin, global_shape = (0, *origin, 0), (1, *global_shape, 1)
