@@ -644,6 +644,13 @@ SURFACE_MUTANTS: list[Mutant] = [
         "verify bit-casts a 4-bit leaf to bytes (two elements to a word)",
     ),
     Mutant(
+        "verify-words-summed-unmixed",
+        "jaxreshard/run/verify.py",
+        (("    words = _mix(_words(x))", "    words = _words(x)"),),
+        ("tests/test_verify.py::test_the_same_bit_flipped_in_two_words_is_found[31]",),
+        "verify sums each word as it is, so two sign flips cancel mod 2**32",
+    ),
+    Mutant(
         "quant-nan-left-to-the-cross-device-max",
         "jaxreshard/quant.py",
         (("    amax = jnp.where(nan, np.float32(np.nan), amax)", "    amax = amax"),),
