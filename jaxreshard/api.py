@@ -74,12 +74,40 @@ def _own_meshes(method: _F) -> _F:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        _refuse_tracers(args[1:], kwargs)  # (args[0]: the plan itself)
         if jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty:
             return method(*args, **kwargs)  # nothing to clear (and set_mesh refuses in jit)
         with jax.set_mesh(None):
             return method(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
+
+
+def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Refuse traced leaves (a plan called inside `jax.jit`, `jax.grad` or `jax.vmap`) before
+    anything looks at them: a plan runs programs of its own on concrete arrays, so it cannot
+    be traced into another program. Paths are the source tree's (the first argument), or
+    start with the argument's name."""
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return  # (the common case: paths only for the error)
+    named = {"" if i == 0 else f"<argument {i}>": tree for i, tree in enumerate(args)}
+    named.update(kwargs)
+    problems = [
+        (name + keystr(path), f"is a tracer ({type(x).__name__}): jaxreshard moves concrete arrays")
+        for name, tree in named.items()
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if isinstance(x, jax.core.Tracer)
+    ]
+    if problems:
+        raise leaf_error(
+            "jaxreshard cannot run inside jax.jit, jax.grad or jax.vmap",
+            problems,
+            "call the plan (or jr.reshard) outside traced functions, on the arrays a jitted "
+            "step returns: e.g. params = train_step(params, batch); "
+            "sampler_params = plan(params)",
+            cls=ReshardTypeError,
+        )
 
 
 class Plan:
@@ -737,6 +765,7 @@ def plan(
     one; other parts are balanced over all replicas.
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
+    _refuse_tracers((src_tree,), {})
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
     dsts = _broadcast(dst_shardings, src_tree, "dst_shardings", lambda x: isinstance(x, Sharding))
@@ -1028,6 +1057,7 @@ def cached_plan(
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
     options = tuple(sorted((compiler_options or {}).items()))
+    _refuse_tracers((src_tree,), {})
     key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback)
     found = None
     if key is not None:

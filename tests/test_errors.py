@@ -152,13 +152,24 @@ def test_a_bad_dtype(src):
         jr.plan(src, dst_tree(), dtype={"a": "not-a-dtype", "b": None})
 
 
-def test_tracers_are_refused(src):
-    def inside(x):
-        jr.plan(x, sharding(*DST))
-        return x
-
-    with pytest.raises(jr.ReshardTypeError, match="tracer"):
-        jax.jit(inside)(src["a"])
+def test_tracers_are_refused_by_every_entry_point_naming_the_leaf_and_the_fix(src):
+    """Inside jax.jit, jax.grad or jax.vmap a plan cannot run (it runs programs of its own on
+    concrete arrays): each way in says so, naming the traced leaf, not a JAX error from deep
+    inside (calling a plan inside jit failed in JAX's get_mesh, jr.reshard on ``.sharding``)."""
+    plan = jr.plan(src, dst_tree())
+    ways = {
+        "jr.plan under jit": jax.jit(lambda x: jr.plan(x, dst_tree())),
+        "a plan under jit": jax.jit(lambda x: plan(x)),
+        "plan.start under jit": jax.jit(lambda x: plan.start(x)),
+        "jr.reshard under jit": jax.jit(lambda x: jr.reshard(x, dst_tree())),
+        "a plan under grad": jax.grad(lambda x: plan(x)["a"].sum()),
+        "a plan under vmap": jax.vmap(lambda x: plan(x)),
+    }
+    named = r"(?s)\['b'\]\['c'\]: is a tracer.*outside"
+    for way, call in ways.items():
+        with pytest.raises(jr.ReshardTypeError, match=named) as e:
+            call(src)
+        assert "jax.jit" in str(e.value), way
 
 
 def test_errors_leave_the_source_untouched(src):
