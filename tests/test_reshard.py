@@ -224,6 +224,40 @@ def test_cast_runs_on_the_senders_and_halves_the_bytes():
     assert half.stats.bytes_sent * 2 == full.stats.bytes_sent
 
 
+NARROW_FLOATS = [
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float4_e2m1fn",
+]
+
+
+@pytest.mark.parametrize("cast", NARROW_FLOATS)
+def test_a_cast_gives_the_bits_of_astype_sent_and_copied_locally(cast):
+    """The oracle is JAX's own ``astype`` on one device, bit for bit, from every bit pattern
+    of float32, bfloat16 and float16 (NaN payloads, -0.0, denormals) and from negative values
+    too small for the narrow type. Regression: XLA's older CPU fusion emitters, which the
+    copy programs used, turned such negatives into 0x80 (NaN) in the fnuz formats, gave
+    other NaN bits for bfloat16 -> float8_e5m2 and float16 -> bfloat16, and could not compile
+    a cast to float4_e2m1fn. Moved between disjoint meshes (cast by the senders' packs) and
+    onto the same devices (local parts cast by the receivers' unpacks); verified too."""
+    one = jax.devices()[0]
+    colocated = (A, (4,), ("x",), None, "x")
+    for source in ("float32", "bfloat16", "float16"):
+        host = random_array((16, 8), source, 7)
+        host.reshape(-1)[:4] = np.array([-1e-30, -1e-7, -0.0, 1e-30]).astype(host.dtype)
+        want = np.asarray(jax.jit(lambda v: v.astype(cast))(jax.device_put(host, one)))
+        src = jax.device_put(host, sharding(*CASES[0].src))
+        dst = {"sent": sharding(*CASES[0].dst), "local": sharding(*colocated)}
+        out = jr.plan({k: src for k in dst}, dst, dtype=cast)({k: src for k in dst}, verify=True)
+        for k, d in dst.items():
+            assert_exact(out[k], want, d)
+
+
 def test_pytree_with_prefix_shardings_and_dtype_tree():
     host = {
         "layers": [

@@ -90,7 +90,8 @@ every fusion of a program as a module of its own, and a pack or unpack program i
 fusions (a copy per piece, an output per leaf): with the newer fusion emitters each costs
 about 13 ms to compile here, with the older ones about 6 ms, for the same copies at the same
 speed (measured: 160 copies of one element, 2.5 -> 1.0 s to compile; 4 copies of 4 MiB, 11.6
-and 8.9 ms a run). Used where the backend knows the option (`copy_options`)."""
+and 8.9 ms a run). Used where the backend knows the option (`copy_options`), by programs
+that do not cast (`program_options`)."""
 
 
 class Runtime:
@@ -735,6 +736,33 @@ def copy_options(platform: str) -> dict[str, Any] | None:
     return dict(CPU_COPY_OPTIONS)
 
 
+def program_options(platform: str, casts: bool) -> dict[str, Any] | None:
+    """The XLA options of a pack or unpack program: `copy_options`, unless it casts. XLA's
+    older CPU fusion emitters convert some dtypes differently from ``astype`` (which compiles
+    with the newer ones): negative values that round to zero became 0x80, NaN, in the float8
+    ``fnuz`` formats, NaN payloads came out other bits (bfloat16 -> float8_e5m2, float16 ->
+    bfloat16), and a cast to float4_e2m1fn did not compile. A program that casts compiles as
+    ``astype`` does, so a cast refit gives ``astype``'s bits (and `verify`'s)."""
+    return None if casts else copy_options(platform)
+
+
+def _pack_casts(program: PackProgram) -> bool:
+    """Whether ``program`` converts any operand to another dtype on its way into the slots."""
+    dtypes = [op.dtype for op in program.operands]
+    return any(dtypes[r.operand] != r.wire for r in program.reads) or any(
+        dtypes[i] != wire for i, wire in program.flat
+    )
+
+
+def _unpack_casts(program: UnpackProgram) -> bool:
+    """Whether ``program``'s local copies convert any source to its target's dtype."""
+    sources = [op.dtype for op in program.sources]
+    targets = [op.dtype for op in program.targets]
+    return any(sources[c.source] != targets[c.target] for c in program.copies) or any(
+        sources[i] != dtype for i, dtype in program.flat_sources
+    )
+
+
 def _split_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(tuple(mesh.axis_names))
 
@@ -774,7 +802,7 @@ def _build_pack(
         mapped,
         donate_argnums=tuple(range(first, first + n_slots)),
         out_shardings=(NamedSharding(mesh, split),) * n_slots,
-        compiler_options=copy_options(mesh.devices.flat[0].platform),
+        compiler_options=program_options(mesh.devices.flat[0].platform, _pack_casts(program)),
     )
 
 
@@ -864,7 +892,7 @@ def _build_unpack(
         out_shardings=out_shardings,
         # A rebuilt target whose old words go unread still hands its buffer to the result.
         keep_unused=True,
-        compiler_options=copy_options(platform),
+        compiler_options=program_options(platform, _unpack_casts(program)),
     )
 
 

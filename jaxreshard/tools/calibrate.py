@@ -102,12 +102,16 @@ def _median(fn: Any, reps: int, passes: int = 2) -> float:
     return min(bench._median_time(fn, reps) for _ in range(passes))
 
 
-def _copy_program(fn: Any, devices: Sequence[jax.Device], **kwargs: Any) -> Any:
+def _copy_program(
+    fn: Any, devices: Sequence[jax.Device], *, casts: bool = False, **kwargs: Any
+) -> Any:
     """``jax.jit(fn, **kwargs)`` compiled as the executor compiles its pack and unpack
-    programs (`runtime.copy_options`): on CPU, XLA's older fusion emitters copy wide elements
-    about 1.3x faster and narrow ones slower than the default, so a copy timed otherwise
-    prices another program than the one the executor runs."""
-    return jax.jit(fn, compiler_options=runtime.copy_options(devices[0].platform), **kwargs)
+    programs (`runtime.program_options`; ``casts``: whether ``fn`` converts dtypes): on CPU,
+    XLA's older fusion emitters copy wide elements about 1.3x faster and narrow ones slower
+    than the default, so a copy timed otherwise prices another program than the one the
+    executor runs."""
+    options = runtime.program_options(devices[0].platform, casts)
+    return jax.jit(fn, compiler_options=options, **kwargs)
 
 
 class _InPlace:
@@ -246,7 +250,7 @@ class _NarrowCopy(_InPlace):
             specs = (P("g"), P("g", None))
         out = specs[1]
         mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
-        self.fn = _copy_program(mapped, devices, donate_argnums=1)
+        self.fn = _copy_program(mapped, devices, casts=cast, donate_argnums=1)
         self.nbytes = n * rows * half * 2
 
 
