@@ -1288,6 +1288,7 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
         sharding,
         dst,
         user_shape,
+        weak_type=bool(getattr(x, "weak_type", False)) and dst_dtype == src_dtype,
     )
     return (user_shape, x.dtype, sharding), edge, leaf
 

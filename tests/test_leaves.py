@@ -133,6 +133,33 @@ def test_a_single_array_with_one_dtype_is_cast_whatever_its_dtype():
     assert out.dtype == jnp.int8
 
 
+def test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them():
+    """A weakly typed source (``jnp.asarray(1.5)``, a scalar from a Python number) arrives
+    weakly typed, as ``jax.device_put`` gives it, so JAX's type promotion is unchanged
+    (``bf16_array * scale`` stays bf16); cast, it arrives strongly typed, as ``astype`` makes
+    it. Into host memory and a single-device sharding too, and with ``donate=``."""
+    weak = {
+        "scale": jnp.asarray(1.5),
+        "steps": jnp.arange(8) * 1.0,
+        "cast": jnp.asarray(2.5),
+        "strong": jnp.ones((8,), jnp.float32),
+    }
+    assert weak["scale"].weak_type and weak["steps"].weak_type
+    src = {k: jax.device_put(v, sharding(*SRC)) for k, v in weak.items()}
+    dst = {k: sharding(*DST) for k in weak}
+    dst["scale"] = SingleDeviceSharding(jax.devices()[5], memory_kind="pinned_host")
+    dtype = {"scale": None, "steps": None, "cast": jnp.bfloat16, "strong": None}
+    plan = jr.plan(src, dst, dtype=dtype)
+    out = plan(src)
+    out = plan(src, donate=out)
+    for k, x in out.items():
+        want = jax.device_put(src[k], dst[k]) if dtype[k] is None else src[k].astype(dtype[k])
+        assert x.weak_type == want.weak_type, k
+        assert x.sharding == dst[k] and np.asarray(x).tobytes() == np.asarray(want).tobytes()
+    bf16 = jax.device_put(jnp.ones((8,), jnp.bfloat16), sharding(*DST))
+    assert (bf16 * out["steps"]).dtype == jnp.bfloat16
+
+
 def test_destinations_in_host_memory_land_there_under_the_transfer_guard():
     host = random_array((16, 8), "float32")
     src = {

@@ -141,6 +141,8 @@ class Boundary:
       dst: the destination ``NamedSharding`` the runtime writes (device memory).
       user_dst: the destination sharding the caller asked for (what the result carries).
       shape: the caller's shape of the leaf.
+      weak_type: the result is weakly typed, as the source is (``jnp.asarray(1.5)``) when
+        not cast: ``jax.device_put`` keeps a weak type, and JAX's type promotion reads it.
     """
 
     key_impl: Any
@@ -149,6 +151,7 @@ class Boundary:
     user_src: Sharding
     user_dst: Sharding
     shape: tuple[int, ...]
+    weak_type: bool = False
 
     @functools.cached_property
     def stages_in(self) -> bool:
@@ -162,8 +165,9 @@ class Boundary:
 
     @functools.cached_property
     def rewraps(self) -> bool:
-        """The result is re-wrapped into the caller's (non-named, or other-memory) sharding."""
-        return self.stages_out or not isinstance(self.user_dst, NamedSharding)
+        """The result is re-wrapped: into the caller's (non-named, or other-memory) sharding,
+        or weakly typed."""
+        return self.stages_out or self.weak_type or not isinstance(self.user_dst, NamedSharding)
 
 
 class Crossing:
@@ -227,8 +231,8 @@ class Crossing:
         self._copy(out, staged, [self.boundaries[i].user_dst for i in staged])
         for i, b in enumerate(self.boundaries):
             x = out[i]
-            if b.rewraps and not b.stages_out:
-                x = self._view(x, b.user_dst)
+            if b.rewraps and (b.weak_type or not b.stages_out):
+                x = self._view(x, b.user_dst, b.weak_type)
             if b.key_impl is not None:
                 x = jax.random.wrap_key_data(x, impl=b.key_impl)
             out[i] = x
@@ -243,12 +247,12 @@ class Crossing:
         for i, x in zip(staged, moved, strict=True):
             arrays[i] = x
 
-    def _view(self, x: jax.Array, sharding: Sharding) -> jax.Array:
+    def _view(self, x: jax.Array, sharding: Sharding, weak_type: bool = False) -> jax.Array:
         """``x``'s buffers as an array of ``sharding`` (same boxes on the same devices)."""
-        key = (x.shape, x.dtype, sharding)
+        key = (x.shape, x.dtype, sharding, weak_type)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = views.View(x.shape, x.dtype, sharding)
+            view = self._views[key] = views.View(x.shape, x.dtype, sharding, weak_type)
         return view(views.ordered(views.by_device(x), sharding))
 
 

@@ -33,17 +33,21 @@ class View:
     """Makes arrays of one shape, dtype and sharding from per-device buffers, zero-copy.
 
     ``view(buffers)`` takes this process's buffers in `devices` order (the sharding's own
-    order of its addressable devices) and returns one `jax.Array`.
+    order of its addressable devices) and returns one `jax.Array`, weakly typed with
+    ``weak_type`` (as ``jnp.asarray(1.5)`` is, and ``jax.device_put`` keeps).
     """
 
-    def __init__(self, shape: Sequence[int], dtype: Any, sharding: Sharding) -> None:
+    def __init__(
+        self, shape: Sequence[int], dtype: Any, sharding: Sharding, weak_type: bool = False
+    ) -> None:
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
+        self.weak_type = weak_type
         self.devices = [d.id for d in _addressable_order(sharding)]
         self._aval = None
         if _FAST:
-            base = _core.ShapedArray(self.shape, self.dtype, weak_type=False)
+            base = _core.ShapedArray(self.shape, self.dtype, weak_type=weak_type)
             self._aval = _core.update_aval_with_sharding(base, sharding)
 
     def __call__(self, buffers: Sequence[jax.Array]) -> jax.Array:
@@ -51,6 +55,7 @@ class View:
             return _ArrayImpl(
                 self._aval, self.sharding, list(buffers), committed=True, _skip_checks=True
             )
+        # (A weak type is lost here: JAX has no public way to make a weakly typed array.)
         return jax.make_array_from_single_device_arrays(
             self.shape, self.sharding, list(buffers), dtype=self.dtype
         )
