@@ -160,6 +160,23 @@ def test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them():
     assert (bf16 * out["steps"]).dtype == jnp.bfloat16
 
 
+def test_a_destination_over_manual_mesh_axes_gets_the_sharding_it_asked_for():
+    """``jax.device_put`` takes a NamedSharding whose mesh axes are Manual; so does a plan
+    (it crashed compiling its unpack): the result carries that sharding and can be donated."""
+    manual = jax.sharding.AxisType.Manual
+    host = random_array((8, 8), "float32")
+    src = jax.device_put(host, sharding(*SRC, "dp", "tp"))
+    for ids in (tuple(range(4, 8)), tuple(range(8))):
+        mesh = jax.make_mesh(
+            (len(ids),), ("e",), axis_types=(manual,), devices=[jax.devices()[i] for i in ids]
+        )
+        dst = NamedSharding(mesh, jax.sharding.PartitionSpec("e"))
+        plan = jr.plan(src, dst)
+        out = plan(src)
+        out = plan(src, donate=out)
+        assert_exact(out, host, dst)
+
+
 def test_destinations_in_host_memory_land_there_under_the_transfer_guard():
     host = random_array((16, 8), "float32")
     src = {

@@ -76,16 +76,28 @@ def on_device_memory(sharding: Sharding) -> Sharding:
     return sharding.with_memory_kind(default_memory_kind(sharding))
 
 
+def _manual(sharding: NamedSharding) -> bool:
+    """Whether ``sharding``'s mesh has an axis of type Manual."""
+    manual = getattr(jax.sharding.AxisType, "Manual", None)
+    return manual is not None and manual in getattr(sharding.mesh, "axis_types", ())
+
+
 def as_named(sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
     """The ``NamedSharding`` equivalent to ``sharding`` for arrays of ``shape``.
 
-    A ``SingleDeviceSharding`` becomes a one-device mesh. Any other sharding with a device set
+    A ``NamedSharding`` over Manual mesh axes becomes the same over Auto ones. A
+    ``SingleDeviceSharding`` becomes a one-device mesh. Any other sharding with a device set
     becomes a mesh with one axis per split dimension and one for replicas, built from its
     ``devices_indices_map``; raises `LayoutError` when no mesh describes it (devices that do
     not form a grid of boxes).
     """
     if isinstance(sharding, NamedSharding):
-        return sharding
+        if not _manual(sharding):
+            return sharding
+        # Programs cannot lay out results over Manual axes (jit refuses them outside a
+        # shard_map): the same devices and axes, typed Auto; the result is re-wrapped.
+        mesh = Mesh(sharding.mesh.devices, sharding.mesh.axis_names)
+        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
     kind = sharding.memory_kind
     if isinstance(sharding, SingleDeviceSharding):
         (device,) = sharding.device_set
@@ -165,9 +177,10 @@ class Boundary:
 
     @functools.cached_property
     def rewraps(self) -> bool:
-        """The result is re-wrapped: into the caller's (non-named, or other-memory) sharding,
-        or weakly typed."""
-        return self.stages_out or self.weak_type or not isinstance(self.user_dst, NamedSharding)
+        """The result is re-wrapped: into the caller's sharding (not named, over Manual axes,
+        or in other memory), or weakly typed."""
+        named = isinstance(self.user_dst, NamedSharding) and not _manual(self.user_dst)
+        return self.stages_out or self.weak_type or not named
 
 
 class Crossing:
