@@ -212,7 +212,7 @@ class Plan:
           ReshardError: before any data moves, if an argument does not match the plan, or (first
             call, several processes) if the processes do not hold the same plan.
         """
-        out = self._call(src_tree, donate, None)
+        out = self._call(src_tree, donate, None, verify=verify)
         if verify:
             self.verify(src_tree, out)
         return out
@@ -305,20 +305,31 @@ class Plan:
         sources = [x for x in flat if isinstance(x, jax.Array)]
         _IN_FLIGHT.add(sources)
 
+        def deleted() -> ReshardError | None:
+            gone = [self.paths[i] for i, x in enumerate(flat) if _deleted(x)]
+            if not gone:
+                return None
+            return leaf_error(
+                "these sources were deleted while the refit was in flight",
+                [(p, "deleted (or donated) before result() returned") for p in gone],
+                "keep the source arrays alive until refit.result() returns",
+            )
+
         def run() -> Any:
             try:
-                out = self._move(flat, old, None)
-                jax.block_until_ready(out)
-                return out
-            except Exception as e:
-                gone = [self.paths[i] for i, x in enumerate(flat) if _deleted(x)]
-                if gone:
-                    raise leaf_error(
-                        "these sources were deleted while the refit was in flight",
-                        [(p, "deleted (or donated) before result() returned") for p in gone],
-                        "keep the source arrays alive until refit.result() returns",
-                    ) from e
-                raise
+                early = deleted()
+                if early is not None:  # nothing issued yet: the peers' same call raises too
+                    self.refuse(early, on_worker=True)
+                    raise early
+                try:
+                    out = self._move(flat, old, None)
+                    jax.block_until_ready(out)
+                    return out
+                except Exception as e:
+                    late = deleted()
+                    if late is None:
+                        raise
+                    raise late from e
             finally:
                 _IN_FLIGHT.remove(sources)
                 _DONATED.release(old)
@@ -330,8 +341,10 @@ class Plan:
             _DONATED.release(old)
             raise
 
-    def _call(self, src_tree: Any, donate: Any, profile: dict[str, float] | None) -> Any:
-        flat, old = self._prepare(src_tree, donate)
+    def _call(
+        self, src_tree: Any, donate: Any, profile: dict[str, float] | None, verify: bool = False
+    ) -> Any:
+        flat, old = self._prepare(src_tree, donate, verify)
         try:
             if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
                 return _worker().submit(self._move, flat, old, profile).result()
@@ -339,21 +352,28 @@ class Plan:
         finally:
             _DONATED.release(old)
 
-    def _prepare(self, src_tree: Any, donate: Any) -> tuple[list[Any], list[Any] | None]:
+    def _prepare(
+        self, src_tree: Any, donate: Any, verify: bool = False
+    ) -> tuple[list[Any], list[Any] | None]:
         """Check a call's arguments (and, once per plan, agree with the other processes)."""
         try:
+            if verify and jax.process_count() > 1:  # refused before anything moves
+                raise ReshardError(
+                    "verify=True is not supported under jax.distributed yet (the per-shard "
+                    "sums would need combining across processes); nothing was moved\nHow to "
+                    "fix: call the plan without verify=, or verify in a single-controller run"
+                )
             flat = self._check_src(src_tree)
             old = self._check_donate(donate, flat) if donate is not None else None
         except ReshardError as e:
-            if self._agreed and self._order_check() is not None:  # the peers' call raises too
-                refuse_call(self.identity, self._label, " ".join(str(e).splitlines()[:2]))
+            self.refuse(e)
             raise
         if jax.process_count() > 1 and not self._agreed:  # fail here, not in a collective
             agree(self.identity)  # once per plan: the whole plan, leaf by leaf
             self._agreed = True
         taken = _DONATED.claim(old)  # last: a refused call must not keep its claim
         if taken:
-            raise leaf_error(
+            e = leaf_error(
                 "these donate= leaves are being donated to another call in flight",
                 [
                     (self.paths[i], "is donated to a call (or a Plan.start) not yet finished")
@@ -362,7 +382,29 @@ class Plan:
                 "donate each result once: wait for the call or refit.result() that took it, "
                 "then donate what that returned",
             )
+            self.refuse(e)
+            raise e
         return flat, old
+
+    def refuse(self, error: ReshardError, *, on_worker: bool = False) -> None:
+        """Under ``jax.distributed``, after the plan's agreement: record a call this process
+        refuses before anything moves in the order of calls (`multihost.refuse_call`), so
+        that the other processes' same call raises naming it instead of pairing with this
+        process's next call (which would hand them another step's weights). A no-op
+        otherwise: before the agreement a refused call takes no place in the order.
+
+        Calls take their number in the order of calls when they are issued, and refits in
+        flight are issued by the worker thread: while there are some, the refusal is
+        recorded there too, after them (``on_worker``: the caller is that thread)."""
+        if not (self._agreed and self._order_check() is not None):
+            return
+        record = functools.partial(
+            refuse_call, self.identity, self._label, " ".join(str(error).splitlines()[:2])
+        )
+        if _IN_FLIGHT.busy() and not on_worker:
+            _worker().submit(record).result()
+        else:
+            record()
 
     def _order_check(self) -> Callable[[], None] | None:
         """Every call under ``jax.distributed``: the same call on every involved process
@@ -885,11 +927,11 @@ class QuantizedPlan:
 
     def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
         """Quantize the fp8 leaves on their devices and move the tree (see `Plan.__call__`)."""
-        return self.inner(self._quantize(src_tree), donate=donate, verify=verify)
+        return self.inner(self._quantize(src_tree, call=True), donate=donate, verify=verify)
 
     def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
         """`Plan.start` with the fp8 leaves quantized first (dispatched, not awaited)."""
-        return self.inner.start(self._quantize(src_tree), donate=donate)
+        return self.inner.start(self._quantize(src_tree, call=True), donate=donate)
 
     def verify(self, src_tree: Any, out_tree: Any) -> None:
         """`Plan.verify` of the values and scales against the senders' quantization (the
@@ -898,25 +940,34 @@ class QuantizedPlan:
 
     def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
         """`Plan.profile` of the move (the quantize program is not in the phases)."""
-        return self.inner.profile(self._quantize(src_tree), donate=donate)
+        return self.inner.profile(self._quantize(src_tree, call=True), donate=donate)
 
     @_own_meshes
-    def _quantize(self, src_tree: Any) -> Any:
-        """The inner plan's source: the tree with each fp8 leaf as its quantized pair."""
+    def _quantize(self, src_tree: Any, call: bool = False) -> Any:
+        """The inner plan's source: the tree with each fp8 leaf as its quantized pair. A
+        ``call`` this refuses takes its place in the order of calls (`Plan.refuse`), as the
+        inner plan's own refusals do."""
         flat, treedef = jax.tree_util.tree_flatten(src_tree)
-        if treedef != self.treedef:
-            raise _structure_error("the source tree", src_tree, self.paths, planned=True)
-        problems = []
-        for i, (shape, dtype, sharding) in zip(self.quantized, self._avals, strict=True):
-            problem = _array_problem(flat[i], shape, dtype, sharding)
-            if problem:
-                problems.append((self.paths[i], problem))
-        if problems:
-            raise leaf_error(
-                "these source leaves do not match the plan",
-                problems,
-                "call the plan with arrays of the planned shape, dtype and sharding",
-            )
+        try:
+            if treedef != self.treedef:
+                raise _structure_error("the source tree", src_tree, self.paths, planned=True)
+            problems = []
+            for i, (shape, dtype, sharding) in zip(self.quantized, self._avals, strict=True):
+                # (a leaf this process holds none of may be a placeholder, as with `Plan`)
+                mine = bool(sharding.addressable_devices)
+                problem = _array_problem(flat[i], shape, dtype, sharding, not mine)
+                if problem:
+                    problems.append((self.paths[i], problem))
+            if problems:
+                raise leaf_error(
+                    "these source leaves do not match the plan",
+                    problems,
+                    "call the plan with arrays of the planned shape, dtype and sharding",
+                )
+        except ReshardError as e:
+            if call:
+                self.inner.refuse(e)
+            raise
         pairs = self._quantizer([flat[i] for i in self.quantized])
         inner = list(flat)
         for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):

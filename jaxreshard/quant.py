@@ -230,15 +230,38 @@ class Quantizer:
         scale_shardings: Sequence[Sharding],
     ) -> None:
         self.formats = tuple(formats)
-        values_out = tuple(src_shardings)  # the values stay in the source layout
+        self.src_shardings = values_out = tuple(src_shardings)  # values stay in the source layout
+        self.scale_shardings = tuple(scale_shardings)
 
         def run(*xs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
             return tuple(quantize(x, f) for x, f in zip(xs, self.formats, strict=True))
 
         self._fn = jax.jit(run, out_shardings=tuple(zip(values_out, scale_shardings, strict=True)))
 
-    def __call__(self, xs: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
-        return list(self._fn(*xs)) if xs else []
+    def __call__(self, xs: Sequence[Any]) -> list[tuple[Any, Any]]:
+        """Each leaf's (values, scales). Under ``jax.distributed`` a leaf this process holds
+        none of may be a ``jax.ShapeDtypeStruct``; a process that holds none of any leaf runs
+        nothing (the program is not its to run) and gets placeholders of the results."""
+        if not xs:
+            return []
+        if not any(s.addressable_devices for s in self.src_shardings):
+            return [
+                (
+                    jax.ShapeDtypeStruct(x.shape, f.fmt, sharding=v),
+                    jax.ShapeDtypeStruct(f.scale_shape(x.shape), jnp.float32, sharding=c),
+                )
+                for x, f, v, c in zip(
+                    xs, self.formats, self.src_shardings, self.scale_shardings, strict=True
+                )
+            ]
+        # Placeholders as arrays with no shard here (the callback is never called).
+        arrays = [
+            jax.make_array_from_callback(x.shape, x.sharding, lambda _: None, dtype=x.dtype)
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+            for x in xs
+        ]
+        return list(self._fn(*arrays))
 
 
 def refuse(problems: list[tuple[str, str]]) -> ReshardError:

@@ -354,6 +354,57 @@ def case_order_refused() -> None:
     ok("order_refused")
 
 
+def _refused(name: str, call) -> None:
+    """Run ``call``, which must raise `ReshardError`; print the first two lines."""
+    try:
+        call()
+    except jr.ReshardError as e:
+        print(f"{name} {PID}: {' '.join(str(e).splitlines()[:2])}", flush=True)
+    else:
+        raise AssertionError(f"{name}: the call ran")
+
+
+def case_order_refusals() -> None:
+    """Every kind of refusal after agreement takes its place in the order of calls, so the
+    peer's same call raises and the next calls pair up (each step's weights differ, so a call
+    paired with another step's would fail the check): a donate= tree still donated to a
+    plan.start in flight (process 1), verify=True (both), an Fp8Blockwise plan's own source
+    check (process 0); then a call process 0 gives up on (its order check times out) raises
+    on process 1, which makes it late, instead of entering the transfer alone."""
+    plans = _two_plans()
+    plan, tree, dst, full = plans["a"]
+    out = plan(tree)
+    check(out, full, dst)
+    # A donate= tree still in flight: refused on process 1, raised on process 0.
+    refit = plan.start(tree, donate=out if PID == 1 else None)
+    _refused("IN_FLIGHT", lambda: plan(tree, donate=out if PID == 1 else None))
+    check(refit.result(), full, dst)
+    _refused("VERIFY", lambda: plan(tree, verify=True))
+    step = {k: v + 1 for k, v in full.items()}
+    stepped = {k: source(v, tree[k].sharding) for k, v in step.items()}
+    check(plan(stepped), step, dst)
+    # An fp8 plan: process 1 holds no source shard and passes a placeholder.
+    fp8 = jr.Fp8Blockwise(block=(4, 4))
+    q = jr.plan(tree, dst, dtype=fp8)
+    q(tree)  # agreed
+    bad = dict(tree)
+    if PID == 0:
+        bad["a"] = jax.device_put(np.zeros((8, 8), np.float32), tree["a"].sharding)
+    _refused("FP8", lambda: q(bad))
+    q(tree)
+    check(plan(stepped), step, dst)
+    # A call given up by process 0 (a short timeout), made late by process 1.
+    os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "2"
+    try:
+        if PID == 1:
+            time.sleep(4)
+        _refused("GIVEN_UP", lambda: plan(tree))
+    finally:
+        del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
+    check(plan(stepped), step, dst)  # in step again
+    ok("order_refusals")
+
+
 def case_order_swapped() -> None:
     """After agreeing on both plans, process 1 calls them in the other order: both raise."""
     plans = _two_plans()
@@ -423,7 +474,7 @@ def case_lost_in_transfer() -> None:
 SCENARIOS = {
     "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
-    "order": [case_order_ok, case_order_refused, case_order_swapped],
+    "order": [case_order_ok, case_order_refused, case_order_refusals, case_order_swapped],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],
 }

@@ -419,6 +419,24 @@ def test_a_call_refused_on_one_process_raises_on_the_others_and_the_next_calls_p
 
 
 @pytest.mark.multiprocess
+def test_every_refusal_and_a_given_up_call_raise_on_the_peer_and_the_next_calls_pair(run_order):
+    """Regression: a donate= tree still in flight and an Fp8Blockwise plan's own checks were
+    refused without a place in the order of calls, so the peer's call paired with the next
+    one and returned another step's weights; verify=True moved the data before refusing; a
+    call one process gave up on (timed out) let a late peer enter the transfer alone (hung);
+    an fp8 leaf's placeholder was refused on the process holding no shard of it."""
+    run_order.case_ok("order_refusals")
+    p0, p1 = run_order.outputs
+    assert "IN_FLIGHT 1: these donate= leaves are being donated" in p1
+    assert "IN_FLIGHT 0: jaxreshard: process 1 refused call #" in p0
+    assert "VERIFY 0: verify=True is not supported under jax.distributed" in p0
+    assert "FP8 0: these source leaves do not match the plan" in p0
+    assert "FP8 1: jaxreshard: process 0 refused call #" in p1
+    assert "GIVEN_UP 0: jaxreshard: process 0 waited 2 s for process 1" in p0
+    assert "GIVEN_UP 1: jaxreshard: process 0 gave up call #" in p1
+
+
+@pytest.mark.multiprocess
 def test_agreed_plans_called_in_different_orders_raise_on_both_naming_both(run_order):
     for pid, (rc, out) in enumerate(zip(run_order.returncodes, run_order.outputs, strict=True)):
         assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"

@@ -393,12 +393,18 @@ def check_order(
         return
     client, me, group, group_key, n, base = slot
     timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
+    records: dict[int, str] = {}
     for q in group:
         if q == me:
             continue
         theirs = _wait_for(client, f"{base}/{n}/{q}", deadline)
         if theirs is None:
+            # Give the call up for good: a peer that makes it later reads this and raises,
+            # instead of passing on the record published above and entering the transfer alone.
+            given_up = {**mine, "abandoned": f"it waited {timeout_s:.0f} s for process {q}"}
+            client.key_value_set(f"{base}/{n}/{me}", json.dumps(given_up), allow_overwrite=True)
             raise ReshardError(
                 f"jaxreshard: process {me} waited {timeout_s:.0f} s for process {q} to make "
                 f"call #{n + 1} over processes {list(group)} ({label}); process {q} is lost, "
@@ -408,7 +414,22 @@ def check_order(
                 "died is also detected by jax.distributed's heartbeat (see the README's "
                 "'A lost process')"
             )
+        records[q] = theirs
+    if time.monotonic() - start > _ORDER_POLL_S:
+        # A slow call: a peer read early may have given the call up since (above); read
+        # everyone again, so that this process does not enter a transfer it would be alone in.
+        # (A peer giving up within this re-read is the remaining window, milliseconds wide.)
+        records = {q: _try_get(client, f"{base}/{n}/{q}") or v for q, v in records.items()}
+    for q, theirs in records.items():
         theirs = json.loads(theirs)
+        if "abandoned" in theirs:
+            raise ReshardError(
+                f"jaxreshard: process {q} gave up call #{n + 1} over processes {list(group)} "
+                f"({theirs['plan']}) before this process made it: {theirs['abandoned']}. No "
+                f"data was moved.\nHow to fix: see the error on process {q}; every involved "
+                "process must make the same calls in the same order, each within "
+                "JAXRESHARD_AGREEMENT_TIMEOUT_S of the others"
+            )
         if "refused" in theirs:
             raise ReshardError(
                 f"jaxreshard: process {q} refused call #{n + 1} over processes {list(group)} "
