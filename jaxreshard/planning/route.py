@@ -83,13 +83,31 @@ class Piece:
     stage: int = 0
     relay: bool | None = None  # None: a relay exactly when stage > 0
 
-    def __post_init__(self) -> None:
-        if self.relay and self.stage == 0:
+    def __init__(
+        self, leaf: int, src: int, dst: int, box: Box, stage: int = 0, relay: bool | None = None
+    ) -> None:
+        # Written out, not generated: a frozen dataclass's ``__init__`` sets every field
+        # through ``object.__setattr__``, which looks the name up on each call, and a plan
+        # for 4,096 GPUs makes millions of pieces (1.4 million relays alone); the slots'
+        # own setters take half the time.
+        if relay and stage == 0:
             raise ValueError("a relay forwards bytes received in an earlier stage: stage > 0")
+        _set_leaf(self, leaf)
+        _set_src(self, src)
+        _set_dst(self, dst)
+        _set_box(self, box)
+        _set_stage(self, stage)
+        _set_relay(self, relay)
 
     @property
     def from_dst(self) -> bool:
         return self.stage > 0 if self.relay is None else self.relay
+
+
+# The slots' setters `Piece.__init__` uses (a frozen class's own ``__setattr__`` refuses).
+_set_leaf, _set_src, _set_dst, _set_box, _set_stage, _set_relay = (
+    vars(Piece)[field.name].__set__ for field in dataclasses.fields(Piece)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -688,7 +706,7 @@ def route(
                 # The importer forwards what it received, read from its destination shard:
                 # regions next to each other (a stage's experts) go as one box.
                 for leaf, box in _merged([(r.leaf, r.box) for r in part]):
-                    relays.extend(Piece(leaf, d, other, box, stage=1) for other in ds if other != d)
+                    relays.extend(Piece(leaf, d, other, box, 1) for other in ds if other != d)
     choose = _choose_senders
     if by_leaf:
         choose = functools.partial(_per_leaf, _choose_senders)
