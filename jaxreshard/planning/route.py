@@ -24,12 +24,14 @@ of the devices that hold it, chosen with the plan's `Topology` (`route`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
@@ -551,9 +553,27 @@ class _FlowGraph:
         return 0
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (as it was after, nested or not); a decorator too.
+
+    Planning makes millions of objects that live to its end (pieces, their boxes, streams)
+    and hardly any cycles, yet its allocations keep triggering the collector, whose full
+    passes visit every live object again: 3.5 s of 19 s at 4,096 GPUs (`route` and
+    `schedule.plan_unit_rounds`). Reference counting still frees everything else at once."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # ---------------------------------------------------------------------------------- routing
 
 
+@gc_paused()
 def route(
     leaves: Sequence[LeafSpec],
     topology: Topology,

@@ -30,7 +30,7 @@ from jaxreshard.planning.layout import (
     split_flat_sized,
     strides,
 )
-from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy, Piece
+from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy, Piece, gc_paused
 
 ALIGN = 16
 """Chunk sizes are multiples of the widest element (complex128), so no chunk cuts an element."""
@@ -899,6 +899,7 @@ def _slab_dimension(pieces: Sequence[Piece], k: int) -> int:
     return max(range(rank), key=lambda i: (spread[i], -i))
 
 
+@gc_paused()
 def plan_unit_rounds(
     leaves: Sequence[LeafSpec],
     assignment: Assignment,
@@ -1056,6 +1057,7 @@ def build_plan_schedule(
     return cut_plan_schedule(leaves, units, plan, link_class=link_class)
 
 
+@gc_paused()
 def cut_plan_schedule(
     leaves: Sequence[LeafSpec],
     units: Sequence[Unit],
