@@ -22,6 +22,7 @@ cases (zero-size, scalar, nothing to send) are named table cases.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import subprocess
@@ -53,7 +54,7 @@ from oracles import (
 )
 
 from jaxreshard.planning.layout import Layout
-from jaxreshard.planning.route import Assignment, LeafSpec, route
+from jaxreshard.planning.route import Assignment, LeafSpec, Piece, gc_paused, route
 from jaxreshard.planning.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -686,3 +687,46 @@ def test_routing_does_not_depend_on_the_hash_seed():
         result = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
         outs.add(result.stdout)
     assert len(outs) == 1 and "Piece(" in next(iter(outs))
+
+
+def test_gc_paused_leaves_the_collector_as_it_found_it():
+    """`gc_paused` (around `route` and the schedule's planners) pauses the cyclic collector
+    and restores it after, on errors and nested too, and leaves a paused one paused."""
+
+    @gc_paused()
+    def fails() -> None:
+        assert not gc.isenabled()
+        raise ValueError("inside")
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="inside"):
+        fails()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_piece_init_checks_and_freezes_as_a_dataclass_would():
+    """`Piece` sets its fields itself (faster than a frozen dataclass's ``__init__``): the
+    same fields, defaults, keywords, equality, hash, replace and refusals."""
+    p = Piece(1, 2, 3, ((0, 4),), 1)
+    assert p == Piece(leaf=1, src=2, dst=3, box=((0, 4),), stage=1, relay=None)
+    assert hash(p) == hash(Piece(1, 2, 3, ((0, 4),), stage=1))
+    assert (p.stage, p.relay, p.from_dst) == (1, None, True)
+    assert Piece(1, 2, 3, ((0, 4),)).stage == 0
+    assert dataclasses.replace(p, stage=2, relay=False) == Piece(1, 2, 3, ((0, 4),), 2, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.src = 5  # type: ignore[misc]
+    with pytest.raises(ValueError, match="stage > 0"):
+        Piece(1, 2, 3, ((0, 4),), 0, True)
