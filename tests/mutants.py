@@ -651,6 +651,50 @@ SURFACE_MUTANTS: list[Mutant] = [
         "verify sums each word as it is, so two sign flips cancel mod 2**32",
     ),
     Mutant(
+        "runtime-casting-copies-with-the-older-emitters",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "    return None if casts else copy_options(platform)",
+                "    return copy_options(platform)",
+            ),
+        ),
+        (
+            "tests/test_reshard.py::"
+            "test_a_cast_gives_the_bits_of_astype_sent_and_copied_locally[float8_e4m3fnuz]",
+        ),
+        "pack and unpack programs that cast compile with XLA's older CPU fusion emitters",
+    ),
+    Mutant(
+        "cache-destinations-up-to-trailing-nones",
+        "jaxreshard/api.py",
+        (
+            (
+                "            tuple(dst_leaves),",
+                "            tuple(_sharding_key(d) for d in dst_leaves),",
+            ),
+        ),
+        ("tests/test_compiled.py::test_a_destination_spelled_two_ways_comes_back_as_asked",),
+        "the plan cache keys destinations up to trailing Nones, so a result carries another "
+        "spelling of its sharding",
+    ),
+    Mutant(
+        "boundary-weak-type-dropped",
+        "jaxreshard/api.py",
+        (
+            (
+                '        weak_type=bool(getattr(x, "weak_type", False)) '
+                "and dst_dtype == src_dtype,",
+                "        weak_type=False,",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them",
+        ),
+        "a weakly typed source arrives strongly typed",
+    ),
+    Mutant(
         "quant-nan-left-to-the-cross-device-max",
         "jaxreshard/quant.py",
         (("    amax = jnp.where(nan, np.float32(np.nan), amax)", "    amax = amax"),),
