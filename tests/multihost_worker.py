@@ -405,6 +405,36 @@ def case_order_refusals() -> None:
     ok("order_refusals")
 
 
+def case_crossed_groups() -> None:
+    """Plan A over processes {0, 1}, plan B over {0, 1, 2}, both agreed; then process 0 calls
+    A then B, process 1 B then A: each group's call numbers agree, yet 0 waits in A for 1,
+    which waits in B for 0. Both raise within a few polls (not at the timeout), naming the
+    crossing; process 0's B then raises naming process 1's given-up call, and so does process
+    2's (it was waiting for both in B)."""
+    a_src = mesh(BY_PROCESS[0], (2,), ("x",))
+    a_dst = mesh(BY_PROCESS[1], (2,), ("x",))
+    b_src = mesh(BY_PROCESS[0] + BY_PROCESS[1], (4,), ("x",))
+    b_dst = mesh(BY_PROCESS[2] + BY_PROCESS[1], (4,), ("x",))
+    full = data((8, 8), 41)
+    tree_a = {"a": source(full, NamedSharding(a_src, P("x")))}
+    tree_b = {"b": source(full, NamedSharding(b_src, P("x")))}
+    plan_a = jr.plan(tree_a, {"a": NamedSharding(a_dst, P(None, "x"))})
+    plan_b = jr.plan(tree_b, {"b": NamedSharding(b_dst, P(None, "x"))})
+    if PID in (0, 1):
+        plan_a(tree_a)
+    plan_b(tree_b)  # both agreed
+    start = time.monotonic()
+    if PID == 0:
+        _refused("CROSSED_A", lambda: plan_a(tree_a))
+        _refused("GAVE_UP_B", lambda: plan_b(tree_b))
+    elif PID == 1:
+        _refused("CROSSED_B", lambda: plan_b(tree_b))
+    else:
+        _refused("GAVE_UP_B", lambda: plan_b(tree_b))
+    print(f"CROSSED_GROUPS raised after {time.monotonic() - start:.2f} s", flush=True)
+    ok("crossed_groups")
+
+
 def case_order_swapped() -> None:
     """After agreeing on both plans, process 1 calls them in the other order: both raise."""
     plans = _two_plans()
@@ -475,6 +505,7 @@ SCENARIOS = {
     "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
     "order": [case_order_ok, case_order_refused, case_order_refusals, case_order_swapped],
+    "crossed_groups": [case_crossed_groups],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],
 }

@@ -447,6 +447,24 @@ def test_agreed_plans_called_in_different_orders_raise_on_both_naming_both(run_o
 
 
 @pytest.mark.multiprocess
+def test_calls_crossed_between_plans_over_different_groups_raise_within_seconds():
+    """Regression: each group of processes numbers its own calls, so plans over different
+    groups called in crossed orders were found only at the order check's timeout (300 s)."""
+    run = launch("crossed_groups", 3, 2)
+    run.case_ok("crossed_groups")
+    p0, p1, p2 = run.outputs
+    # Whichever sees the crossing first names it, and gives the other's call up for it.
+    crossed = re.compile(r"processes [01] and [01] are waiting for each other in crossed calls")
+    assert crossed.search(re.search(r"CROSSED_A 0: .*", p0).group(0)), p0
+    assert crossed.search(re.search(r"CROSSED_B 1: .*", p1).group(0)), p1
+    assert "GAVE_UP_B 0: jaxreshard: process 1 gave up call #" in p0
+    assert "GAVE_UP_B 2: jaxreshard: process 1 gave up call #" in p2
+    for out in run.outputs:
+        seconds = float(re.search(r"CROSSED_GROUPS raised after ([\d.]+) s", out).group(1))
+        assert seconds < 20, seconds
+
+
+@pytest.mark.multiprocess
 def test_a_peer_lost_between_refits_is_named_within_the_timeout():
     lost = launch(
         "lost", 2, 4, env={"JAXRESHARD_AGREEMENT_TIMEOUT_S": "4", "WORKER_FAST_FAILURE": "1"}

@@ -396,25 +396,31 @@ def check_order(
     start = time.monotonic()
     deadline = start + timeout_s
     records: dict[int, str] = {}
-    for q in group:
-        if q == me:
-            continue
-        theirs = _wait_for(client, f"{base}/{n}/{q}", deadline)
-        if theirs is None:
-            # Give the call up for good: a peer that makes it later reads this and raises,
-            # instead of passing on the record published above and entering the transfer alone.
-            given_up = {**mine, "abandoned": f"it waited {timeout_s:.0f} s for process {q}"}
-            client.key_value_set(f"{base}/{n}/{me}", json.dumps(given_up), allow_overwrite=True)
-            raise ReshardError(
-                f"jaxreshard: process {me} waited {timeout_s:.0f} s for process {q} to make "
-                f"call #{n + 1} over processes {list(group)} ({label}); process {q} is lost, "
-                "stuck, or calling fewer plans than this one. No data was moved.\nHow to fix: "
-                "call the same plans in the same order on every involved process; if processes "
-                "are only slow to arrive, raise JAXRESHARD_AGREEMENT_TIMEOUT_S. A process that "
-                "died is also detected by jax.distributed's heartbeat (see the README's "
-                "'A lost process')"
-            )
-        records[q] = theirs
+    waiting = _Waiting(client, me, group, group_key, n, label)
+    try:
+        for q in group:
+            if q == me:
+                continue
+            theirs = _wait_for(client, f"{base}/{n}/{q}", deadline, lambda q=q: waiting.check(q))
+            if theirs is None:
+                raise ReshardError(
+                    f"jaxreshard: process {me} waited {timeout_s:.0f} s for process {q} to make "
+                    f"call #{n + 1} over processes {list(group)} ({label}); process {q} is "
+                    "lost, stuck, or calling fewer plans than this one. No data was moved.\n"
+                    "How to fix: call the same plans in the same order on every involved "
+                    "process; if processes are only slow to arrive, raise "
+                    "JAXRESHARD_AGREEMENT_TIMEOUT_S. A process that died is also detected by "
+                    "jax.distributed's heartbeat (see the README's 'A lost process')"
+                )
+            records[q] = theirs
+    except ReshardError as e:
+        # Give the call up for good: a peer that makes it later reads this and raises,
+        # instead of passing on the record published above and entering the transfer alone.
+        given_up = {**mine, "abandoned": str(e).splitlines()[0][:500]}
+        client.key_value_set(f"{base}/{n}/{me}", json.dumps(given_up), allow_overwrite=True)
+        raise
+    finally:
+        waiting.done()
     if time.monotonic() - start > _ORDER_POLL_S:
         # A slow call: a peer read early may have given the call up since (above); read
         # everyone again, so that this process does not enter a transfer it would be alone in.
@@ -489,8 +495,11 @@ def _ignore_missing(fn: Callable[..., Any], *args: Any) -> None:
             raise
 
 
-def _wait_for(client: Any, key: str, deadline: float) -> str | None:
-    """The value of ``key`` once a peer has set it; None when ``deadline`` passes first."""
+def _wait_for(
+    client: Any, key: str, deadline: float, on_poll: Callable[[], None] | None = None
+) -> str | None:
+    """The value of ``key`` once a peer has set it; None when ``deadline`` passes first.
+    ``on_poll`` runs after each poll that found nothing (and may raise)."""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -500,6 +509,72 @@ def _wait_for(client: Any, key: str, deadline: float) -> str | None:
         except Exception as e:  # DEADLINE_EXCEEDED: poll again until the deadline
             if "DEADLINE" not in str(e).upper() and "TIMEOUT" not in str(e).upper():
                 raise
+        if on_poll is not None:
+            on_poll()
+
+
+class _Waiting:
+    """A call's order check that has waited a poll for a peer: it says so in the key-value
+    store (``{_ORDER_PREFIX}/waiting/{process}``) and reads what the peer waits for, to
+    find calls crossed between plans over different groups of processes (A over {0, 1} then
+    B over {0, 1, 2} on one process, the other order on another), which each group's own
+    call numbers cannot show. Nothing is written for calls that wait less than a poll."""
+
+    def __init__(
+        self, client: Any, me: int, group: Sequence[int], key: str, n: int, label: str
+    ) -> None:
+        self.client, self.me, self.group, self.key, self.n, self.label = (
+            client,
+            me,
+            list(group),
+            key,
+            n,
+            label,
+        )
+        self.said = False
+
+    def check(self, q: int) -> None:
+        """Raise if peer ``q`` waits in a call of another group that needs this process,
+        and that this process has not made (it never will: it waits here for ``q``)."""
+        if not self.said:
+            record = {"group": self.group, "key": self.key, "n": self.n, "plan": self.label}
+            self._set(json.dumps(record))
+            self.said = True
+        value = _try_get(self.client, f"{_ORDER_PREFIX}/waiting/{q}")
+        if value is None or value == "idle":
+            return
+        other = json.loads(value)
+        if other["key"] == self.key or self.me not in other["group"]:
+            return
+        with _STATE.lock:
+            made = _STATE.calls[other["key"]]
+            if made == other["n"]:  # give the peer's call up here too (below), in turn
+                _STATE.calls[other["key"]] = made + 1
+        if made > other["n"]:
+            return  # this process made that call: the peer will pass it
+        error = ReshardError(
+            f"jaxreshard: processes {self.me} and {q} are waiting for each other in crossed "
+            f"calls: this process in call #{self.n + 1} over processes {self.group} "
+            f"({self.label}), process {q} in call #{other['n'] + 1} over processes "
+            f"{other['group']} ({other['plan']}), which this process has not made. No data "
+            "was moved.\nHow to fix: every process must call its plans in the same order, "
+            "plans over different groups of processes included"
+        )
+        if made == other["n"]:
+            # The peer waits there for this process, which now takes that call's number as
+            # given up: the peer raises at once, and both count that call alike.
+            n = other["n"]
+            record = {"fp": "", "plan": other["plan"], "abandoned": str(error).splitlines()[0]}
+            key = f"{_ORDER_PREFIX}/{other['key']}/{n // _ORDER_BLOCK}/{n}/{self.me}"
+            self.client.key_value_set(key, json.dumps(record))
+        raise error
+
+    def done(self) -> None:
+        if self.said:
+            self._set("idle")
+
+    def _set(self, value: str) -> None:
+        self.client.key_value_set(f"{_ORDER_PREFIX}/waiting/{self.me}", value, allow_overwrite=True)
 
 
 def wait_local_processes(procs: Sequence[Any], timeout_s: float) -> None:
