@@ -377,8 +377,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--mlp", type=int, default=256)
-    p.add_argument("--trainer-mesh", default="2x2", help="FSDP x TP of the trainer")
-    p.add_argument("--sampler-mesh", default="2x2", help="DP x TP of the sampler")
+    p.add_argument(
+        "--trainer-mesh", default=(2, 2), type=_mesh_shape, help="FSDP x TP of the trainer"
+    )
+    p.add_argument(
+        "--sampler-mesh", default=(2, 2), type=_mesh_shape, help="DP x TP of the sampler"
+    )
     p.add_argument(
         "--colocate",
         action="store_true",
@@ -395,15 +399,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "reports the exposed refit time beside the synchronous refit",
     )
     args = p.parse_args(argv)
-    args.trainer_mesh = _mesh_shape(args.trainer_mesh)
-    args.sampler_mesh = _mesh_shape(args.sampler_mesh)
+    batch = args.prompts * args.group
+    for name, (split, _) in (("trainer", args.trainer_mesh), ("sampler", args.sampler_mesh)):
+        if batch % split:
+            p.error(
+                f"--{name}-mesh: its first axis ({split}) must divide the batch of "
+                f"--prompts x --group = {batch} sequences"
+            )
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
     return args
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
-    a, b = (int(v) for v in text.lower().split("x"))
+    """``"2x4"`` -> ``(2, 4)`` (an argparse type: a bad value is a usage error)."""
+    try:
+        a, b = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not AxB, e.g. 2x2") from None
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: both sizes must be at least 1")
     return a, b
 
 

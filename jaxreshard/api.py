@@ -305,19 +305,22 @@ class Plan:
         sources = [x for x in flat if isinstance(x, jax.Array)]
         _IN_FLIGHT.add(sources)
 
-        def deleted() -> ReshardError | None:
-            gone = [self.paths[i] for i, x in enumerate(flat) if _deleted(x)]
+        def deleted(donated_too: bool) -> ReshardError | None:
+            gone = [(self.paths[i], "source") for i, x in enumerate(flat) if _deleted(x)]
+            if donated_too:  # (before the move only: the move itself consumes them)
+                gone += [(self.paths[i], "donate=") for i, x in enumerate(old or ()) if _deleted(x)]
             if not gone:
                 return None
             return leaf_error(
-                "these sources were deleted while the refit was in flight",
-                [(p, "deleted (or donated) before result() returned") for p in gone],
-                "keep the source arrays alive until refit.result() returns",
+                "these arrays were deleted while the refit was in flight",
+                [(p, f"{kind} deleted (or donated) before result() returned") for p, kind in gone],
+                "keep the source arrays alive until refit.result() returns, and do not use "
+                "the donate= tree after start()",
             )
 
         def run() -> Any:
             try:
-                early = deleted()
+                early = deleted(donated_too=True)
                 if early is not None:  # nothing issued yet: the peers' same call raises too
                     self.refuse(early, on_worker=True)
                     raise early
@@ -326,7 +329,7 @@ class Plan:
                     jax.block_until_ready(out)
                     return out
                 except Exception as e:
-                    late = deleted()
+                    late = deleted(donated_too=False)
                     if late is None:
                         raise
                     raise late from e
@@ -760,8 +763,8 @@ def plan(
         plan before the data exists).
       dst_shardings: a pytree of ``NamedSharding`` with the same structure, or a prefix of it
         (one sharding for everything, one per subtree), as ``jax.jit``'s ``out_shardings``.
-      bucket_bytes: largest per-device staging buffer, per direction. Defaults to
-        `default_bucket_bytes` of the destination's backend.
+      bucket_bytes: largest per-device staging buffer, per direction (at least 16 bytes,
+        the widest element). Defaults to `default_bucket_bytes` of the destination's backend.
       dtype: destination dtype: one dtype, or a tree (prefix) of dtypes with None meaning
         "keep". The cast runs on the senders, so narrowing halves the bytes sent. An entry
         standing for a subtree casts its floating leaves only. An `Fp8Blockwise` entry
@@ -1182,16 +1185,22 @@ def _cache_key(
     return key
 
 
+MAX_BUCKET_BYTES = 1 << 48
+"""The largest ``bucket_bytes`` taken (256 TiB, beyond any device's memory): the planner sizes
+chunks in 64-bit integer arrays."""
+
+
 def _check_options(bucket_bytes: Any, topology: Any, compiler_options: Any, fallback: Any) -> None:
     """Refuse bad plan options before anything else looks at them."""
     if bucket_bytes is not None and (
         isinstance(bucket_bytes, bool)
         or not isinstance(bucket_bytes, (int, np.integer))
-        or bucket_bytes < 1
+        or not 1 <= bucket_bytes <= MAX_BUCKET_BYTES
     ):
         raise ReshardError(
-            f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}\nHow to fix: "
-            "pass a number of bytes such as 16 << 20, or None for the backend's default"
+            f"bucket_bytes must be a positive int (bytes) of at most 2**48, got "
+            f"{bucket_bytes!r}\nHow to fix: pass a number of bytes such as 16 << 20, or None "
+            "for the backend's default"
         )
     if topology is not None and not isinstance(topology, Topology):
         raise ReshardTypeError(

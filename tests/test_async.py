@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
@@ -109,6 +110,17 @@ def test_a_source_of_a_refit_in_flight_cannot_be_donated_and_a_deleted_one_is_na
         pytest.skip("the refit finished before the source could be deleted")
     with pytest.raises(jr.ReshardError, match=r"deleted while the refit was in flight(.|\n)*w3"):
         victim.result()
+    # the same for a donate= tree (regression: XLA's own "Array has been deleted")
+    spare = plan(src := trees(0, rows=2048)[1])
+    hold = blocker.start(other)
+    victim = plan.start(src, donate=spare)
+    spare["w2"].delete()
+    hold.result()
+    if victim.done() and victim._future.exception() is None:
+        pytest.skip("the refit finished before the donated tree could be deleted")
+    with pytest.raises(jr.ReshardError, match=r"\['w2'\]: donate= deleted"):
+        victim.result()
+    assert_exact(plan(src)["w2"], np.asarray(src["w2"]), DST_SHARDING)
 
 
 def test_a_result_donated_to_a_refit_in_flight_is_neither_donated_again_nor_read():

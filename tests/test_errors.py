@@ -185,6 +185,10 @@ def test_unknown_compiler_options_are_refused_before_any_data_moves(src):
     plan = jr.plan(src, dst_tree(), compiler_options={"no_such_xla_option": True})
     with pytest.raises(jr.ReshardError, match=r"compiler_options.*no_such_xla_option"):
         plan(src)
+    # Regression: an unhashable value escaped as JAX's "Hashing global cache key" error.
+    unhashable = jr.plan(src, dst_tree(), compiler_options={"xla_dump_to": ["a", "b"]})
+    with pytest.raises(jr.ReshardError, match=r"compiler_options.*xla_dump_to"):
+        unhashable(src)
     ok = jr.plan(src, dst_tree(), compiler_options={"xla_cpu_enable_fast_math": False})
     out = ok(src)
     assert_exact(out["a"], np.asarray(src["a"]), dst_tree()["a"])

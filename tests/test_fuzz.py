@@ -441,6 +441,7 @@ BAD_OPTION_BUGS = [
     pytest.param({"bucket_bytes": float("inf")}, id="bucket_bytes-inf"),
     pytest.param({"topology": "nvlink"}, id="topology-string"),
     pytest.param({"compiler_options": ["xla_cpu_enable_fast_math"]}, id="compiler_options-list"),
+    pytest.param({"bucket_bytes": 1 << 70}, id="bucket_bytes-beyond-int64"),
 ]
 
 

@@ -58,6 +58,20 @@ def test_from_mesh_rejects_specs_that_do_not_fit():
         Layout.from_mesh((8,), (4,), ("x",), range(4), ("y",))
 
 
+def test_from_mesh_rejects_meshes_and_specs_jax_would_not_build():
+    """Regression: duplicate axis names (which JAX's Mesh refuses) gave a meaningless layout,
+    a negative dimension gave boxes with negative bounds, and an axis-count mismatch or an
+    UNCONSTRAINED entry raised Python's own errors instead of `LayoutError`."""
+    with pytest.raises(LayoutError, match="one distinct name per axis"):
+        Layout.from_mesh((8, 8), (2, 4), ("a", "a"), range(8), ("a", None))
+    with pytest.raises(LayoutError, match="one distinct name per axis"):
+        Layout.from_mesh((8,), (2, 2), ("a",), range(4), ("a",))
+    with pytest.raises(LayoutError, match="negative or empty sizes"):
+        Layout.from_mesh((-4,), (2,), ("a",), [0, 1], ("a",))
+    with pytest.raises(LayoutError, match="unconstrained"):
+        Layout.from_mesh((8,), (2,), ("a",), [0, 1], (P.UNCONSTRAINED,))
+
+
 def test_scalar_layout_holds_one_element_everywhere():
     layout = Layout.from_mesh((), (4,), ("x",), range(4), ())
     assert layout.boxes == ((),) * 4

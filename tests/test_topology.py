@@ -108,6 +108,18 @@ def test_bad_topologies_are_rejected():
         Topology.from_groups([[0, 1], [1, 2]])
     with pytest.raises(ValueError, match="positive"):
         Topology.from_groups([[0]], inter_bandwidth=0)
+    # Regression: these were taken and failed later inside planning (OverflowError,
+    # ZeroDivisionError), or placed a device on the last of two hosts silently.
+    for bad in ({"inter_bandwidth": float("inf")}, {"intra_bandwidth": float("nan")}):
+        with pytest.raises(jr.ReshardError, match="positive and finite"):
+            Topology.from_groups([[0]], **bad)
+    with pytest.raises(jr.ReshardError, match="round_latency must be finite"):
+        Topology.from_groups([[0]], round_latency=float("nan"))
+    for size in (0, -2):
+        with pytest.raises(jr.ReshardError, match="domain_size must be at least 1"):
+            Topology.profile("h100", 8, domain_size=size)
+    with pytest.raises(jr.ReshardError, match="places device 1 on two hosts"):
+        Topology.from_groups([[0, 1], [2]], hosts=[[0, 1], [1, 2]])
 
 
 def test_a_topology_missing_a_device_names_it():

@@ -282,6 +282,13 @@ class Layout:
         ``PartitionSpec``. Raises `LayoutError` when the spec does not fit the shape or mesh.
         """
         shape, mesh_shape = tuple(int(n) for n in shape), tuple(int(n) for n in mesh_shape)
+        if len(mesh_shape) != len(axis_names) or len(set(axis_names)) != len(axis_names):
+            raise LayoutError(
+                f"a mesh needs one distinct name per axis: shape {mesh_shape}, names "
+                f"{tuple(axis_names)}"
+            )
+        if any(n < 0 for n in shape) or any(n < 1 for n in mesh_shape):
+            raise LayoutError(f"negative or empty sizes: array {shape}, mesh {mesh_shape}")
         axes = normalize_spec(spec, len(shape), tuple(axis_names))
         size = dict(zip(axis_names, mesh_shape, strict=True))
         if math.prod(mesh_shape) != len(device_ids):
@@ -332,6 +339,11 @@ def normalize_spec(spec: Sequence[Any], ndim: int, axis_names: tuple[str, ...]) 
         )
     out = []
     for entry in entries + (None,) * (ndim - len(entries)):
+        if entry is not None and not isinstance(entry, (str, tuple, list)):
+            raise LayoutError(
+                f"the spec {tuple(spec)} has the entry {entry!r}: each entry is None, a mesh "
+                "axis name or a tuple of them (an unconstrained entry does not say a layout)"
+            )
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         for name in names:
             if name not in axis_names:

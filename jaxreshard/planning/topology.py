@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -281,10 +282,15 @@ class Topology:
             raise ReshardError("a topology needs one domain and one host per device")
         if len(set(self.devices)) != len(self.devices):
             raise ReshardError(f"a device appears twice in the topology: {self.devices}")
-        if not (self.intra_bandwidth > 0 and self.inter_bandwidth > 0):
-            raise ReshardError("bandwidths must be positive (bytes per second)")
-        if self.round_latency < 0:
-            raise ReshardError("round_latency must be >= 0 seconds")
+        bandwidths = (self.intra_bandwidth, self.inter_bandwidth)
+        if not all(0 < b < math.inf for b in bandwidths):  # (NaN fails both)
+            raise ReshardError(
+                f"bandwidths must be positive and finite (bytes per second), got {bandwidths}"
+            )
+        if not 0 <= self.round_latency < math.inf:
+            raise ReshardError(
+                f"round_latency must be finite and >= 0 seconds, got {self.round_latency}"
+            )
 
     # ------------------------------------------------------------------------- construction
 
@@ -307,7 +313,11 @@ class Topology:
         """
         domain_lists = [[_device_id(d) for d in group] for group in groups]
         host_lists = domain_lists if hosts is None else [[_device_id(d) for d in g] for g in hosts]
-        host_of = {d: h for h, group in enumerate(host_lists) for d in group}
+        host_of: dict[int, int] = {}
+        for h, group in enumerate(host_lists):
+            for d in group:
+                if host_of.setdefault(d, h) != h and hosts is not None:
+                    raise ReshardError(f"hosts= places device {d} on two hosts")
         devices, domains = [], []
         for g, group in enumerate(domain_lists):
             for d in group:
@@ -386,6 +396,8 @@ class Topology:
             raise ReshardError("give num_devices or ids")
         p = PROFILES[name]
         size = p.domain_size if domain_size is None else int(domain_size)
+        if size < 1:
+            raise ReshardError(f"domain_size must be at least 1 device, got {domain_size}")
         host = min(p.host_size, size)
         if ids is None:
             assert num_devices is not None

@@ -436,9 +436,9 @@ class Runtime:
         fn = self._transfers.get(program)
         if fn is None:
             mesh = self.mesh(MeshSpec.line(program.devices, GROUP_AXIS))
-            jitted = _build_transfer(program, mesh, self.transfer_options)
             avals = _transfer_avals(program, self._union_sharding(program))
-            try:
+            try:  # (building too: JAX hashes the options, which may not be hashable)
+                jitted = _build_transfer(program, mesh, self.transfer_options)
                 fn = jitted.lower(*avals).compile()
             except Exception as e:
                 if not self.transfer_options:
