@@ -1111,7 +1111,6 @@ def cached_plan(
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
     options = tuple(sorted((compiler_options or {}).items()))
-    _refuse_tracers((src_tree,), {})
     key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback)
     found = None
     if key is not None:
@@ -1150,6 +1149,8 @@ def _cache_key(
     arrays = (jax.Array, jax.ShapeDtypeStruct)
     if fallback is None and not all(isinstance(x, arrays) for x in leaves):
         return None  # let plan() report it
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None  # let plan() report it (a tracer has no .sharding to key by)
     try:  # fallback leaves (not arrays): their kind and shape are part of the signature
         signature = tuple(
             (x.shape, x.dtype, _sharding_key(x.sharding))

@@ -101,25 +101,24 @@ def test_a_source_of_a_refit_in_flight_cannot_be_donated_and_a_deleted_one_is_na
     finally:
         hold.result()
         refit.result()
-    # a source deleted behind the library's back while the refit waits its turn: named
-    hold = blocker.start(other)
-    victim = plan.start(src)
-    src["w3"].delete()
-    hold.result()
-    if victim.done() and victim._future.exception() is None:
-        pytest.skip("the refit finished before the source could be deleted")
-    with pytest.raises(jr.ReshardError, match=r"deleted while the refit was in flight(.|\n)*w3"):
-        victim.result()
+
+    def deleted_while_queued(donate, victim_leaf, match):
+        """Start a refit behind ``blocker``'s, delete ``victim_leaf`` while it waits its
+        turn (behind the library's back), and expect ``result()`` to name it."""
+        hold = blocker.start(other)
+        victim = plan.start(src, donate=donate)
+        victim_leaf.delete()
+        hold.result()
+        if victim.done() and victim._future.exception() is None:
+            pytest.skip("the refit finished before the array could be deleted")
+        with pytest.raises(jr.ReshardError, match=match):
+            victim.result()
+
+    deleted_while_queued(None, src["w3"], r"deleted while the refit was in flight(.|\n)*w3")
     # the same for a donate= tree (regression: XLA's own "Array has been deleted")
-    spare = plan(src := trees(0, rows=2048)[1])
-    hold = blocker.start(other)
-    victim = plan.start(src, donate=spare)
-    spare["w2"].delete()
-    hold.result()
-    if victim.done() and victim._future.exception() is None:
-        pytest.skip("the refit finished before the donated tree could be deleted")
-    with pytest.raises(jr.ReshardError, match=r"\['w2'\]: donate= deleted"):
-        victim.result()
+    src = trees(0, rows=2048)[1]
+    spare = plan(src)
+    deleted_while_queued(spare, spare["w2"], r"\['w2'\]: donate= deleted")
     assert_exact(plan(src)["w2"], np.asarray(src["w2"]), DST_SHARDING)
 
 
