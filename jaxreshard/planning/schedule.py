@@ -2007,22 +2007,25 @@ def plan_stats(
     """
     total = sum(box_size(b) * leaf.itemsize for leaf in leaves for b in leaf.dst.boxes)
     local = sum(box_size(c.box) * leaves[c.leaf].itemsize for c in assignment.local)
+    # Bytes per (sender, receiver, relayed) first, then everything from those: one dict
+    # update per piece (millions at thousands of GPUs), each pair asked `crosses` once.
+    itemsize = [leaf.itemsize for leaf in leaves]
+    by_pair: dict[tuple[int, int, bool], int] = defaultdict(int)
+    for p in assignment.pieces:
+        n = itemsize[p.leaf]
+        for start, stop in p.box:  # `box_size` inlined
+            n *= stop - start
+        by_pair[p.src, p.dst, p.stage > 0 if p.relay is None else p.relay] += n
     sent_by: dict[int, int] = defaultdict(int)
     recv_by: dict[int, int] = defaultdict(int)
     relayed = cross = relayed_cross = 0
-    crossing: dict[tuple[int, int], bool] = {}  # pairs repeat over leaves: ask once per pair
-    for p in assignment.pieces:
-        n = box_size(p.box) * leaves[p.leaf].itemsize
-        sent_by[p.src] += n
-        recv_by[p.dst] += n
-        relayed += n if p.from_dst else 0
-        if crosses is not None:
-            pair = (p.src, p.dst)
-            if pair not in crossing:
-                crossing[pair] = crosses(*pair)
-            if crossing[pair]:
-                cross += n
-                relayed_cross += n if p.from_dst else 0
+    for (src, dst, from_dst), n in by_pair.items():
+        sent_by[src] += n
+        recv_by[dst] += n
+        relayed += n if from_dst else 0
+        if crosses is not None and crosses(src, dst):
+            cross += n
+            relayed_cross += n if from_dst else 0
     wire = staging = 0
     for rounds in schedule.round_sizes_by_bucket():
         wire += sum(size * messages for size, messages in rounds)
