@@ -1489,13 +1489,17 @@ def _class_rounds(
     busy_src: dict[int, int] = defaultdict(int)  # device -> mask of the rounds it sends in
     busy_dst: dict[int, int] = defaultdict(int)
 
-    def add(rounds: Iterable[tuple[int, list[Entry]]]) -> None:
+    def add(rounds: Iterable[tuple[int, list[Entry]]], last: bool = False) -> None:
+        """Append ``rounds``, marking their devices busy (not after the ``last`` rounds:
+        nothing is placed after them)."""
         for size, entries in rounds:
-            r = len(out)
+            bit = 1 << len(out)
             out.append((size, entries))
+            if last:
+                continue
             for (s, d), _ in entries:  # (inlined: millions of entries at scale)
-                busy_src[s] |= 1 << r
-                busy_dst[d] |= 1 << r
+                busy_src[s] |= bit
+                busy_dst[d] |= bit
 
     def place(r: int, pair: tuple[int, int], k: int) -> None:
         """Chunk ``k`` of ``pair`` into the free slot of round ``r``."""
@@ -1503,7 +1507,8 @@ def _class_rounds(
         busy_src[pair[0]] |= 1 << r
         busy_dst[pair[1]] |= 1 << r
 
-    for cls in sorted({classes[p] for p in streams}, reverse=True):
+    order = sorted({classes[p] for p in streams}, reverse=True)
+    for cls in order:
         chunk = chunk_of[cls]
         mine = {p: n for p, n in sorted(streams.items()) if classes[p] == cls}
         full, tails = _full_and_tails(mine, chunk, ladder)
@@ -1531,7 +1536,7 @@ def _class_rounds(
             if free:
                 place((free & -free).bit_length() - 1, pair, full[pair])
                 del tails[pair]
-        add(_tail_rounds(tails, full, chunk, ladder, colour))
+        add(_tail_rounds(tails, full, chunk, ladder, colour), last=cls == order[-1])
     return out
 
 
