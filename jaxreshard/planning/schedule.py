@@ -1507,8 +1507,8 @@ def _class_rounds(
         busy_src[pair[0]] |= 1 << r
         busy_dst[pair[1]] |= 1 << r
 
-    order = sorted({classes[p] for p in streams}, reverse=True)
-    for cls in order:
+    slowest_first = sorted({classes[p] for p in streams}, reverse=True)
+    for cls in slowest_first:
         chunk = chunk_of[cls]
         mine = {p: n for p, n in sorted(streams.items()) if classes[p] == cls}
         full, tails = _full_and_tails(mine, chunk, ladder)
@@ -1536,7 +1536,7 @@ def _class_rounds(
             if free:
                 place((free & -free).bit_length() - 1, pair, full[pair])
                 del tails[pair]
-        add(_tail_rounds(tails, full, chunk, ladder, colour), last=cls == order[-1])
+        add(_tail_rounds(tails, full, chunk, ladder, colour), last=cls == slowest_first[-1])
     return out
 
 
@@ -2013,7 +2013,7 @@ def plan_stats(
     total = sum(box_size(b) * leaf.itemsize for leaf in leaves for b in leaf.dst.boxes)
     local = sum(box_size(c.box) * leaves[c.leaf].itemsize for c in assignment.local)
     # Bytes per (sender, receiver, relayed) first, then everything from those: one dict
-    # update per piece (millions at thousands of GPUs), each pair asked `crosses` once.
+    # update per piece (millions at thousands of GPUs), `crosses` asked once per key.
     itemsize = [leaf.itemsize for leaf in leaves]
     by_pair: dict[tuple[int, int, bool], int] = defaultdict(int)
     for p in assignment.pieces:
