@@ -859,7 +859,8 @@ def plan(
         log.warning(
             "jaxreshard: %d leaves go through jax.device_put (fallback='device_put'): %s",
             len(fallen),
-            ", ".join(paths[i] for i, _, _ in fallen[:20]) + (" ..." if len(fallen) > 20 else ""),
+            ", ".join(paths[i] or "<root>" for i, _, _ in fallen[:20])
+            + (" ..." if len(fallen) > 20 else ""),
         )
     dsts = [b.dst for b in boundaries]
     platform = next(iter(dsts[0].device_set)).platform if dsts else "cpu"
@@ -1250,6 +1251,9 @@ _FIXES = {
     "layout": "make every destination PartitionSpec fit the array: at most one entry per "
     "dimension, mesh axes of that mesh, and axis sizes whose product divides the dimension "
     "(or leave that dimension unsharded with None)",
+    "sharding": "give such leaves layouts jaxreshard moves (NamedSharding or "
+    "SingleDeviceSharding, nothing reduced or unreduced: see each reason), or, where the "
+    'reason allows it, plan with fallback="device_put" to send them through jax.device_put',
     "deleted": "pass arrays that are still alive: an array donated to jax.jit or to "
     "donate= is deleted; keep the source alive until the reshard returns",
     "dtype": "pass a NumPy/JAX dtype such as jnp.bfloat16, or None to keep the source dtype "
@@ -1297,7 +1301,10 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             )
         problem = _spec_problem(s) if isinstance(s, NamedSharding) else None
         if problem:
-            raise _LeafProblem(f"the {side} sharding {problem}", "layout", device_put_ok=True)
+            reason, device_put_ok = problem
+            raise _LeafProblem(
+                f"the {side} sharding {reason}", "sharding", device_put_ok=device_put_ok
+            )
     user_shape = tuple(x.shape)
     key_impl = None
     try:
@@ -1319,14 +1326,16 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             key_impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
             shape, src_dtype = boundary.key_data_shape(x)
             src_sharding = boundary.key_data_sharding(sharding)
-            dst_named = boundary.key_data_sharding(dst_named)
+            # The caller's own destination, not its named equivalent: the result is wrapped
+            # into it, and a GSPMD tiling of the key's rank splits no key-data dimension.
+            boundary.key_data_sharding(dst)
             dst_dtype = src_dtype
         else:
             shape, src_dtype, src_sharding = user_shape, jnp.dtype(x.dtype), sharding
             dst_dtype = _cast(src_dtype, want, own)
     except LayoutError as e:
         raise _LeafProblem(
-            f"cannot move this leaf's sharding: {e}", "layout", device_put_ok=True
+            f"cannot move this leaf's sharding: {e}", "sharding", device_put_ok=True
         ) from None
     try:
         src_layout = _layout(src_sharding, shape)
@@ -1431,23 +1440,27 @@ def _dtype_entries(dtype: Any, src_tree: Any) -> tuple[list[Any], list[bool]]:
     return [value for value, _ in pairs], [own for _, own in pairs]
 
 
-def _spec_problem(sharding: NamedSharding) -> str | None:
-    """What makes a NamedSharding's spec name no layout of values, or None."""
+def _spec_problem(sharding: NamedSharding) -> tuple[str, bool] | None:
+    """What makes a NamedSharding's spec name no layout jaxreshard moves, and whether
+    ``jax.device_put`` moves it (``fallback="device_put"``); None when nothing does."""
     spec = sharding.spec
     if getattr(spec, "unreduced", None):
         return (
             f"has unreduced axes ({spec!r}): its shards are partial values of a sum still to "
-            "be taken, not parts of the array; reduce first"
+            "be taken, not parts of the array; reduce first",
+            False,  # jax.device_put copies unreduced only to unreduced, on the same devices
         )
     if getattr(spec, "reduced", None):
         return (
             f"has reduced axes ({spec!r}), which jaxreshard does not plan: the same spec "
-            "without reduced= lays out the same values (or pass fallback='device_put')"
+            "without reduced= lays out the same values (or pass fallback='device_put')",
+            True,
         )
     if any(entry is PartitionSpec.UNCONSTRAINED for entry in spec):
         return (
             f"has an UNCONSTRAINED entry ({spec!r}), which names no layout: say how that "
-            "dimension is split (None: not split)"
+            "dimension is split (None: not split)",
+            False,
         )
     return None
 

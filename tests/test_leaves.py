@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxreshard as jr
 
@@ -250,6 +250,50 @@ def test_a_destination_sharding_of_another_class_is_planned_as_its_named_equival
     assert out.sharding == other
     for shard in out.addressable_shards:
         assert np.asarray(shard.data).tobytes() == host[shard.index].tobytes()
+
+
+def test_a_typed_key_to_a_sharding_that_is_not_named_is_refused_or_sent_by_device_put(caplog):
+    """Regression (JAX's ``test_device_put_sharding_prng``): a typed key sent to a
+    GSPMDSharding tiling the key's rank was planned as its named equivalent, and its key data
+    re-wrapped into that tiling, which splits no key-data dimension: reading the result raised
+    JAX's AssertionError. It is refused naming the leaf, and ``fallback="device_put"`` sends
+    it as ``jax.device_put`` does (the root leaf named ``<root>``)."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    src = jax.device_put(keys(8), sharding(*SRC))
+    named = sharding(tuple(range(8)), (8,), ("x",), "x")
+    other = GSPMDSharding(tuple(named._device_assignment), named._to_xla_hlo_sharding(1))
+    with pytest.raises(jr.ReshardError, match=r"<root>: .*typed PRNG key with a GSPMDSharding"):
+        jr.plan(src, other)
+    with caplog.at_level(logging.WARNING, logger="jaxreshard"):
+        out = jr.plan(src, other, fallback="device_put")(src)
+    assert "device_put (fallback='device_put'): <root>" in caplog.text
+    want = jax.device_put(src, other)
+    assert out.sharding == want.sharding
+    assert key_bits(out).tobytes() == key_bits(want).tobytes() == key_bits(src).tobytes()
+
+
+def test_a_source_sharding_refusal_gives_a_fix_for_the_sharding_not_the_destination():
+    """Regression: refusals of a sharding jaxreshard does not move (reduced, unreduced, a
+    typed key's GSPMD source) printed the fix for destination PartitionSpecs that do not fit;
+    the fallback is offered only where ``jax.device_put`` takes the leaf."""
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(explicit,), devices=jax.devices()[:2])
+    dst = jax.sharding.NamedSharding(
+        jax.make_mesh((2,), ("x",), axis_types=(explicit,), devices=jax.devices()[2:4]),
+        PartitionSpec(),
+    )
+    with jax.set_mesh(mesh):
+        reduced = jax.device_put(jnp.arange(4.0), PartitionSpec(reduced={"x"}))
+        unreduced = jax.device_put(jnp.arange(4.0), PartitionSpec(unreduced={"x"}))
+    for x in (reduced, unreduced):
+        with pytest.raises(jr.ReshardError, match="How to fix: give such leaves layouts") as e:
+            jr.plan(x, dst)
+        assert "destination PartitionSpec" not in str(e.value)
+    out = jr.plan(reduced, dst, fallback="device_put")(reduced)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
+    with pytest.raises(jr.ReshardError, match="unreduced axes"):
+        jr.plan(unreduced, dst, fallback="device_put")  # device_put cannot move it either
 
 
 def test_non_jax_leaves_are_refused_by_default_and_sent_by_device_put_on_request(caplog):
