@@ -631,7 +631,7 @@ class Plan:
         crossing += [(self.paths[i], "through jax.device_put (fallback)") for i, _ in self.fallback]
         if crossing:
             lines.append(f"  {len(crossing)} leaf note(s):")
-            lines += [f"    {path}: {what}" for path, what in crossing[:20]]
+            lines += [f"    {path or '<root>'}: {what}" for path, what in crossing[:20]]
             if len(crossing) > 20:
                 lines.append(f"    ... and {len(crossing) - 20} more")
         return "\n".join(lines)
@@ -770,6 +770,8 @@ def plan(
         standing for a subtree casts its floating leaves only. An `Fp8Blockwise` entry
         quantizes its floating leaves on the senders into a `QuantizedArray` (fp8 values and
         per-block float32 scales; `jaxreshard.quant`): the plan is then a `QuantizedPlan`.
+        Standing for a subtree, it quantizes the floating leaves of at least the block's
+        rank, and the others (counters, keys, 1-D norms under a 2-D block) keep their dtype.
       topology: optional `Topology` (fast domains, bandwidths) of the devices. With it,
         senders in the receiver's domain are preferred, cross-domain sends are balanced, bytes
         needed by several devices of a domain cross into it once and are relayed inside it
@@ -984,7 +986,7 @@ class QuantizedPlan:
         for i, fmt in zip(self.quantized[:20], self.formats, strict=False):
             shape = self._avals[self.quantized.index(i)][0]
             lines.append(
-                f"    {self.paths[i]}: {fmt.fmt.name}{list(shape)} values + float32"
+                f"    {self.paths[i] or '<root>'}: {fmt.fmt.name}{list(shape)} values + float32"
                 f"{list(fmt.scale_shape(shape))} scales (block {fmt.block})"
             )
         return "\n".join(lines)
@@ -1014,6 +1016,8 @@ def _plan_quantized(
     inner_src, inner_dst, inner_dtype = [], [], []
     src_scales = []
     for i, ((_, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
+        if isinstance(want, Fp8Blockwise) and not own and not _blockable(x, want):
+            want = None  # an entry for a subtree quantizes what it can; the rest keep theirs
         if not isinstance(want, Fp8Blockwise):
             inner_src.append(x)
             inner_dst.append(dst)
@@ -1058,6 +1062,18 @@ def _plan_quantized(
     )
     quantizer = Quantizer(formats, [a[2] for a in avals], src_scales)
     return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
+
+
+def _blockable(x: Any, fmt: Fp8Blockwise) -> bool:
+    """Whether an `Fp8Blockwise` entry standing for a subtree quantizes leaf ``x``: a
+    floating array with at least the block's rank. Other leaves of the subtree (step counters,
+    keys, norm scales and biases under a 2-D block) keep their dtype, as under an ordinary
+    dtype's subtree entry; the entry at a leaf's own position refuses them instead."""
+    return (
+        isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and (fmt.block is None or len(x.shape) >= len(fmt.block))
+    )
 
 
 # ---------------------------------------------------------------------------- plan cache

@@ -27,7 +27,8 @@ def leaf_error(
     limit: int = 20,
 ) -> ReshardError:
     """Build an error listing ``(path, problem)`` lines under a summary, ending with the fix."""
-    lines = [f"{summary} ({len(problems)} {'leaf' if len(problems) == 1 else 'leaves'}):"]
+    n = len({path for path, _ in problems})  # a leaf may have several (one per device)
+    lines = [f"{summary} ({n} {'leaf' if n == 1 else 'leaves'}):"]
     for path, problem in problems[:limit]:
         lines.append(f"  {path or '<root>'}: {problem}")
     if len(problems) > limit:

@@ -158,6 +158,34 @@ def test_expert_weights_are_blocked_per_expert_next_to_plain_leaves():
     assert out["norm"].dtype == jnp.bfloat16 and int(out["step"]) == 1001
 
 
+def test_an_entry_for_a_subtree_quantizes_what_it_can_and_the_rest_keep_their_dtype():
+    """Regression: ``dtype=jr.Fp8Blockwise()`` over a model state refused its step counter
+    and its 1-D norms ("not a floating jax.Array", "fewer dimensions than the block"), so no
+    real state could be planned; an ordinary dtype's subtree entry leaves such leaves be."""
+    w = weights((256, 256), seed=3)
+    bias = weights((256,), seed=4)
+    src = {
+        "mlp": {
+            "w": jax.device_put(w, sharding(*SRC, "fsdp", "tp")),
+            "bias": jax.device_put(bias, sharding(*SRC)),
+        },
+        "step": jax.device_put(np.int32(1001), sharding(*SRC)),
+        "rng": jax.device_put(jax.random.split(jax.random.key(0), 4), sharding(*SRC, "fsdp")),
+    }
+    want_rng = np.asarray(jax.random.key_data(src["rng"]))
+    for dtype in (jr.Fp8Blockwise(), {"mlp": jr.Fp8Blockwise(), "step": None, "rng": None}):
+        out = jr.plan(src, sharding(*DST), dtype=dtype)(src)
+        assert_matches_reference(out["mlp"]["w"], w, (128, 128), jnp.float8_e4m3fn, sharding(*DST))
+        assert out["mlp"]["bias"].dtype == jnp.float32
+        assert np.asarray(out["mlp"]["bias"]).tobytes() == bias.tobytes()
+        assert out["step"].dtype == jnp.int32 and int(out["step"]) == 1001
+        assert np.asarray(jax.random.key_data(out["rng"])).tobytes() == want_rng.tobytes()
+    # At a leaf's own position the entry is a request for that leaf: refused as before.
+    own = {"step": None, "rng": None}
+    with pytest.raises(jr.ReshardError, match=r"\['mlp'\]\['bias'\]: has rank 1"):
+        jr.plan(src, sharding(*DST), dtype=dict(own, mlp={"w": None, "bias": jr.Fp8Blockwise()}))
+
+
 def test_a_destination_that_cuts_blocks_is_refused_before_anything_moves():
     host = weights((256, 256))
     src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))

@@ -216,7 +216,9 @@ def test_host_memory_to_host_memory(kind):
     host = random_array((8, 8), "float32")
     src = jax.device_put(host, sharding(*SRC, "dp").with_memory_kind(kind))
     dst = sharding(*DST, "tp").with_memory_kind(kind)
-    out = jr.plan(src, dst)(src)
+    plan = jr.plan(src, dst)
+    assert "    <root>: destination in host memory" in plan.describe()  # a bare array, named
+    out = plan(src)
     assert out.sharding.memory_kind == kind
     assert_exact(out, host, dst)
 

@@ -111,6 +111,17 @@ def test_data_in_the_wrong_place_is_found():
         plan.verify(src, bad)
 
 
+def test_a_leaf_wrong_on_two_devices_counts_as_one_leaf():
+    """Regression: the error's header counted devices as leaves ("(2 leaves)")."""
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    flip = lambda a: a[::-1].copy()  # noqa: E731
+    bad = dict(out, x=with_shard(with_shard(out["x"], 4, flip), 5, flip))
+    with pytest.raises(jr.ReshardError, match=r"\(1 leaf\):\n.*\['x'\]: device 4.*\n.*device 5"):
+        plan.verify(src, bad)
+
+
 NARROW_AND_WIDE = ["int4", "uint4", "int2", "uint2", "float4_e2m1fn", "complex64"]
 
 
