@@ -30,7 +30,7 @@ from jaxreshard.planning.schedule import (
 )
 from jaxreshard.planning.topology import Topology
 from jaxreshard.quant import Fp8Blockwise, QuantizedArray, Quantizer
-from jaxreshard.run import boundary
+from jaxreshard.run import boundary, views
 from jaxreshard.run.boundary import Boundary, Crossing
 from jaxreshard.run.codec import wire_itemsize
 from jaxreshard.run.multihost import (
@@ -429,8 +429,9 @@ class Plan:
         inner_old = None
         if old is not None:
             inner_old = self._crossing.donations([old[i] for i in self.moved])
+        weak = [bool(getattr(flat[i], "weak_type", False)) for i in self.moved]
         moved = self._crossing.results(
-            self.runtime.run(src, inner_old, profile, self._order_check())
+            self.runtime.run(src, inner_old, profile, self._order_check()), weak
         )
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
@@ -524,6 +525,7 @@ class Plan:
         if treedef != self.treedef:
             raise _structure_error(name, tree, self.paths, planned=True)
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
+        source_buffers: set[tuple[int, int]] | None = None  # read where a plan may alias
         first_at: dict[int, str] = {}  # donation: one array at two leaves would be donated twice
         problems = []
         for i, (shape, dtype, sharding) in zip(self.moved, expected, strict=True):
@@ -541,6 +543,16 @@ class Plan:
                     "is donated to a call in flight (or a Plan.start), which overwrites it: "
                     "read that call's result (refit.result()) instead"
                 )
+            if problem is None and sources is not None and self._may_alias:
+                if source_buffers is None:
+                    source_buffers = _buffer_addresses(sources)
+                if isinstance(x, jax.Array) and not source_buffers.isdisjoint(
+                    _buffer_addresses([x])
+                ):
+                    problem = (
+                        "holds a source array's own buffers (an array made over the source's "
+                        "shards); donating it would destroy the source"
+                    )
             if problem is None and sources is not None and _IN_FLIGHT.holds(x):
                 problem = (
                     "is the source of a refit in flight (Plan.start); donating it would destroy "
@@ -559,6 +571,25 @@ class Plan:
         if problems:
             raise leaf_error(summary, problems, fix)
         return [x for _, x in flat]
+
+    @functools.cached_property
+    def _may_alias(self) -> bool:
+        """Whether a donate= leaf could be a source array's own buffers under another array
+        object (`jax.make_array_from_single_device_arrays` over the source's shards): some
+        destination and source of one dtype and shard shape share a device. Only such plans
+        pay for reading buffer addresses on each call."""
+        sources = {
+            (jnp.dtype(dtype), s.shard_shape(shape), d.id)
+            for shape, dtype, s in self.src_avals
+            if not boundary.is_key(dtype)
+            for d in s.device_set
+        }
+        return any(
+            (jnp.dtype(leaf.dst_dtype), b.user_dst.shard_shape(leaf.shape), d.id) in sources
+            for leaf, b in zip(self.leaves, self.boundaries, strict=True)
+            if b.key_impl is None
+            for d in b.user_dst.device_set
+        )
 
     # ---------------------------------------------------------------------------- reports
 
@@ -1375,6 +1406,7 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
         dst,
         user_shape,
         weak_type=bool(getattr(x, "weak_type", False)) and dst_dtype == src_dtype,
+        casts=dst_dtype != src_dtype,
     )
     return (user_shape, x.dtype, sharding), edge, leaf
 
@@ -1382,6 +1414,16 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
 _FallbackAval = tuple[tuple[int, ...], Any, Any]
 """A fallback leaf's planned shape and dtype (as ``jax.device_put`` makes it) and the dtype
 it is cast to, or None."""
+
+
+def _buffer_addresses(arrays: Sequence[Any]) -> set[tuple[int, int]]:
+    """``(device id, address)`` of this process's buffers of the live arrays in ``arrays``."""
+    return {
+        (d, buf.unsafe_buffer_pointer())
+        for x in arrays
+        if isinstance(x, jax.Array) and not x.is_deleted()
+        for d, buf in views.by_device(x).items()
+    }
 
 
 def _host_dtype(x: Any) -> Any:

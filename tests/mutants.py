@@ -680,19 +680,25 @@ SURFACE_MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "boundary-weak-type-dropped",
-        "jaxreshard/api.py",
-        (
-            (
-                '        weak_type=bool(getattr(x, "weak_type", False)) '
-                "and dst_dtype == src_dtype,",
-                "        weak_type=False,",
-            ),
-        ),
+        "jaxreshard/run/boundary.py",
+        (("            weak_type = b.weak_type != (i in flips)", "            weak_type = False"),),
         (
             "tests/test_leaves.py::"
             "test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them",
         ),
         "a weakly typed source arrives strongly typed",
+    ),
+    Mutant(
+        "boundary-weak-type-of-the-plan",
+        "jaxreshard/api.py",
+        (
+            (
+                "            self.runtime.run(src, inner_old, profile, self._order_check()), weak",
+                "            self.runtime.run(src, inner_old, profile, self._order_check())",
+            ),
+        ),
+        ("tests/test_leaves.py::test_each_call_gets_its_own_sources_weak_type",),
+        "a call's result takes the weak type of the source the plan was made from",
     ),
     Mutant(
         "quant-nan-left-to-the-cross-device-max",

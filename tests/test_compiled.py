@@ -11,6 +11,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
@@ -74,6 +75,46 @@ def test_a_refit_loop_plans_and_compiles_only_on_its_first_call():
             jax.block_until_ready(out)
         assert later.count == 0, f"step {step} recompiled {later.count} programs"
     assert_exact(out["w0"], host["w0"].astype(jnp.bfloat16), dst)
+
+
+def test_the_second_call_compiles_nothing_though_it_starts_from_the_pool_the_first_left():
+    """Regression: a call starts from the staging pool the call before left, so the second
+    call (the first to start from a kept pool) could lack buffers on other groups of devices
+    than the first call (which started empty), and compiled zero-filling programs for them
+    (2-4 compiles on call 2 of plans of several steps). After `free_staging` the next call
+    allocates as the first did, and compiles nothing either."""
+    src = {
+        "a": jax.device_put(
+            random_array((2, 3), "uint8"), sharding((2, 6, 7), (1, 3), ("z", "w"), None, ("z", "w"))
+        ),
+        "b": jax.device_put(
+            random_array((4, 1, 1, 3), "float16"),
+            sharding((1, 3), (2, 1), ("z", "x"), "z", None, "x", None),
+        ),
+        "c": jax.device_put(
+            random_array((4, 15), "int16"),
+            sharding((0, 3, 1, 6, 4, 2, 7), (7, 1, 1), ("y", "w", "x"), None, "x"),
+        ),
+    }
+    dst = {
+        "a": sharding((0, 5, 3, 4, 7, 6, 2), (1, 7, 1), ("w", "z", "x")),
+        "b": sharding((2, 5, 7), (3,), ("w",), None, None, None, "w"),
+        "c": sharding((4, 2, 5, 7, 6, 0), (2, 3), ("x", "z"), "x", "z"),
+    }
+    plan = jr.plan(src, dst, bucket_bytes=48)
+    assert plan.stats.buckets > 2  # several steps, so the pool changes through a call
+    with COMPILES as first:
+        out = plan(src)
+    assert first.count > 0
+    for call in range(4):
+        if call == 2:
+            plan.free_staging()
+        with COMPILES as later:
+            out = plan(src, donate=out) if call % 2 else plan(src)
+            jax.block_until_ready(out)
+        assert later.count == 0, f"call {call + 2} compiled {later.count} programs"
+    for k in src:
+        assert_exact(out[k], np.asarray(src[k]), dst[k])
 
 
 def llama_like(layers: int, d: int = 64, mlp: int = 176):

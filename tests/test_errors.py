@@ -147,6 +147,36 @@ def test_donating_the_source_is_refused(src):
     assert not src["a"].is_deleted()
 
 
+def test_donating_another_array_over_the_sources_own_buffers_is_refused(src):
+    """Regression: only the source objects themselves were refused, so an array made over
+    the source's shards (``jax.make_array_from_single_device_arrays``) went in, XLA refused
+    the donation mid-call and the process crashed (SIGSEGV). With ``plan.start`` too; a
+    plan's own result is still taken."""
+    same = {"a": sharding(*SRC), "b": {"c": sharding(*SRC)}}
+    plan = jr.plan(src, same)
+    want = {k: np.asarray(x) for k, x in (("a", src["a"]), ("c", src["b"]["c"]))}
+
+    def over(x: jax.Array) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(
+            x.shape, x.sharding, [s.data for s in x.addressable_shards]
+        )
+
+    out = plan(src)
+    for donate in (
+        {"a": over(src["a"]), "b": {"c": out["b"]["c"]}},
+        {"a": out["a"], "b": {"c": over(src["b"]["c"])}},
+    ):
+        with pytest.raises(jr.ReshardError, match=r"holds a source array's own buffers"):
+            plan(src, donate=donate)
+        with pytest.raises(jr.ReshardError, match=r"holds a source array's own buffers"):
+            plan.start(src, donate=donate)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(donate))
+    assert np.asarray(src["a"]).tobytes() == want["a"].tobytes()
+    assert np.asarray(src["b"]["c"]).tobytes() == want["c"].tobytes()
+    out = plan(src, donate=out)  # the plan's own result: its own buffers
+    assert np.asarray(out["a"]).tobytes() == want["a"].tobytes()
+
+
 def test_a_bad_dtype(src):
     with pytest.raises(jr.ReshardError, match="dtype"):
         jr.plan(src, dst_tree(), dtype={"a": "not-a-dtype", "b": None})

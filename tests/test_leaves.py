@@ -160,6 +160,25 @@ def test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them():
     assert (bf16 * out["steps"]).dtype == jnp.bfloat16
 
 
+def test_each_call_gets_its_own_sources_weak_type():
+    """Regression: the weak type was the plan's (or the ``jr.reshard`` cache's first
+    caller's): a strong source called through a plan made from a weak one came back weak, so
+    ``strong_f32 + bf16`` promoted to bf16 where ``jax.device_put``'s result gives f32."""
+    weak = jax.device_put(jnp.asarray(1.5), sharding(*SRC))
+    strong = jax.device_put(jnp.asarray(2.5, jnp.float32), sharding(*SRC))
+    dst = sharding(*DST)
+    assert weak.weak_type and not strong.weak_type
+    for first, second in ((weak, strong), (strong, weak)):
+        plan = jr.plan(first, dst)
+        jr.clear_cache()
+        for x in (first, second, first):
+            assert plan(x).weak_type == x.weak_type
+            assert jr.reshard(x, dst).weak_type == x.weak_type
+    bf16 = jax.device_put(jnp.ones((), jnp.bfloat16), dst)
+    assert (jr.reshard(strong, dst) + bf16).dtype == (jax.device_put(strong, dst) + bf16).dtype
+    assert jr.plan(weak, dst, dtype=jnp.bfloat16)(weak).weak_type is False  # cast: astype's
+
+
 def test_a_destination_over_manual_mesh_axes_gets_the_sharding_it_asked_for():
     """``jax.device_put`` takes a NamedSharding whose mesh axes are Manual; so does a plan
     (it crashed compiling its unpack): the result carries that sharding and can be donated."""

@@ -155,6 +155,8 @@ class Boundary:
       shape: the caller's shape of the leaf.
       weak_type: the result is weakly typed, as the source is (``jnp.asarray(1.5)``) when
         not cast: ``jax.device_put`` keeps a weak type, and JAX's type promotion reads it.
+        What the plan was made from; a call whose source differs gets its own (`results`).
+      casts: the leaf is cast (its result is never weakly typed).
     """
 
     key_impl: Any
@@ -164,6 +166,7 @@ class Boundary:
     user_dst: Sharding
     shape: tuple[int, ...]
     weak_type: bool = False
+    casts: bool = False
 
     @functools.cached_property
     def stages_in(self) -> bool:
@@ -235,17 +238,31 @@ class Crossing:
         self._copy(inner, self._staged_out, [self.boundaries[i].dst for i in self._staged_out])
         return inner
 
-    def results(self, out: Sequence[jax.Array]) -> list[jax.Array]:
-        """The caller's arrays: copied into their memory, in their sharding, keys wrapped."""
-        if self.plain:
+    def results(
+        self, out: Sequence[jax.Array], weak: Sequence[bool] | None = None
+    ) -> list[jax.Array]:
+        """The caller's arrays: copied into their memory, in their sharding, keys wrapped.
+
+        ``weak``: whether each of the call's sources is weakly typed; an uncast result then
+        is too, whatever the plan was made from (a plan is made once, from one tree, and
+        called with others of the same shapes and dtypes). Default: as planned."""
+        flips = set()
+        if weak is not None:
+            flips = {
+                i
+                for i, (b, w) in enumerate(zip(self.boundaries, weak, strict=True))
+                if (w and not b.casts) != b.weak_type
+            }
+        if self.plain and not flips:
             return list(out)
         out = list(out)
         staged = self._staged_out
         self._copy(out, staged, [self.boundaries[i].user_dst for i in staged])
         for i, b in enumerate(self.boundaries):
             x = out[i]
-            if b.rewraps and (b.weak_type or not b.stages_out):
-                x = self._view(x, b.user_dst, b.weak_type)
+            weak_type = b.weak_type != (i in flips)
+            if (b.rewraps or i in flips) and (weak_type or not b.stages_out):
+                x = self._view(x, b.user_dst, weak_type)
             if b.key_impl is not None:
                 x = jax.random.wrap_key_data(x, impl=b.key_impl)
             out[i] = x

@@ -163,6 +163,8 @@ class Runtime:
             if self._steps is None:
                 self._tables = self._build_tables()
                 self._steps = [self._resolve(step) for step in self.lowered.steps]
+                for slot, devices in self._allocations():
+                    self._zeros_program(slot, devices)
             clock = _Clock(profile)
             dst = _Destinations(self, donate)
             srcs = _Sources(self, src)
@@ -223,22 +225,15 @@ class Runtime:
     def _take(self, step: _StepRun) -> _Staging:
         """Buffers for ``step`` from the pool, by role (freeing and allocating by
         `plan_pool`, the policy `lower.staging` simulates)."""
-        missing: dict[Slot, Counter[int]] = defaultdict(Counter)
-        for d, need in step.needs.items():
-            pool = self._pool[d]
-            if all(len(pool[slot]) >= n for slot, n in need.items()):
-                continue  # the steady state: the pool already holds it all (and <= the cap)
-            have = Counter({slot: len(bufs) for slot, bufs in pool.items() if bufs})
-            free, allocate = plan_pool(have, need, self.lowered.staging_cap)
+        frees, missing = self._shortfall(
+            step, lambda d: {slot: len(bufs) for slot, bufs in self._pool[d].items()}
+        )
+        for d, free in frees.items():
             for slot, n in free.items():
-                del pool[slot][:n]
-            for slot, n in allocate.items():
-                missing[slot][d] += n
-        for slot, counts in missing.items():
-            while counts:
-                for d, buf in self._allocate(slot, tuple(sorted(counts))).items():
-                    self._pool[d][slot].append(buf)
-                counts = Counter({d: n - 1 for d, n in counts.items() if n > 1})
+                del self._pool[d][slot][:n]
+        for slot, devices in _groups(missing):
+            for d, buf in self._allocate(slot, devices).items():
+                self._pool[d][slot].append(buf)
         staging = _Staging()
         for d, roles in step.roles.items():
             pool = self._pool[d]
@@ -250,21 +245,71 @@ class Runtime:
                 staging.idle[d][slot] = pool[slot].pop()
         return staging
 
+    def _shortfall(
+        self, step: _StepRun, held: Callable[[int], Mapping[Slot, int]]
+    ) -> tuple[dict[int, Counter[Slot]], dict[Slot, Counter[int]]]:
+        """What `_take` frees on each device, and allocates of each slot, before ``step``
+        when device ``d``'s pool holds ``held(d)`` buffers of each slot."""
+        frees: dict[int, Counter[Slot]] = {}
+        missing: dict[Slot, Counter[int]] = defaultdict(Counter)
+        for d, need in step.needs.items():
+            have = held(d)
+            if all(have.get(slot, 0) >= n for slot, n in need.items()):
+                continue  # the steady state: the pool already holds it all (and <= the cap)
+            pool = Counter({slot: n for slot, n in have.items() if n})
+            frees[d], allocate = plan_pool(pool, need, self.lowered.staging_cap)
+            for slot, n in allocate.items():
+                missing[slot][d] += n
+        return frees, missing
+
+    def _allocations(self) -> list[tuple[Slot, tuple[int, ...]]]:
+        """Every ``(slot, devices)`` group `_take` allocates, over calls from an empty pool
+        until the pool a call leaves repeats (the next call would allocate as one before).
+
+        The first call compiles their zero-filling programs: a later call starts from the
+        pool the last one left, so it may lack buffers on other groups of devices than the
+        first (which started empty), and compiling then would break "later calls compile
+        nothing". `release` empties the pool: the next call allocates as the first did."""
+        pools: dict[int, Counter[Slot]] = defaultdict(Counter)
+        groups: dict[tuple[Slot, tuple[int, ...]], None] = {}  # in order, once each
+        ends: list[dict[int, Counter[Slot]]] = []
+        while True:
+            for step in self._steps or ():
+                frees, missing = self._shortfall(step, lambda d: pools[d])
+                for d, free in frees.items():
+                    pools[d] -= free
+                for slot, by_device in missing.items():
+                    for d, n in by_device.items():
+                        pools[d][slot] += n
+                groups.update(dict.fromkeys(_groups(missing)))
+            end = {d: +pool for d, pool in pools.items() if +pool}
+            if end in ends:  # the states are finite (the cap bounds them): this ends
+                return list(groups)
+            ends.append(end)
+
     def _allocate(self, slot: Slot, devices: tuple[int, ...]) -> Buffers:
         """One zeroed buffer of ``slot`` on each of ``devices`` (this process's), made on
         device by a compiled program."""
+        return views.by_device(self._zeros_program(slot, devices)())
+
+    def _zeros_program(self, slot: Slot, devices: tuple[int, ...]) -> Callable[[], jax.Array]:
+        """The compiled program making `_allocate`'s buffers (compiled once per group)."""
         key = (slot, devices)
         fn = self._zeros.get(key)
         if fn is None:
             mesh = Mesh(np.array([self.device[d] for d in devices]), (GROUP_AXIS,))
             shape, dtype = (len(devices) * slot.words,), np.dtype(slot.word)
             sharding = NamedSharding(mesh, PartitionSpec(GROUP_AXIS))
-            fn = self._zeros[key] = jax.jit(
-                lambda: jnp.zeros(shape, dtype),
-                out_shardings=sharding,
-                compiler_options=ONE_OFF_OPTIONS,
+            fn = self._zeros[key] = (
+                jax.jit(
+                    lambda: jnp.zeros(shape, dtype),
+                    out_shardings=sharding,
+                    compiler_options=ONE_OFF_OPTIONS,
+                )
+                .lower()
+                .compile()
             )
-        return views.by_device(fn())
+        return fn
 
     def release(self) -> None:
         """Free the staging pool (the next run allocates it again)."""
@@ -450,6 +495,17 @@ class Runtime:
                 ) from None
             self._transfers[program] = fn
         return fn
+
+
+def _groups(missing: Mapping[Slot, Counter[int]]) -> list[tuple[Slot, tuple[int, ...]]]:
+    """The allocations that give each device its missing buffers of each slot: one buffer
+    on every device still missing one, until none is (one program call per group)."""
+    out = []
+    for slot, counts in missing.items():
+        while counts:
+            out.append((slot, tuple(sorted(counts))))
+            counts = Counter({d: n - 1 for d, n in counts.items() if n > 1})
+    return out
 
 
 def waits_between_steps(platforms: Iterable[str]) -> bool:
