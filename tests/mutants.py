@@ -377,12 +377,12 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "            pieces, _, leaves = arriving[i + stage]",
-                "            pieces, _, leaves = arriving[i]",
+                "            into = arriving[i + stage]",
+                "            into = arriving[i]",
             ),
             (
-                "                    _, slabs, leaves = arriving[i + stage]",
-                "                    _, slabs, leaves = arriving[i]",
+                "                    later = arriving[i + stage]",
+                "                    later = arriving[i]",
             ),
         ),
         (
@@ -397,12 +397,12 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "            pieces, _, leaves = arriving[i + stage]",
-                "            pieces, _, leaves = arriving[i + min(stage, 1)]",
+                "            into = arriving[i + stage]",
+                "            into = arriving[i + min(stage, 1)]",
             ),
             (
-                "                    _, slabs, leaves = arriving[i + stage]",
-                "                    _, slabs, leaves = arriving[i + min(stage, 1)]",
+                "                    later = arriving[i + stage]",
+                "                    later = arriving[i + min(stage, 1)]",
             ),
         ),
         (f"{T_LOWER}::test_random_layouts_with_chained_domains_lower_exactly[True-by copies]",),
@@ -521,8 +521,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "            _load(leaf, self.pieces_of[i], gathered(leaf, gather_bytes))",
-                "            _load(leaf, self.pieces_of[i], False)",
+                "            _load(leaf, self.columns[i], n, gathered(leaf, gather_bytes))",
+                "            _load(leaf, self.columns[i], n, False)",
             ),
         ),
         (f"{T_LOWER}::test_small_leaves_move_by_one_gather_per_program_not_a_copy_per_piece",),

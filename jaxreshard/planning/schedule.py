@@ -125,6 +125,9 @@ class Unit:
       slabs: slabs of large leaves the unit also sends, cut from their leaf's pieces only
         when asked (`Slab`): on large clusters a leaf has hundreds of thousands of pieces and
         tens of slabs, too many to hold cut.
+      parts: where known, what ``listed`` is made of: ``(leaf, stage)`` for every piece of
+        that leaf of that stage (None: of every stage), in order; `PreparedPlan.streams`
+        sums its streams from them. Not compared: it restates ``listed``.
     """
 
     leaves: tuple[int, ...]
@@ -133,6 +136,9 @@ class Unit:
     fresh: tuple[int, ...]
     overlap: bool = False
     slabs: tuple[Slab, ...] = ()
+    parts: tuple[tuple[int, int | None], ...] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -258,18 +264,30 @@ class _StreamKeys:
     A unit of slabs only (most large units: one slab, or a pipelined unit's two) is keyed by
     each slab's cut's list of streams, interned, and the bytes the slab puts on each: a few
     array bytes instead of a frozenset of up to a million ``(stream, bytes)`` items (hashing
-    those took about 8 s of a 4,096-GPU plan). A unit with listed pieces by that frozenset.
-    Cuts are held as dict keys (compared by identity), so an id is never reused while its key
-    lives."""
+    those took about 8 s of a 4,096-GPU plan). A unit whose listed pieces are known by their
+    `Unit.parts` by the arrays of `PreparedPlan.streams` (sorted codes and bytes: equal
+    exactly where the streams are); any other unit by that frozenset. Cuts are held as dict
+    keys (compared by identity), so an id is never reused while its key lives."""
 
-    def __init__(self, leaves: Sequence[LeafSpec]) -> None:
+    def __init__(self, leaves: Sequence[LeafSpec], prepared: PreparedPlan | None = None) -> None:
         self.leaves = leaves
+        self.prepared = prepared
         self.interned: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
         self.cut_ids: dict[SlabCut, int] = {}
 
     def of(self, unit: Unit) -> tuple[object, dict[tuple[int, tuple[int, int]], int] | None]:
         """The unit's key, and its `Unit.stream_bytes` where keying it summed them (a unit
         with listed pieces: summing them again would take as long), else None."""
+        prepared = self.prepared
+        if unit.listed and unit.parts is not None and prepared is not None:
+            codes, sizes = prepared.streams(unit.parts)
+            streams = prepared.stream_bytes(codes, sizes)
+            if not unit.slabs:
+                return ("parts", codes.tobytes(), sizes.tobytes()), streams
+            for slab in unit.slabs:
+                for key, n in slab.stream_bytes().items():
+                    streams[key] = streams.get(key, 0) + n
+            return frozenset(streams.items()), streams
         if unit.listed or not unit.slabs:
             streams = unit.stream_bytes(self.leaves)
             return frozenset(streams.items()), streams
@@ -568,10 +586,7 @@ def split_units(
             largest = max([*out.values(), *into.values(), 0])
             k = -(-largest // unit_bytes)
             if slab_bytes:
-                widest = max(
-                    (box_size(p.box) * leaves[index].itemsize for p in pieces_of[index]),
-                    default=0,
-                )
+                widest = prepared.widest(index)
                 k = max(k, -(-widest // slab_bytes) if widest > 2 * slab_bytes else 1)
             if not leaves[index].shape:  # a scalar has no rows to cut, whatever the bucket
                 k = 1
@@ -626,8 +641,13 @@ def split_units(
 
 
 class PreparedPlan:
-    """An assignment's pieces and local copies grouped by leaf, each leaf's load and
-    signature, and the slabs cut so far: what `split_units` needs whatever its options."""
+    """An assignment's pieces and local copies grouped by leaf, each leaf's load, signature and
+    stream columns, and the slabs cut so far: what `split_units` needs whatever its options.
+
+    A leaf's *stream columns* are two arrays over its pieces: each piece's stream as one integer
+    (`_stream_code`) and its bytes. Units made of whole leaves, or of one stage of them (`Unit.
+    parts`), sum their streams from these (`streams`) instead of walking their pieces again:
+    at thousands of GPUs a unit lists up to a million relays, and every plan is cut twice."""
 
     def __init__(
         self, leaves: Sequence[LeafSpec], assignment: Assignment, gather_bytes: int | None = None
@@ -635,17 +655,67 @@ class PreparedPlan:
         self.leaves = leaves
         self.pieces_of: dict[int, list[Piece]] = defaultdict(list)
         self.local_of: dict[int, list[LocalCopy]] = defaultdict(list)
-        for p in assignment.pieces:
-            self.pieces_of[p.leaf].append(p)
+        self.n = 1 + max(
+            (max(layout.devices) for leaf in leaves for layout in (leaf.src, leaf.dst)), default=0
+        )
+        n, itemsize = self.n, [leaf.itemsize for leaf in leaves]
+        codes: dict[int, list[int]] = defaultdict(list)
+        sizes: dict[int, list[int]] = defaultdict(list)
+        for p in assignment.pieces:  # one pass: millions of pieces at thousands of GPUs
+            i = p.leaf
+            self.pieces_of[i].append(p)
+            k = itemsize[i]
+            for start, stop in p.box:  # (`box_size`, inlined)
+                k *= stop - start
+            sizes[i].append(k)
+            codes[i].append((p.stage * n + p.src) * n + p.dst)
         for c in assignment.local:
             self.local_of[c.leaf].append(c)
+        self.columns = [
+            (np.array(codes.get(i, ()), np.int64), np.array(sizes.get(i, ()), np.int64))
+            for i in range(len(leaves))
+        ]
         self.loads = [
-            _load(leaf, self.pieces_of[i], gathered(leaf, gather_bytes))
+            _load(leaf, self.columns[i], n, gathered(leaf, gather_bytes))
             for i, leaf in enumerate(leaves)
         ]
         ids: dict[tuple[object, ...], int] = {}
         self.signatures = [ids.setdefault(_signature(leaf), len(ids)) for leaf in leaves]
         self._slabs: dict[tuple[int, int], list[Unit]] = {}
+
+    def widest(self, index: int) -> int:
+        """The bytes of leaf ``index``'s largest piece (0 without pieces)."""
+        sizes = self.columns[index][1]
+        return int(sizes.max()) if len(sizes) else 0
+
+    def streams(self, parts: Iterable[tuple[int, int | None]]) -> tuple[np.ndarray, np.ndarray]:
+        """The streams of ``parts`` (leaf, stage or None for all) as sorted codes
+        (`_stream_code`) and the bytes each carries."""
+        codes, sizes = [], []
+        for leaf, stage in parts:
+            c, s = self.columns[leaf]
+            if stage is not None:
+                keep = c // (self.n * self.n) == stage
+                c, s = c[keep], s[keep]
+            codes.append(c)
+            sizes.append(s)
+        if not codes or not sum(len(c) for c in codes):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        code, size = np.concatenate(codes), np.concatenate(sizes)
+        order = np.argsort(code, kind="stable")
+        code, size = code[order], size[order]
+        starts = np.flatnonzero(np.concatenate(([True], code[1:] != code[:-1])))
+        return code[starts], np.add.reduceat(size, starts)  # int64: exact
+
+    def stream_bytes(
+        self, codes: np.ndarray, sizes: np.ndarray
+    ) -> dict[tuple[int, tuple[int, int]], int]:
+        """`streams`' arrays as `Unit.stream_bytes` gives them (a fresh dict)."""
+        n = self.n
+        stage, pair = np.divmod(codes, n * n)
+        src, dst = np.divmod(pair, n)
+        keys = zip(stage.tolist(), zip(src.tolist(), dst.tolist(), strict=True), strict=True)
+        return dict(zip(keys, sizes.tolist(), strict=True))
 
     def slabs(self, index: int, k: int) -> list[Unit]:
         """The units of leaf ``index`` cut into ``k`` slabs (`_slabs`), cut once."""
@@ -664,43 +734,76 @@ def _pipelined(units: Sequence[Unit]) -> list[Unit]:
     A stage-``s`` relay forwards bytes that arrived in stage ``s - 1`` of its own unit, which
     then ran one unit earlier: whatever a unit runs depends only on earlier units."""
     out: list[Unit] = []
-    # Unit index -> the pieces, slabs and leaves that later stages bring into it.
-    arriving: dict[int, tuple[list[Piece], list[Slab], set[int]]] = defaultdict(
-        lambda: ([], [], set())
-    )
+    # Unit index -> the pieces, slabs and leaves that later stages bring into it, and the
+    # parts those pieces are (None once a unit without known parts brought some).
+    arriving: dict[int, _Arriving] = defaultdict(_Arriving)
 
     def send_on(i: int, unit: Unit) -> None:
         for stage in sorted({p.stage for p in unit.listed if p.stage > 0}):
-            pieces, _, leaves = arriving[i + stage]
-            pieces.extend(p for p in unit.listed if p.stage == stage)
-            leaves.update(unit.leaves)
+            into = arriving[i + stage]
+            into.pieces.extend(p for p in unit.listed if p.stage == stage)
+            into.leaves.update(unit.leaves)
+            into.add_parts(unit.parts, stage)
         for slab in unit.slabs:
             for stage in slab.stages():
                 if stage > 0:
-                    _, slabs, leaves = arriving[i + stage]
-                    slabs.append(_staged(slab, stage))
-                    leaves.update(unit.leaves)
+                    later = arriving[i + stage]
+                    later.slabs.append(_staged(slab, stage))
+                    later.leaves.update(unit.leaves)
 
     for i, unit in enumerate(units):
         send_on(i, unit)
         own = tuple(p for p in unit.listed if p.stage == 0)
         own_slabs = tuple(s for s in (_staged(s, 0) for s in unit.slabs) if s)
-        pieces, slabs, carried = arriving.pop(i, ([], [], set()))
+        now = arriving.pop(i, _Arriving())
+        parts = now.parts
+        if parts is not None:
+            whole = unit.parts is not None and all(s is None for _, s in unit.parts)
+            parts = [(leaf, 0) for leaf, _ in unit.parts] + parts if whole else None
         out.append(
             Unit(
-                tuple(sorted({*unit.leaves, *carried})),
+                tuple(sorted({*unit.leaves, *now.leaves})),
                 unit.local,
-                own + tuple(pieces),
+                own + tuple(now.pieces),
                 unit.fresh,
-                _several_stages(own + tuple(pieces), own_slabs + tuple(slabs)),
-                own_slabs + tuple(slabs),
+                _several_stages(own + tuple(now.pieces), own_slabs + tuple(now.slabs)),
+                own_slabs + tuple(now.slabs),
+                None if parts is None else tuple(parts),
             )
         )
     for i in sorted(arriving):
-        pieces, slabs, carried = arriving[i]
-        overlap = _several_stages(pieces, slabs)
-        out.append(Unit(tuple(sorted(carried)), (), tuple(pieces), (), overlap, tuple(slabs)))
+        now = arriving[i]
+        overlap = _several_stages(now.pieces, now.slabs)
+        parts = None if now.parts is None else tuple(now.parts)
+        out.append(
+            Unit(
+                tuple(sorted(now.leaves)),
+                (),
+                tuple(now.pieces),
+                (),
+                overlap,
+                tuple(now.slabs),
+                parts,
+            )
+        )
     return out
+
+
+class _Arriving:
+    """What later stages bring into a unit (`_pipelined`)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[Piece] = []
+        self.slabs: list[Slab] = []
+        self.leaves: set[int] = set()
+        self.parts: list[tuple[int, int | None]] | None = []
+
+    def add_parts(self, parts: Sequence[tuple[int, int | None]] | None, stage: int) -> None:
+        """The stage-``stage`` pieces of a unit listing ``parts`` arrive."""
+        if parts is None or any(s is not None for _, s in parts) or self.parts is None:
+            self.parts = None  # only a unit of whole leaves says which of its pieces these are
+        else:
+            self.parts.extend((leaf, stage) for leaf, _ in parts)
 
 
 def _several_stages(pieces: Iterable[Piece], slabs: Iterable[Slab]) -> bool:
@@ -751,18 +854,30 @@ def _period(signatures: Sequence[int]) -> tuple[int, int, int] | None:
 Load = tuple[dict[int, int], dict[int, int], Counter[int], Counter[int]]
 
 
-def _load(leaf: LeafSpec, pieces: Sequence[Piece], by_gather: bool = False) -> Load:
+def _load(
+    leaf: LeafSpec, columns: tuple[np.ndarray, np.ndarray], n: int, by_gather: bool = False
+) -> Load:
     """Bytes a leaf has each device send and receive, and how many copies that takes: one
-    per piece, or one per device for a leaf that moves by gathers (``by_gather``)."""
-    out: dict[int, int] = defaultdict(int)
-    into: dict[int, int] = defaultdict(int)
-    for p in pieces:
-        n = box_size(p.box) * leaf.itemsize
-        out[p.src] += n
-        into[p.dst] += n
+    per piece, or one per device for a leaf that moves by gathers (``by_gather``), from the
+    leaf's stream columns (`PreparedPlan`) over ``n`` device ids."""
+    codes, sizes = columns
+    pair = codes % (n * n)
+    out, sends = _per_device(pair // n, sizes)
+    into, recvs = _per_device(pair % n, sizes)
     if by_gather:
         return out, into, Counter(out.keys()), Counter(into.keys())
-    return out, into, Counter(p.src for p in pieces), Counter(p.dst for p in pieces)
+    return out, into, sends, recvs
+
+
+def _per_device(devices: np.ndarray, sizes: np.ndarray) -> tuple[dict[int, int], Counter[int]]:
+    """Bytes and pieces per device of ``devices`` (one entry per piece)."""
+    ids, inverse, counts = np.unique(devices, return_inverse=True, return_counts=True)
+    total = np.zeros(len(ids), np.int64)
+    np.add.at(total, inverse, sizes)
+    keys = ids.tolist()
+    return dict(zip(keys, total.tolist(), strict=True)), Counter(
+        dict(zip(keys, counts.tolist(), strict=True))
+    )
 
 
 def _fits(run: Iterable[int], loads: Sequence[Load], bucket_bytes: int, max_copies: int) -> bool:
@@ -794,6 +909,7 @@ def _unit(
         tuple(c for i in run for c in local_of.get(i, ())),
         tuple(p for i in run for p in pieces_of.get(i, ())),
         tuple(run),
+        parts=tuple((i, None) for i in run),
     )
 
 
@@ -862,7 +978,12 @@ def _slabs(
     local = tuple(local_of.get(index, ()))
     return [
         Unit(
-            (index,), local if j == 0 else (), (), (index,) if j == 0 else (), slabs=(Slab(cut, j),)
+            (index,),
+            local if j == 0 else (),
+            (),
+            (index,) if j == 0 else (),
+            slabs=(Slab(cut, j),),
+            parts=(),
         )
         for j in range(k)
     ]
@@ -944,7 +1065,7 @@ def plan_unit_rounds(
     # Units with the same streams (a leaf's slabs, repeated layers) count once, weighted by
     # how often they occur; not where a fault cost makes the order of units matter.
     first: dict[object, tuple[int, set[int]]] = {}  # streams' key -> first unit, its stages
-    keys = _StreamKeys(leaves)
+    keys = _StreamKeys(leaves, prepared)
     for u, unit in enumerate(units):
         key, streams = keys.of(unit)
         if not fault_cost and key in first:
@@ -999,7 +1120,7 @@ def plan_unit_rounds(
     # planned once.
     planned: dict[tuple[object, ...], RoundPlan | None] = {}  # None: the unit sends nothing
     colour = _ColourMemo()  # units with other streams still share many colourings
-    keys = _StreamKeys(leaves)
+    keys = _StreamKeys(leaves, prepared)
     for u, unit in enumerate(units):
         streams_key, streams = keys.of(unit)
         key = (unit.overlap, streams_key)
