@@ -505,6 +505,11 @@ class Plan:
             )
         )
 
+    def _shape(self) -> Any:
+        """A tree of the planned structure (zeros for leaves): what a call's tree is
+        compared with to name where it differs."""
+        return jax.tree_util.tree_unflatten(self.treedef, [0] * self.treedef.num_leaves)
+
     def _check_arrays(
         self,
         tree: Any,
@@ -523,7 +528,7 @@ class Plan:
         a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
-            raise _structure_error(name, tree, self.paths, planned=True)
+            raise _structure_error(name, tree, self.paths, planned=True, reference=self._shape())
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
         source_buffers: set[tuple[int, int]] | None = None  # read where a plan may alias
         first_at: dict[int, str] = {}  # donation: one array at two leaves would be donated twice
@@ -987,7 +992,15 @@ class QuantizedPlan:
         flat, treedef = jax.tree_util.tree_flatten(src_tree)
         try:
             if treedef != self.treedef:
-                raise _structure_error("the source tree", src_tree, self.paths, planned=True)
+                raise _structure_error(
+                    "the source tree",
+                    src_tree,
+                    self.paths,
+                    planned=True,
+                    reference=jax.tree_util.tree_unflatten(
+                        self.treedef, [0] * self.treedef.num_leaves
+                    ),
+                )
             problems = []
             for i, (shape, dtype, sharding) in zip(self.quantized, self._avals, strict=True):
                 # (a leaf this process holds none of may be a placeholder, as with `Plan`)
@@ -1594,12 +1607,14 @@ def _prefix_entries(
     try:
         subtrees = prefix_def.flatten_up_to(full)
     except (ValueError, TypeError):
-        raise _structure_error(
-            name,
-            prefix,
-            [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]],
-            is_leaf,
-        ) from None
+        expected = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
+        got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prefix, is_leaf)[0]]
+        if got == expected:
+            # The same leaves at the same paths, in nodes of other metadata (a sampler's
+            # nnx.State beside the trainer's, whose Params carry other sharding annotations):
+            # each entry stands for the leaf at its path.
+            return [(value, True) for value in prefix_leaves]
+        raise _structure_error(name, prefix, expected, is_leaf, reference=full) from None
     out = []
     for value, sub in zip(prefix_leaves, subtrees, strict=True):
         leaves, structure = jax.tree_util.tree_flatten(sub)
@@ -1615,25 +1630,88 @@ def _structure_error(
     is_leaf: Callable[[Any], bool] | None = None,
     *,
     planned: bool = False,
+    reference: Any = None,
 ) -> ReshardError:
     """``tree`` against the source tree's leaves (``planned``: a call's tree against the tree
-    the plan was made for)."""
-    reference = "the tree the plan was made for" if planned else "the source tree"
-    got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
-    missing = [p for p in expected_paths if p not in set(got)]
-    extra = [p for p in got if p not in set(expected_paths)]
-    problems = [(p, "missing here") for p in missing] + [(p, f"not in {reference}") for p in extra]
+    the plan was made for). With ``is_leaf`` a leaf of ``tree`` may stand for a whole subtree
+    (a prefix tree), so it is wrong only where it covers no leaf of the source. ``reference``
+    (a tree of the reference structure) locates a difference in the nodes themselves."""
+    what = "the tree the plan was made for" if planned else "the source tree"
+    flat = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is None or (is_leaf is not None and is_leaf(x))
+    )[0]
+    got = [keystr(p) for p, x in flat if x is not None]
+    nones = [keystr(p) for p, x in flat if x is None]
+    problems = []
+    for path in nones:
+        covered = sum(_covers(path, p) for p in expected_paths)
+        if covered:
+            leaves = "a leaf" if covered == 1 else f"{covered} leaves"
+            problems.append((path, f"None here, where {what} has {leaves}"))
+    missing = [
+        p
+        for p in expected_paths
+        if not any(_covers(g, p) for g in got) and not any(_covers(n, p) for n in nones)
+    ]
+    extra = [g for g in got if not any(_covers(g, p) for p in expected_paths)]
+    problems += [(p, "missing here") for p in missing] + [(p, f"not in {what}") for p in extra]
     if not problems:
-        structure = jax.tree_util.tree_structure(tree, is_leaf=is_leaf)
-        problems = [("<root>", f"same leaves, other structure: {structure}")]
+        where = None if reference is None else _first_difference(tree, reference, is_leaf)
+        if where is None:
+            structure = jax.tree_util.tree_structure(tree, is_leaf=is_leaf)
+            problems = [("<root>", f"same leaves, other structure: {structure}")]
+        else:
+            path, here, there = where
+            problems = [(path or "<root>", f"a node {here} where {what} has {there}")]
     fix = (
-        f"give {name} the structure of {reference}, or make a new plan for this tree "
+        f"give {name} the structure of {what}, or make a new plan for this tree "
         "(jr.reshard makes and caches plans)"
         if planned
         else f"give {name} the same structure as the source tree (a NamedSharding or dtype may "
         "also stand for a whole subtree, as with jax.jit's out_shardings)"
     )
-    return leaf_error(f"{name} does not match the structure of {reference}", problems, fix)
+    return leaf_error(f"{name} does not match the structure of {what}", problems, fix)
+
+
+def _covers(prefix: str, path: str) -> bool:
+    """Whether the key path ``prefix`` (as `keystr` writes it) is ``path`` or an ancestor."""
+    return path.startswith(prefix) and (len(path) == len(prefix) or path[len(prefix)] in "[.")
+
+
+def _first_difference(
+    tree: Any, reference: Any, is_leaf: Callable[[Any], bool] | None = None, path: str = ""
+) -> tuple[str, str, str] | None:
+    """The first node (by key path) where ``tree`` and ``reference`` differ in type or
+    metadata: its path, and each side's node (children elided), or None. A leaf of ``tree``
+    (``is_leaf``: an entry of a prefix tree) stands for whatever ``reference`` has there."""
+    if (is_leaf is not None and is_leaf(tree)) or jax.tree_util.treedef_is_leaf(
+        jax.tree_util.tree_structure(tree)
+    ):
+        return None
+
+    def level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+        """``x``'s own node, with its children as leaves, and its children by key."""
+
+        def below(y: Any) -> bool:
+            return y is not x
+
+        children = jax.tree_util.tree_flatten_with_path(x, is_leaf=below)[0]
+        return jax.tree_util.tree_structure(x, is_leaf=below), children
+
+    mine, children = level(tree)
+    theirs, ref_children = level(reference)
+    if mine != theirs:
+        return path, _short(mine), _short(theirs)
+    for (key, child), (_, ref_child) in zip(children, ref_children, strict=True):
+        found = _first_difference(child, ref_child, is_leaf, path + keystr(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _short(treedef: Any, limit: int = 160) -> str:
+    text = str(treedef)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _plan_devices(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> list[Any]:

@@ -222,3 +222,50 @@ def test_unknown_compiler_options_are_refused_before_any_data_moves(src):
     ok = jr.plan(src, dst_tree(), compiler_options={"xla_cpu_enable_fast_math": False})
     out = ok(src)
     assert_exact(out["a"], np.asarray(src["a"]), dst_tree()["a"])
+
+
+def test_a_prefix_entry_beside_a_mistake_is_not_reported(src):
+    """Regression: a valid subtree entry was reported as 'not in the source tree' and its
+    leaves as 'missing' whenever another entry was wrong."""
+    whole = sharding(*DST)
+    for bad, line in [
+        ({"a": whole, "b": whole, "z": whole}, r"\['z'\]: not in the source tree"),
+        ({"a": None, "b": whole}, r"\['a'\]: None here, where the source tree has a leaf"),
+    ]:
+        with pytest.raises(jr.ReshardError, match=line) as e:
+            jr.plan(src, bad)
+        assert "(1 leaf)" in str(e.value) and "['b']" not in str(e.value)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Tagged:
+    """A pytree node with metadata (as an nnx.Param's sharding annotation)."""
+
+    def __init__(self, value, tag):
+        self.value, self.tag = value, tag
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), self.tag
+
+    @classmethod
+    def tree_unflatten(cls, tag, children):
+        return cls(children[0], tag)
+
+
+def test_destinations_at_the_same_paths_in_nodes_of_other_metadata_are_taken_leaf_by_leaf(src):
+    """A sampler's state tree has the trainer's paths but its own node metadata."""
+    trainer = {"a": Tagged(src["a"], "fsdp"), "b": src["b"]}
+    sampler = {"a": Tagged(sharding(*DST), "tp"), "b": {"c": sharding(*DST)}}
+    out = jr.plan(trainer, sampler)(trainer)
+    assert out["a"].tag == "fsdp"  # the source's structure, as with any plan
+    assert_exact(out["a"].value, np.asarray(src["a"]), sharding(*DST))
+    assert_exact(out["b"]["c"], np.asarray(src["b"]["c"]), sharding(*DST))
+
+
+def test_a_call_whose_nodes_differ_from_the_planned_ones_names_the_node(src):
+    plan = jr.plan({"a": Tagged(src["a"], "fsdp"), "b": src["b"]}, dst_tree())
+    with pytest.raises(
+        jr.ReshardError,
+        match=r"\['a'\]: a node .*Tagged\[tp\].* where the tree .* has .*Tagged\[fsdp\]",
+    ):
+        plan({"a": Tagged(src["a"], "tp"), "b": src["b"]})
