@@ -38,6 +38,7 @@ from jaxreshard.run.multihost import (
     agree,
     check_order,
     fingerprint,
+    has_agreed,
     order_check_enabled,
     refuse_call,
 )
@@ -399,8 +400,12 @@ class Plan:
         Calls take their number in the order of calls when they are issued, and refits in
         flight are issued by the worker thread: while there are some, the refusal is
         recorded there too, after them (``on_worker``: the caller is that thread)."""
-        if not (self._agreed and self._order_check() is not None):
+        if self._order_check() is None:
             return
+        if not self._agreed:  # this object's first call; the same plan made again has agreed
+            if not has_agreed(self.identity):
+                return
+            self._agreed = True
         record = functools.partial(
             refuse_call, self.identity, self._label, " ".join(str(error).splitlines()[:2])
         )
@@ -444,11 +449,17 @@ class Plan:
     def identity(self) -> PlanIdentity:
         """The plan as the multi-process agreement compares it (a hash of the pure plan data,
         and one description per leaf for mismatch messages)."""
+        # A typed key moves as its uint32 data, the same for key<rbg> and key<urbg>: its
+        # dtype is hashed too, so processes holding different key types disagree.
+        kinds = tuple(
+            str(dtype) if boundary.is_key(dtype) else "" for _, dtype, _ in self.src_avals
+        )
         return PlanIdentity(
-            fingerprint(self.leaves, self.assignment, self.schedule, self.bucket_bytes),
+            fingerprint(self.leaves, self.assignment, self.schedule, self.bucket_bytes, kinds),
             self.leaves,
             tuple(self._describe_leaf(i) for i in range(len(self.leaves))),
             self.bucket_bytes,
+            kinds,
         )
 
     @functools.cached_property
@@ -461,9 +472,12 @@ class Plan:
 
     def _describe_leaf(self, i: int) -> str:
         leaf = self.leaves[i]
-        src = self.src_avals[i][2]
+        shape, dtype, src = self.src_avals[i]
+        what = f"{leaf.src_dtype}{list(leaf.shape)}"
+        if boundary.is_key(dtype):  # moved as its data; named as the caller holds it
+            what = f"{dtype}{list(shape)}"
         return (
-            f"{leaf.src_dtype}{list(leaf.shape)} {_describe_devices(src, leaf.src.devices)} -> "
+            f"{what} {_describe_devices(src, leaf.src.devices)} -> "
             f"{leaf.dst_dtype} {_describe_devices(self.dst_shardings[i], leaf.dst.devices)}"
         )
 

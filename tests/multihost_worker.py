@@ -182,6 +182,28 @@ def case_reshard_cached() -> None:
     ok("reshard_cached", agreements=rounds)
 
 
+def case_key_kinds() -> None:
+    """Process 0 plans rbg keys, process 1 unsafe_rbg keys: both move as four uint32 words
+    per key, yet they are different plans, and both processes raise naming the leaf."""
+    impl = "rbg" if PID == 0 else "unsafe_rbg"
+    trainer = mesh(BY_PROCESS[0], (4,), ("fsdp",))
+    sampler = mesh(BY_PROCESS[1], (4,), ("tp",))
+    keys = jax.random.split(jax.random.key(0, impl=impl), 8)
+    held = NamedSharding(trainer, P("fsdp"))
+    if held.addressable_devices:
+        tree = {"keys": jax.device_put(keys, held)}
+    else:
+        tree = {"keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=held)}
+    plan = jr.plan(tree, {"keys": NamedSharding(sampler, P())})
+    try:
+        plan(tree)
+    except jr.ReshardError as e:
+        print(f"KEYS {PID}: {' '.join(str(e).splitlines())}", flush=True)
+    else:
+        raise AssertionError("plans of different key types ran")
+    ok("key_kinds")
+
+
 def case_mismatch() -> None:
     """Process 1 passes a different destination spec for one leaf: both must raise, fast."""
     trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
@@ -435,6 +457,24 @@ def case_crossed_groups() -> None:
     ok("crossed_groups")
 
 
+def case_order_remade() -> None:
+    """A plan made again (identical, so agreed already) whose first call process 0 refuses:
+    process 1's same call raises naming it at once, and the next calls pair up (it waited
+    for the agreement timeout, or paired with process 0's next call: another step's data)."""
+    plan, tree, dst, full = _two_plans()["a"]
+    check(plan(tree), full, dst)
+    again = jr.plan(tree, dst)  # the same plan, another object
+    bad = dict(tree)
+    if PID == 0:
+        bad["a"] = jax.device_put(np.zeros((8, 8), np.float32), tree["a"].sharding)
+    start = time.monotonic()
+    _refused("REMADE", lambda: again(bad))
+    print(f"REMADE {PID} raised after {time.monotonic() - start:.2f} s", flush=True)
+    step = {k: v + 2 for k, v in full.items()}
+    check(again({k: source(v, tree[k].sharding) for k, v in step.items()}), step, dst)
+    ok("order_remade")
+
+
 def case_order_swapped() -> None:
     """After agreeing on both plans, process 1 calls them in the other order: both raise."""
     plans = _two_plans()
@@ -502,9 +542,15 @@ def case_lost_in_transfer() -> None:
 
 
 SCENARIOS = {
-    "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
+    "2x4": [case_split, case_spanning, case_reshard_cached, case_key_kinds, case_mismatch],
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
-    "order": [case_order_ok, case_order_refused, case_order_refusals, case_order_swapped],
+    "order": [
+        case_order_ok,
+        case_order_refused,
+        case_order_refusals,
+        case_order_remade,
+        case_order_swapped,
+    ],
     "crossed_groups": [case_crossed_groups],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],

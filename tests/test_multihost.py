@@ -363,6 +363,17 @@ def test_reshard_with_placeholders_plans_and_agrees_once(run_2x4):
 
 
 @pytest.mark.multiprocess
+def test_processes_holding_different_key_types_raise_naming_the_leaf(run_2x4):
+    """Regression: key<rbg> and key<urbg> both move as four uint32 words per key, and the
+    plans' fingerprints saw only those: process 1 got process 0's rbg key data as urbg keys."""
+    run_2x4.case_ok("key_kinds")
+    for pid, out in enumerate(run_2x4.outputs):
+        line = re.search(rf"KEYS {pid}: (.*)", out).group(1)
+        assert "hold different plans" in line and "First differing leaf: ['keys']" in line, line
+        assert "key<rbg>[8]" in line and "key<urbg>[8]" in line, line
+
+
+@pytest.mark.multiprocess
 def test_mismatched_plans_raise_on_every_process_naming_the_leaf(run_2x4):
     for pid, (rc, out) in enumerate(zip(run_2x4.returncodes, run_2x4.outputs, strict=True)):
         assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"
@@ -434,6 +445,18 @@ def test_every_refusal_and_a_given_up_call_raise_on_the_peer_and_the_next_calls_
     assert "FP8 1: jaxreshard: process 0 refused call #" in p1
     assert "GIVEN_UP 0: jaxreshard: process 0 waited 2 s for process 1" in p0
     assert "GIVEN_UP 1: jaxreshard: process 0 gave up call #" in p1
+
+
+@pytest.mark.multiprocess
+def test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once(run_order):
+    """Regression: the refusal was not published (this plan object had not agreed, though
+    its fingerprint had), so the peer waited for the agreement timeout or paired with the
+    next call, returning a mix of two steps' weights."""
+    run_order.case_ok("order_remade")
+    assert "REMADE 0: these source leaves do not match the plan" in run_order.outputs[0]
+    assert "REMADE 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
+    seconds = float(re.search(r"REMADE 1 raised after ([\d.]+) s", run_order.outputs[1])[1])
+    assert seconds < 10, seconds
 
 
 @pytest.mark.multiprocess

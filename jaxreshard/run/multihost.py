@@ -98,22 +98,29 @@ def digest(*parts: Any) -> str:
     return hashlib.blake2b("".join(text).encode(), digest_size=16).hexdigest()
 
 
-def leaf_digest(leaf: LeafSpec) -> str:
-    """The hash of one leaf: path, shape, source and destination layouts, dtypes."""
-    return digest(FORMAT, leaf)
+def leaf_digest(leaf: LeafSpec, kind: str = "") -> str:
+    """The hash of one leaf: path, shape, source and destination layouts, dtypes, and
+    ``kind``: what the caller's dtype is beyond the moved one (a typed PRNG key's dtype, such
+    as ``key<rbg>``, moved as its uint32 data like ``key<urbg>``)."""
+    return digest(FORMAT, leaf, kind) if kind else digest(FORMAT, leaf)
 
 
 def fingerprint(
-    leaves: Sequence[LeafSpec], assignment: Any, schedule: Any, bucket_bytes: int
+    leaves: Sequence[LeafSpec],
+    assignment: Any,
+    schedule: Any,
+    bucket_bytes: int,
+    kinds: Sequence[str] = (),
 ) -> str:
     """The hash of a whole plan; equal on two processes exactly when they planned the same.
 
-    Covers the leaves and what was derived from them (assignment and schedule), so a difference
-    in options (``bucket_bytes``, a process-dependent ``tier``) is caught as well.
+    Covers the leaves (with their ``kinds``, `leaf_digest`) and what was derived from them
+    (assignment and schedule), so a difference in options (``bucket_bytes``, a
+    process-dependent ``tier``) is caught as well.
     """
-    return digest(
-        FORMAT, [leaf_digest(leaf) for leaf in leaves], assignment, schedule, int(bucket_bytes)
-    )
+    kinds = tuple(kinds) or ("",) * len(leaves)
+    digests = [leaf_digest(leaf, kind) for leaf, kind in zip(leaves, kinds, strict=True)]
+    return digest(FORMAT, digests, assignment, schedule, int(bucket_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +132,15 @@ class PlanIdentity:
       leaves: the plan's leaves (paths, layouts, dtypes).
       descriptions: one human-readable line per leaf (shapes, shardings), for messages.
       bucket_bytes: the plan's bucket size (named when only the schedules differ).
+      kinds: per leaf, the caller's dtype where the moved one does not say it all
+        (`leaf_digest`), else "" (empty: "" for every leaf).
     """
 
     fingerprint: str
     leaves: tuple[LeafSpec, ...]
     descriptions: tuple[str, ...]
     bucket_bytes: int
+    kinds: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------- processes
@@ -182,6 +192,12 @@ class _State:
 
 
 _STATE = _State()
+
+
+def has_agreed(plan: PlanIdentity) -> bool:
+    """Whether this process has agreed on ``plan``'s fingerprint (with any plan object)."""
+    with _STATE.lock:
+        return plan.fingerprint in _STATE.agreed
 
 
 def agree(plan: PlanIdentity, *, timeout_s: float | None = None, client: Any = None) -> None:
@@ -604,9 +620,10 @@ def _try_get(client: Any, key: str) -> str | None:
 
 
 def _leaves_entries(plan: PlanIdentity) -> list[list[str]]:
+    kinds = plan.kinds or ("",) * len(plan.leaves)
     return [
-        [leaf_digest(leaf), leaf.path, text]
-        for leaf, text in zip(plan.leaves, plan.descriptions, strict=True)
+        [leaf_digest(leaf, kind), leaf.path, text]
+        for leaf, text, kind in zip(plan.leaves, plan.descriptions, kinds, strict=True)
     ]
 
 
