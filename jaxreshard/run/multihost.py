@@ -357,7 +357,8 @@ class _Agreement:
             here = f"{a[1]}: {a[2]}" if a else "(no such leaf)"
             there = f"{b[1]}: {b[2]}" if b else "(no such leaf)"
             lines += [
-                f"First differing leaf: {(a or b)[1]} (leaf {i} of {len(mine)} here)",
+                f"First differing leaf: {(a or b)[1]} "
+                + (f"(leaf {i + 1} of {len(mine)} here)" if a else f"({len(mine)} leaves here)"),
                 f"  process {self.me}: {here}",
                 f"  process {q}: {there}",
             ]
