@@ -473,12 +473,12 @@ class Plan:
     def _describe_leaf(self, i: int) -> str:
         leaf = self.leaves[i]
         shape, dtype, src = self.src_avals[i]
-        what = f"{leaf.src_dtype}{list(leaf.shape)}"
+        what, into = f"{leaf.src_dtype}{list(leaf.shape)}", leaf.dst_dtype
         if boundary.is_key(dtype):  # moved as its data; named as the caller holds it
-            what = f"{dtype}{list(shape)}"
+            what, into = f"{dtype}{list(shape)}", str(dtype)
         return (
             f"{what} {_describe_devices(src, leaf.src.devices)} -> "
-            f"{leaf.dst_dtype} {_describe_devices(self.dst_shardings[i], leaf.dst.devices)}"
+            f"{into} {_describe_devices(self.dst_shardings[i], leaf.dst.devices)}"
         )
 
     # --------------------------------------------------------------------------- checking

@@ -363,11 +363,12 @@ def test_reshard_with_placeholders_plans_and_agrees_once(run_2x4):
 
 
 @pytest.mark.multiprocess
-def test_processes_holding_different_key_types_raise_naming_the_leaf(run_2x4):
+def test_processes_holding_different_key_types_raise_naming_the_leaf():
     """Regression: key<rbg> and key<urbg> both move as four uint32 words per key, and the
     plans' fingerprints saw only those: process 1 got process 0's rbg key data as urbg keys."""
-    run_2x4.case_ok("key_kinds")
-    for pid, out in enumerate(run_2x4.outputs):
+    run = launch("keys", 2, 4)
+    run.case_ok("key_kinds")
+    for pid, out in enumerate(run.outputs):
         line = re.search(rf"KEYS {pid}: (.*)", out).group(1)
         assert "hold different plans" in line and "First differing leaf: ['keys']" in line, line
         assert "key<rbg>[8]" in line and "key<urbg>[8]" in line, line
