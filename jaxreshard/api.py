@@ -1662,12 +1662,11 @@ def _structure_error(
         if covered:
             leaves = "a leaf" if covered == 1 else f"{covered} leaves"
             problems.append((path, f"None here, where {what} has {leaves}"))
-    missing = [
-        p
-        for p in expected_paths
-        if not any(_covers(g, p) for g in got) and not any(_covers(n, p) for n in nones)
-    ]
-    extra = [g for g in got if not any(_covers(g, p) for p in expected_paths)]
+    entries, ancestors = {*got, *nones}, set()
+    for p in expected_paths:
+        ancestors.update(_ancestors(p))
+    missing = [p for p in expected_paths if entries.isdisjoint(_ancestors(p))]
+    extra = [g for g in got if g not in ancestors]
     problems += [(p, "missing here") for p in missing] + [(p, f"not in {what}") for p in extra]
     if not problems:
         where = None if reference is None else _first_difference(tree, reference, is_leaf)
@@ -1690,6 +1689,11 @@ def _structure_error(
 def _covers(prefix: str, path: str) -> bool:
     """Whether the key path ``prefix`` (as `keystr` writes it) is ``path`` or an ancestor."""
     return path.startswith(prefix) and (len(path) == len(prefix) or path[len(prefix)] in "[.")
+
+
+def _ancestors(path: str) -> set[str]:
+    """``path`` and every key path that `_covers` it (the root's, "", included)."""
+    return {path[:i] for i, c in enumerate(path) if c in "[."} | {path}
 
 
 def _first_difference(
