@@ -582,6 +582,15 @@ def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
         (["--dst", "TP8", "--bucket-mib", "0"], "--bucket-mib: must be above 0"),
         (["--dst", "TP8", "--src-devices", "-8"], "--src-devices: must be above 0"),
         (["--dst", "TP8", "--bytes-per-param", "3"], "invalid choice: 3"),
+        (["--dst", "TP3"], "--dst 'TP3': attn.q"),  # which side, which layout
+        (["--dst", "TP8", "--bucket-mib", "1e-9"], "--bucket-mib: 1e-09 MiB is not 16 bytes"),
+        (["--dst", "TP8", "--bucket-mib", "inf"], "--bucket-mib: inf MiB is not 16 bytes"),
+        (["--dst", "TP8", "--json", "/nonexistent/folder/x.json"], "no folder"),
+        (["--dst", "TP8", "--json", "."], "is a directory"),
+        # Axes that would split nothing (taken as data parallelism without a word):
+        (["--dst", "FSDP3", "--dst-devices", "3"], "FSDP3 divides no dimension"),
+        (["--dst", "EP8"], "EP8, but the model has no routed experts"),
+        (["--dst", "PP64"], "PP64 stages for 36 layers"),
     ],
 )
 def test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback(capsys, argv, says):
@@ -590,6 +599,26 @@ def test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback(capsys, argv, s
     assert exited.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fixed", [["--scenario", "qwen3-4b"], ["--all"], ["--calibrate"]])
+def test_cli_refuses_setup_arguments_a_scenario_would_ignore(capsys, fixed):
+    with pytest.raises(SystemExit) as exited:
+        sim.main([*fixed, "--topology", "gb200-nvl72", "--colocated"])
+    assert exited.value.code == 2
+    assert "drop --topology, --colocated" in capsys.readouterr().err
+
+
+def test_a_colocated_sampler_larger_than_the_trainer_keeps_every_replica():
+    """Regression: rack-aligned, the sampler's GPUs were cut to the trainer's (DP2 lost a
+    replica while the report said 16 GPUs). The bytes by hand: the second replica's 8 GPUs
+    hold nothing, so they receive the whole model; the shared 8 receive what they lack."""
+    one = sim.simulate("qwen3-4b", "FSDP8", "TP8", "h100", colocated=True)
+    two = sim.simulate("qwen3-4b", "FSDP8", "TP8 DP2", "h100", colocated=True)
+    replica = one.stats.bytes_total  # one TP8 copy (KV heads replicated over TP)
+    assert len(set(two.topology.devices)) == 16
+    assert two.stats.bytes_total == 2 * replica
+    assert two.stats.bytes_sent == one.stats.bytes_sent + replica
 
 
 def test_cli_runs_as_a_module():

@@ -91,6 +91,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxreshard as jr
+from jaxreshard.tools.cli import writable_path
 
 P = PartitionSpec
 MiB = 1 << 20
@@ -2333,7 +2334,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help=f"use this many devices (default: all, up to {N_DEVICES}; scaled to a power of 2)",
     )
-    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON here")
+    p.add_argument(
+        "--json", metavar="PATH", type=writable_path, help="also write every figure as JSON here"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--in-process",

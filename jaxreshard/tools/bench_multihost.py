@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxreshard.run.multihost import wait_local_processes
+from jaxreshard.tools.cli import writable_path
 
 MiB = 1 << 20
 BASELINE = "broadcast"
@@ -119,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
         "default for the backend (default: 'default,4')",
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds before giving up")
-    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--json", type=writable_path, help="also write the figures to this file")
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     return p

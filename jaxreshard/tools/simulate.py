@@ -58,6 +58,7 @@ from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import LeafSpec, planner_options
 from jaxreshard.planning.route import route as assign
 from jaxreshard.planning.schedule import (
+    ALIGN,
     PlanStats,
     RoundPlan,
     Unit,
@@ -68,6 +69,7 @@ from jaxreshard.planning.schedule import (
 )
 from jaxreshard.planning.topology import PROFILES, Profile, Topology
 from jaxreshard.tools import costmodel
+from jaxreshard.tools.cli import writable_path
 
 MiB = 1 << 20
 GPU_BUCKET_BYTES = 128 * MiB  # jaxreshard.api.GPU_BUCKET_BYTES (not imported: it pulls in JAX)
@@ -402,6 +404,35 @@ def layout(param: Param, model: Model, strategy: Strategy, device_ids: Sequence[
     return Layout(param.shape, tuple(devices), tuple(boxes))
 
 
+def _laid_out(
+    param: Param, model: Model, strategy: Strategy, device_ids: Sequence[int], side: str
+) -> Layout:
+    """`layout`, its refusal naming the side and the layout text."""
+    try:
+        return layout(param, model, strategy, device_ids)
+    except ValueError as e:
+        raise ValueError(f"{side}: {e}") from None
+
+
+def _check_axes(model: Model, strategy: Strategy, side: str) -> None:
+    """Refuse an axis that would split nothing of ``model`` (it would be taken as data
+    parallelism without a word): EP on a dense model, PP over more stages than layers, FSDP
+    that divides no dimension of any parameter."""
+    size = strategy.size
+    if strategy.ep > 1 and not any(p.expert_dim is not None for p in model.params):
+        raise ValueError(f"{side}: EP{strategy.ep}, but the model has no routed experts")
+    if size.get("pp", 1) > model.num_layers:
+        raise ValueError(f"{side}: PP{size['pp']} stages for {model.num_layers} layers")
+    fsdp = size.get("fsdp", 1)
+    if fsdp > 1 and not any(
+        n % fsdp == 0
+        for p in model.params
+        for dim, n in enumerate(p.shape)
+        if not (dim == 0 and p.layers is not None)
+    ):
+        raise ValueError(f"{side}: FSDP{fsdp} divides no dimension of any parameter")
+
+
 def _part(span: tuple[int, int], ways: int, rank: int, unit: int, param: Param) -> tuple[int, int]:
     """Part ``rank`` of ``ways`` of ``span``, in whole units; with fewer units than ways, each
     unit is replicated over ``ways / units`` consecutive ranks (KV heads under vLLM's TP)."""
@@ -689,8 +720,10 @@ def device_ids(
         first = 0 if colocated else src_devices
         return src, list(range(first, first + dst_devices))
     src, racks = _spread(src_devices, domain_size, src_unit, first_rack=0)
-    if colocated:
-        return src, src[:dst_devices]
+    if colocated:  # the sampler on the trainer's GPUs, and on racks of its own beyond them
+        more = dst_devices - src_devices
+        extra = _spread(more, domain_size, dst_unit, first_rack=racks)[0] if more > 0 else []
+        return src, src[:dst_devices] + extra
     dst, _ = _spread(dst_devices, domain_size, dst_unit, first_rack=racks)
     return src, dst
 
@@ -791,6 +824,8 @@ def simulate(
     model = MODELS[model_name]()
     s = parse_strategy(src, src_devices)
     d = parse_strategy(dst, dst_devices)
+    for side, text, strategy in (("--src", src, s), ("--dst", dst, d)):
+        _check_axes(model, strategy, f"{side} {text!r}")
     profile = PROFILES[topology_name]
     size = profile.domain_size if domain_size is None else domain_size
     src_ids, dst_ids = device_ids(
@@ -806,13 +841,17 @@ def simulate(
         topology_name, ids=sorted(set(src_ids) | set(dst_ids)), domain_size=domain_size
     )
     dtype = {1: "float8", 2: "bfloat16", 4: "float32"}.get(itemsize, f"{itemsize}-byte")
+    # The trainer holds bf16, or float32 where the sampler does: a wider destination than
+    # the source would let a plan send the narrow type and widen it on the receivers, so the
+    # bound (at the destination's bytes) would not bound it.
+    src_dtype = "float32" if itemsize > 2 else "bfloat16"
     start = time.perf_counter()
     leaves = [
         LeafSpec(
             p.name,
-            layout(p, model, s, src_ids),
-            layout(p, model, d, dst_ids),
-            "bfloat16",
+            _laid_out(p, model, s, src_ids, f"--src {src!r}"),
+            _laid_out(p, model, d, dst_ids, f"--dst {dst!r}"),
+            src_dtype,
             dtype,
             itemsize,
         )
@@ -1052,7 +1091,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS))
     parser.add_argument("--src", help="source layout, e.g. 'EP16 DP2 PP4'")
     parser.add_argument("--dst", help="destination layout, e.g. 'TP8 DP16'")
-    parser.add_argument("--topology", choices=sorted(PROFILES), default="h100")
+    parser.add_argument("--topology", choices=sorted(PROFILES), help="default: h100")
     parser.add_argument(
         "--src-devices", type=_positive(int), help="source GPUs (fills an unwritten DP)"
     )
@@ -1075,7 +1114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also cut the messages' segments (cut_plan_schedule, as jaxreshard.plan) and time it",
     )
-    parser.add_argument("--json", metavar="PATH", help="write one record per scenario")
+    parser.add_argument(
+        "--json", metavar="PATH", type=writable_path, help="write one record per scenario"
+    )
     parser.add_argument(
         "--calibrate",
         action="store_true",
@@ -1083,6 +1124,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scenarios (8 simulated CPU devices; about 2 minutes)",
     )
     args = parser.parse_args(argv)
+    setup = {  # what --scenario, --all and --calibrate fix themselves
+        "--model": args.model,
+        "--src": args.src,
+        "--dst": args.dst,
+        "--topology": args.topology,
+        "--src-devices": args.src_devices,
+        "--dst-devices": args.dst_devices,
+        "--colocated": args.colocated or None,
+    }
+    fixed = "--calibrate" if args.calibrate else "--all" if args.all else "--scenario"
+    if args.calibrate or args.all or args.scenario:
+        given = [name for name, value in setup.items() if value is not None]
+        if given:
+            parser.error(
+                f"{fixed} sets the model, layouts and cluster itself; drop {', '.join(given)} "
+                "(or describe a setup with --model, --src and --dst instead)"
+            )
+    bucket_bytes = args.bucket_mib * MiB
+    if not (math.isfinite(bucket_bytes) and ALIGN <= int(bucket_bytes) <= 1 << 48):
+        parser.error(f"--bucket-mib: {args.bucket_mib} MiB is not {ALIGN} bytes to 256 TiB")
     if args.calibrate:
         return _calibrate(args.json)
     try:
@@ -1139,7 +1200,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tupl
             args.model,
             args.src,
             args.dst,
-            args.topology,
+            args.topology or "h100",
             src_devices=args.src_devices,
             dst_devices=args.dst_devices,
             colocated=args.colocated,
