@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -233,9 +234,15 @@ class Plan:
           ReshardError: naming every leaf and device whose shard differs from its source.
         """
         flat = self._check_src(src_tree)
-        out = jax.tree_util.tree_leaves(out_tree)
-        if len(out) != len(flat):
-            raise _structure_error("the result tree", out_tree, self.paths, planned=True)
+        out = self._check_arrays(
+            out_tree,
+            "the result tree",
+            self._dst_avals,
+            "these result leaves do not match the plan",
+            "pass verify the tree this plan returned for src_tree (its destination shapes, "
+            "dtypes and shardings), not deleted",
+            fallbacks=False,
+        )
         src = self._crossing.sources([flat[i] for i in self.moved])
         results = self._crossing.inner([out[i] for i in self.moved])
         self._verifier.check(src, results)
@@ -440,6 +447,7 @@ class Plan:
         )
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
+        _PRODUCED.add(moved)
         for i, _ in self.fallback:
             if old is not None and isinstance(old[i], jax.Array) and not old[i].is_deleted():
                 old[i].delete()
@@ -494,15 +502,19 @@ class Plan:
             allow_placeholders=True,
         )
 
-    def _check_donate(self, donate: Any, src: Sequence[Any]) -> list[Any]:
-        expected = [
+    @functools.cached_property
+    def _dst_avals(self) -> list[tuple[tuple[int, ...], Any, Sharding]]:
+        """Each moved leaf's result: the caller's shape, dtype and sharding."""
+        return [
             (leaf.shape if b.key_impl is None else b.shape, dtype, b.user_dst)
             for leaf, b, dtype in zip(self.leaves, self.boundaries, self._dst_dtypes, strict=True)
         ]
+
+    def _check_donate(self, donate: Any, src: Sequence[Any]) -> list[Any]:
         return self._check_arrays(
             donate,
             "the donate= tree",
-            expected,
+            self._dst_avals,
             "these donate= leaves cannot receive the result",
             "pass donate= the previous result of this same plan (same destination shapes, "
             "dtypes and shardings), not yet deleted, or leave donate= out",
@@ -533,13 +545,16 @@ class Plan:
         fix: str,
         sources: Sequence[Any] | None = None,
         allow_placeholders: bool = False,
+        fallbacks: bool = True,
     ) -> list[Any]:
         """The leaves of ``tree``, if each moved leaf is a live array of the expected shape,
         dtype and sharding (and, for donation, none is a source array); else an error naming
         them all. Fallback leaves (``fallback="device_put"``) are passed on as they are.
 
         With ``allow_placeholders``, a leaf whose sharding has no device on this process may be
-        a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it)."""
+        a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it).
+        ``fallbacks``: a source tree's fallback leaves are checked against the planned ones
+        (not a result tree's: they are what `jax.device_put` gave)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
             raise _structure_error(name, tree, self.paths, planned=True, reference=self._shape())
@@ -579,7 +594,9 @@ class Plan:
                 )
             if problem:
                 problems.append((keystr(path), problem))
-        if sources is None:  # a source tree: its fallback leaves as planned too
+        if sources is not None and not problems:  # donation: leaves sharing buffers
+            problems = self._shared_buffers([flat[i] for i in self.moved])
+        if sources is None and fallbacks:  # a source tree: its fallback leaves as planned too
             for i, (shape, dtype, _) in self._fallback_avals.items():
                 path, x = flat[i]
                 got = (tuple(np.shape(x)), _host_dtype(x))
@@ -590,6 +607,27 @@ class Plan:
         if problems:
             raise leaf_error(summary, problems, fix)
         return [x for _, x in flat]
+
+    def _shared_buffers(self, moved: Sequence[tuple[Any, Any]]) -> list[tuple[str, str]]:
+        """Donated leaves over one another's buffers, each named with the first holding
+        them; none to look for where every leaf is a result the runtime made."""
+        arrays = [x for _, x in moved]
+        if _PRODUCED.made_all(arrays):
+            return []
+        owner: dict[tuple[int, int], str] = {}
+        problems = []
+        for path, x in moved:
+            if not isinstance(x, jax.Array):
+                continue
+            name = keystr(path)
+            for address in _buffer_addresses([x]):
+                first = owner.setdefault(address, name)
+                if first != name:
+                    problems.append(
+                        (name, f"shares its buffers with {first}; each leaf needs its own")
+                    )
+                    break
+        return problems
 
     @functools.cached_property
     def _may_alias(self) -> bool:
@@ -779,6 +817,39 @@ class _Donations:
 
 
 _DONATED = _Donations()
+
+
+class _Produced:
+    """The results jaxreshard's runtime made (weakly, by identity): each holds buffers of its
+    own, so a donate= tree of them needs no look at buffer addresses. Any other array in a
+    donate= tree could share buffers with another leaf (an array made over a result's shards),
+    and XLA handed one buffer twice crashes (a segfault, not an error): such trees are
+    checked (`Plan._check_arrays`), at a few microseconds per leaf."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refs: dict[int, weakref.ref] = {}
+        self._live = 0  # entries after the last pruning
+
+    def add(self, arrays: Sequence[Any]) -> None:
+        with self._lock:
+            for x in arrays:
+                if isinstance(x, jax.Array):
+                    self._refs[id(x)] = weakref.ref(x)
+            if len(self._refs) > 2 * self._live + 1024:  # drop the dead now and then
+                self._refs = {k: r for k, r in self._refs.items() if r() is not None}
+                self._live = len(self._refs)
+
+    def made_all(self, arrays: Sequence[Any]) -> bool:
+        with self._lock:
+            for x in arrays:
+                ref = self._refs.get(id(x))
+                if ref is None or ref() is not x:
+                    return False
+            return True
+
+
+_PRODUCED = _Produced()
 _WORKER: concurrent.futures.ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
 

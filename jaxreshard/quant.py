@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jaxreshard.errors import ReshardError, leaf_error
+from jaxreshard.run.boundary import on_device_memory
 
 TINY = np.float32(np.finfo(np.float32).tiny)
 """The least scale: float32's smallest normal (XLA flushes subnormal floats to zero)."""
@@ -233,7 +234,15 @@ class Quantizer:
         self.src_shardings = values_out = tuple(src_shardings)  # values stay in the source layout
         self.scale_shardings = tuple(scale_shardings)
 
+        # Sources in host memory (pinned_host) are quantized in device memory: XLA does not
+        # compute on host-memory operands (its select_n refuses mixed memory spaces).
+        on_device = [on_device_memory(s) for s in self.src_shardings]
+
         def run(*xs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+            xs = tuple(
+                x if d is s else jax.device_put(x, d)
+                for x, s, d in zip(xs, self.src_shardings, on_device, strict=True)
+            )
             return tuple(quantize(x, f) for x, f in zip(xs, self.formats, strict=True))
 
         self._fn = jax.jit(run, out_shardings=tuple(zip(values_out, scale_shardings, strict=True)))

@@ -269,3 +269,22 @@ def test_a_call_whose_nodes_differ_from_the_planned_ones_names_the_node(src):
         match=r"\['a'\]: a node .*Tagged\[tp\].* where the tree .* has .*Tagged\[fsdp\]",
     ):
         plan({"a": Tagged(src["a"], "tp"), "b": src["b"]})
+
+
+def test_donating_two_leaves_over_the_same_buffers_is_refused(src):
+    """Regression: only one array object at two leaves was refused; an array made over
+    another donated leaf's shards went in, and XLA, handed one buffer twice, crashed the
+    process (SIGSEGV). The plan's own results are taken without looking at addresses."""
+    dst = {"a": sharding(*DST), "b": {"c": sharding(*DST)}}
+    tree = {"a": src["a"], "b": {"c": src["a"]}}
+    plan = jr.plan(tree, dst)
+    out = plan(tree)
+    alias = jax.make_array_from_single_device_arrays(
+        out["a"].shape, out["a"].sharding, [s.data for s in out["a"].addressable_shards]
+    )
+    donate = {"a": out["a"], "b": {"c": alias}}
+    with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\]: shares its buffers with \['a'\]"):
+        plan(tree, donate=donate)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(donate))
+    out = plan(tree, donate=out)  # its own results: their own buffers
+    assert_exact(out["b"]["c"], np.asarray(src["a"]), sharding(*DST))

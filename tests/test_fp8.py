@@ -250,3 +250,16 @@ def test_start_verify_and_reshard_take_the_callers_tree():
     again = jr.reshard(src, dst, dtype=fmt)
     assert_matches_reference(again["w"], host, (128, 128), fmt.fmt, dst)
     assert jr.cached_plan(src, dst, dtype=fmt) is jr.cached_plan(src, dst, dtype=fmt)
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_a_source_in_host_memory_quantizes_as_in_device_memory(kind):
+    """Regression: a pinned_host source failed in XLA's select_n (mixed memory spaces)."""
+    host = weights((256, 512))
+    offloaded = sharding(*SRC, "fsdp", "tp").with_memory_kind(kind)
+    src = {"w": jax.device_put(host, offloaded)}
+    dst = sharding(*DST, None, "tp")
+    with jax.transfer_guard("disallow"):
+        out = jr.plan(src, dst, dtype=jr.Fp8Blockwise(block=(128, 128)))(src)
+    assert_matches_reference(out["w"], host, (128, 128), jnp.float8_e4m3fn, dst)
+    assert src["w"].sharding.memory_kind == kind and not src["w"].is_deleted()

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
+from compiles import COMPILES
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxreshard as jr
@@ -177,6 +178,23 @@ def test_each_call_gets_its_own_sources_weak_type():
     bf16 = jax.device_put(jnp.ones((), jnp.bfloat16), dst)
     assert (jr.reshard(strong, dst) + bf16).dtype == (jax.device_put(strong, dst) + bf16).dtype
     assert jr.plan(weak, dst, dtype=jnp.bfloat16)(weak).weak_type is False  # cast: astype's
+
+
+def test_a_call_of_the_other_weak_type_compiles_nothing():
+    """Regression: programs compiled for the planned source's weak type compiled again for
+    the other (a pack for the source, an unpack for a donated result of the other type)."""
+    weak = jax.device_put(jnp.asarray(1.5), sharding(*SRC))
+    strong = jax.device_put(jnp.asarray(2.5, jnp.float32), sharding(*SRC))
+    for first, second in ((weak, strong), (strong, weak)):
+        plan = jr.plan(first, sharding(*DST))
+        out = plan(first)
+        out = plan(first, donate=out)
+        with COMPILES:
+            out = plan(second, donate=out)
+            out = plan(first, donate=out)
+            out = plan(second)
+        assert COMPILES.count == 0
+        assert out.weak_type == second.weak_type and float(out) == float(second)
 
 
 def test_a_destination_over_manual_mesh_axes_gets_the_sharding_it_asked_for():

@@ -174,3 +174,21 @@ def test_host_memory_destinations_and_single_device_results_verify():
     dst["i"] = jax.sharding.SingleDeviceSharding(jax.devices()[5])
     plan = jr.plan(src, dst)
     plan(src, verify=True)
+
+
+def test_a_result_tree_that_is_not_the_plans_result_is_refused_naming_the_leaf():
+    """Regression: verify took its result tree unchecked: a leaf on another sharding raised a
+    bare KeyError, a deleted one JAX's RuntimeError, a NumPy one an AttributeError."""
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    deleted = jax.device_put(np.zeros(out["w"].shape, out["w"].dtype), out["w"].sharding)
+    deleted.delete()
+    for leaf, says in [
+        (src["w"], "expected sharding"),
+        (deleted, "the array has been deleted"),
+        (np.asarray(out["w"]), "expected a jax.Array, got ndarray"),
+    ]:
+        with pytest.raises(jr.ReshardError, match=rf"\['w'\]: {says}"):
+            plan.verify(src, {**out, "w": leaf})
+    plan.verify(src, out)

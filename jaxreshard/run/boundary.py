@@ -206,9 +206,12 @@ class Crossing:
         programs again: such arrays are re-wrapped, zero-copy.)"""
         out = list(src) if self.plain else [_unwrap(x) for x in src]
         for i, (x, b) in enumerate(zip(out, self.boundaries, strict=True)):
-            if isinstance(x, jax.Array) and x.sharding is not b.src and not b.stages_in:
-                if x.sharding != b.src:
-                    out[i] = self._view(x, b.src)
+            if not isinstance(x, jax.Array) or b.stages_in:
+                continue
+            # Strongly typed, whatever the call's source: programs compiled for one weak type
+            # would compile again for the other (`results` gives each call its own back).
+            if (x.sharding is not b.src and x.sharding != b.src) or x.weak_type:
+                out[i] = self._view(x, b.src)
         if not self.plain:
             self._copy(out, self._staged_in, [self.boundaries[i].src for i in self._staged_in])
         return out
@@ -216,8 +219,11 @@ class Crossing:
     def donations(self, old: Sequence[jax.Array]) -> list[jax.Array | None]:
         """The runtime's view of ``donate=`` leaves; None where a destination lives in another
         memory (its buffers cannot receive device-memory writes: it is freed instead)."""
-        if self.plain:
-            return list(old)
+        if self.plain:  # (weakly typed ones viewed strongly, as in `sources`)
+            return [
+                self._view(x, b.dst) if x.weak_type else x
+                for x, b in zip(old, self.boundaries, strict=True)
+            ]
         out: list[jax.Array | None] = []
         for x, b in zip(old, self.boundaries, strict=True):
             if b.stages_out:
@@ -225,7 +231,7 @@ class Crossing:
                 out.append(None)
                 continue
             x = _unwrap(x)
-            if x.sharding != b.dst:
+            if x.sharding != b.dst or x.weak_type:  # (strongly typed, as in `sources`)
                 x = self._view(x, b.dst)
             out.append(x)
         return out
