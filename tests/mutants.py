@@ -280,14 +280,41 @@ MULTIHOST_MUTANTS = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "FORMAT, [leaf_digest(leaf) for leaf in leaves], assignment, schedule, "
-                "int(bucket_bytes)",
-                "FORMAT, [leaf_digest(leaf) for leaf in leaves], int(bucket_bytes)",
+                "    return digest(FORMAT, digests, assignment, schedule, int(bucket_bytes))",
+                "    return digest(FORMAT, digests, int(bucket_bytes))",
             ),
         ),
         ("tests/test_multihost.py::test_fingerprint_covers_the_routing_and_the_schedule",),
         "the plan fingerprint hashes the leaves and options only: processes that routed "
         "differently (another topology or tier) would agree",
+    ),
+    Mutant(
+        "fingerprint-without-key-dtypes",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "    digests = [leaf_digest(leaf, kind) for leaf, kind in zip(leaves, kinds, "
+                "strict=True)]",
+                "    digests = [leaf_digest(leaf) for leaf in leaves]",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::"
+            "test_processes_holding_different_key_types_raise_naming_the_leaf",
+        ),
+        "key<rbg> and key<urbg> leaves (the same uint32 words) fingerprint alike: processes "
+        "holding different key types run, handing one's key data out as the other's keys",
+    ),
+    Mutant(
+        "api-refusal-of-a-remade-plan-unpublished",
+        "jaxreshard/api.py",
+        (("            if not has_agreed(self.identity):", "            if True:"),),
+        (
+            "tests/test_multihost.py::"
+            "test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once",
+        ),
+        "a refusal of the first call of a plan made again (identical, so agreed) is not "
+        "published: the peer waits for the timeout or pairs with the next call",
     ),
 ]
 

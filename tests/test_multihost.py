@@ -449,14 +449,15 @@ def test_every_refusal_and_a_given_up_call_raise_on_the_peer_and_the_next_calls_
 
 
 @pytest.mark.multiprocess
-def test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once(run_order):
+def test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once():
     """Regression: the refusal was not published (this plan object had not agreed, though
     its fingerprint had), so the peer waited for the agreement timeout or paired with the
     next call, returning a mix of two steps' weights."""
-    run_order.case_ok("order_remade")
-    assert "REMADE 0: these source leaves do not match the plan" in run_order.outputs[0]
-    assert "REMADE 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
-    seconds = float(re.search(r"REMADE 1 raised after ([\d.]+) s", run_order.outputs[1])[1])
+    run = launch("remade", 2, 4)
+    run.case_ok("order_remade")
+    assert "REMADE 0: these source leaves do not match the plan" in run.outputs[0]
+    assert "REMADE 1: jaxreshard: process 0 refused call #" in run.outputs[1]
+    seconds = float(re.search(r"REMADE 1 raised after ([\d.]+) s", run.outputs[1])[1])
     assert seconds < 10, seconds
 
 
