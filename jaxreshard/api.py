@@ -531,11 +531,6 @@ class Plan:
             )
         )
 
-    def _shape(self) -> Any:
-        """A tree of the planned structure (zeros for leaves): what a call's tree is
-        compared with to name where it differs."""
-        return jax.tree_util.tree_unflatten(self.treedef, [0] * self.treedef.num_leaves)
-
     def _check_arrays(
         self,
         tree: Any,
@@ -557,7 +552,9 @@ class Plan:
         (not a result tree's: they are what `jax.device_put` gave)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
-            raise _structure_error(name, tree, self.paths, planned=True, reference=self._shape())
+            raise _structure_error(
+                name, tree, self.paths, planned=True, reference=_shaped(self.treedef)
+            )
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
         source_buffers: set[tuple[int, int]] | None = None  # read where a plan may alias
         first_at: dict[int, str] = {}  # donation: one array at two leaves would be donated twice
@@ -1082,9 +1079,7 @@ class QuantizedPlan:
                     src_tree,
                     self.paths,
                     planned=True,
-                    reference=jax.tree_util.tree_unflatten(
-                        self.treedef, [0] * self.treedef.num_leaves
-                    ),
+                    reference=_shaped(self.treedef),
                 )
             problems = []
             for i, (shape, dtype, sharding) in zip(self.quantized, self._avals, strict=True):
@@ -1727,17 +1722,17 @@ def _structure_error(
     )[0]
     got = [keystr(p) for p, x in flat if x is not None]
     nones = [keystr(p) for p, x in flat if x is None]
+    # Each path that covers some expected leaf (the leaf's own, or an ancestor's), with how
+    # many it covers: an entry of ``tree`` is right exactly where it covers one.
+    covering = collections.Counter(a for p in expected_paths for a in _ancestors(p))
     problems = []
     for path in nones:
-        covered = sum(_covers(path, p) for p in expected_paths)
-        if covered:
-            leaves = "a leaf" if covered == 1 else f"{covered} leaves"
+        if covering[path]:
+            leaves = "a leaf" if covering[path] == 1 else f"{covering[path]} leaves"
             problems.append((path, f"None here, where {what} has {leaves}"))
-    entries, ancestors = {*got, *nones}, set()
-    for p in expected_paths:
-        ancestors.update(_ancestors(p))
+    entries = {*got, *nones}
     missing = [p for p in expected_paths if entries.isdisjoint(_ancestors(p))]
-    extra = [g for g in got if g not in ancestors]
+    extra = [g for g in got if g not in covering]
     problems += [(p, "missing here") for p in missing] + [(p, f"not in {what}") for p in extra]
     if not problems:
         where = None if reference is None else _first_difference(tree, reference, is_leaf)
@@ -1757,14 +1752,15 @@ def _structure_error(
     return leaf_error(f"{name} does not match the structure of {what}", problems, fix)
 
 
-def _covers(prefix: str, path: str) -> bool:
-    """Whether the key path ``prefix`` (as `keystr` writes it) is ``path`` or an ancestor."""
-    return path.startswith(prefix) and (len(path) == len(prefix) or path[len(prefix)] in "[.")
-
-
 def _ancestors(path: str) -> set[str]:
-    """``path`` and every key path that `_covers` it (the root's, "", included)."""
+    """The key path ``path`` (as `keystr` writes it) and each of its ancestors' (the root's,
+    "", included): every entry of a prefix tree that would stand for it."""
     return {path[:i] for i, c in enumerate(path) if c in "[."} | {path}
+
+
+def _shaped(treedef: Any) -> Any:
+    """A tree of ``treedef``'s structure (zeros for leaves), to compare a call's tree with."""
+    return jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
 
 
 def _first_difference(

@@ -151,11 +151,17 @@ class Unit:
         (a fresh dict)."""
         if not self.listed and len(self.slabs) == 1:  # most large units: one slab, as it is
             return self.slabs[0].stream_bytes()
-        sizes = _stream_bytes(leaves, self.listed)
-        for slab in self.slabs:
-            for key, n in slab.stream_bytes().items():
-                sizes[key] += n
-        return sizes
+        return _add_slabs(_stream_bytes(leaves, self.listed), self.slabs)
+
+
+def _add_slabs(
+    sizes: dict[tuple[int, tuple[int, int]], int], slabs: Iterable[Slab]
+) -> dict[tuple[int, tuple[int, int]], int]:
+    """``sizes`` (a unit's listed streams) with the bytes ``slabs`` put on each stream added."""
+    for slab in slabs:
+        for key, n in slab.stream_bytes().items():
+            sizes[key] = sizes.get(key, 0) + n
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +290,7 @@ class _StreamKeys:
             streams = prepared.stream_bytes(codes, sizes)
             if not unit.slabs:
                 return ("parts", codes.tobytes(), sizes.tobytes()), streams
-            for slab in unit.slabs:
-                for key, n in slab.stream_bytes().items():
-                    streams[key] = streams.get(key, 0) + n
+            streams = _add_slabs(streams, unit.slabs)
             return frozenset(streams.items()), streams
         if unit.listed or not unit.slabs:
             streams = unit.stream_bytes(self.leaves)
@@ -644,10 +648,11 @@ class PreparedPlan:
     """An assignment's pieces and local copies grouped by leaf, each leaf's load, signature and
     stream columns, and the slabs cut so far: what `split_units` needs whatever its options.
 
-    A leaf's *stream columns* are two arrays over its pieces: each piece's stream as one integer
-    (`_stream_code`) and its bytes. Units made of whole leaves, or of one stage of them (`Unit.
-    parts`), sum their streams from these (`streams`) instead of walking their pieces again:
-    at thousands of GPUs a unit lists up to a million relays, and every plan is cut twice."""
+    A leaf's *stream columns* are two arrays over its pieces: each piece's stream as one integer,
+    ``(stage * n + sender) * n + receiver`` over ``n`` device ids, and its bytes. Units made of
+    whole leaves, or of one stage of them (`Unit.parts`), sum their streams from these
+    (`streams`) instead of walking their pieces again: at thousands of GPUs a unit lists up to
+    a million relays, and every plan is cut twice."""
 
     def __init__(
         self, leaves: Sequence[LeafSpec], assignment: Assignment, gather_bytes: int | None = None
@@ -689,8 +694,8 @@ class PreparedPlan:
         return int(sizes.max()) if len(sizes) else 0
 
     def streams(self, parts: Iterable[tuple[int, int | None]]) -> tuple[np.ndarray, np.ndarray]:
-        """The streams of ``parts`` (leaf, stage or None for all) as sorted codes
-        (`_stream_code`) and the bytes each carries."""
+        """The streams of ``parts`` (leaf, stage or None for all) as sorted codes (see the
+        class) and the bytes each carries."""
         codes, sizes = [], []
         for leaf, stage in parts:
             c, s = self.columns[leaf]
