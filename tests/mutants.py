@@ -231,10 +231,8 @@ PLANNER_MUTANTS = [
         ROUTE,
         (
             (
-                "            relays.extend(Piece(leaf, importer, at[q], box, stage=1) for q in "
-                "range(k) if q != home)",
-                "            relays.extend(Piece(leaf, importer, groups[q][-1], box, stage=1) "
-                "for q in range(k) if q != home)",
+                "        across = tuple(at[q] for q in range(k) if q != home)",
+                "        across = tuple(groups[q][-1] for q in range(k) if q != home)",
             ),
         ),
         (

@@ -85,7 +85,7 @@ def test_fingerprint_covers_the_routing_and_the_schedule():
     assert base != multihost.fingerprint(leaves, split, schedule, 1 << 20)
     first, *rest = flat.pieces
     other = 20 if first.src == 10 else 10  # the same bytes from the other replica
-    moved = dataclasses.replace(flat, pieces=(dataclasses.replace(first, src=other), *rest))
+    moved = dataclasses.replace(flat, sent=(dataclasses.replace(first, src=other), *rest))
     assert base != multihost.fingerprint(leaves, moved, schedule, 1 << 20)
     small = build_schedule(leaves, flat.pieces, bucket_bytes=64)
     assert small != schedule

@@ -12,9 +12,10 @@ of the devices that hold it, chosen with the plan's `Topology` (`route`):
 - *hierarchical fan-out* (``fan_out=True``): when several destination devices of one domain need
   the same bytes (data-parallel replicas of the destination) and no device of that domain holds
   them, the bytes cross into the domain once, split evenly over those devices (stage 0), and
-  each forwards its part to the others inside the domain (stage 1 relay `Piece`s, read from
-  its destination shard). Every destination device still receives exactly the bytes it lacks,
-  so ``bytes_sent == bytes_lower_bound`` holds; only the route changes;
+  each forwards its part to the others inside the domain (stage 1 relays, read from its
+  destination shard: one `Fan` per part, a piece for each of the others). Every destination
+  device still receives exactly the bytes it lacks, so ``bytes_sent == bytes_lower_bound``
+  holds; only the route changes;
 - *chained domains* (``chain=True``): when several destination domains need the same bytes
   and the sources' devices would otherwise send them once per domain (a sampler with more
   racks than the trainer), they leave the sources once, in shares; each domain imports some
@@ -105,6 +106,11 @@ class Piece:
     def from_dst(self) -> bool:
         return self.stage > 0 if self.relay is None else self.relay
 
+    @property
+    def dsts(self) -> tuple[int, ...]:
+        """The receivers: ``(dst,)`` (a `Fan` has several)."""
+        return (self.dst,)
+
 
 # The slots' setters `Piece.__init__` uses (a frozen class's own ``__setattr__`` refuses).
 _set_leaf, _set_src, _set_dst, _set_box, _set_stage, _set_relay = (
@@ -112,12 +118,68 @@ _set_leaf, _set_src, _set_dst, _set_box, _set_stage, _set_relay = (
 )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fan:
+    """Part ``box`` of leaf ``leaf`` relayed by ``src`` to every device of ``dsts`` in stage
+    ``stage`` (> 0): what a `Piece` to each of them would send, held as one.
+
+    A device that imported a share for its domain forwards it to all the others: at 4,096
+    GPUs 1.4 million relays are 20,000 fans, and the planner's passes over the plan (units,
+    slabs, stream sizes, statistics) go over the fans, expanding them into pieces only where
+    a stream or a message is made (`pieces`, `Assignment.pieces`)."""
+
+    leaf: int
+    src: int
+    dsts: tuple[int, ...]
+    box: Box
+    stage: int
+
+    @property
+    def from_dst(self) -> bool:
+        return True  # a relay: read from the sender's destination shard
+
+    def pieces(self) -> list[Piece]:
+        """One piece per receiver, in the order of ``dsts``."""
+        leaf, src, box, stage = self.leaf, self.src, self.box, self.stage
+        return [Piece(leaf, src, d, box, stage) for d in self.dsts]
+
+
+Sent = Piece | Fan
+"""What an assignment sends: a piece to one receiver, or a fan to several."""
+
+
+def each_piece(sent: Iterable[Sent]) -> Iterator[Piece]:
+    """``sent`` with every fan expanded into its pieces, in order."""
+    for item in sent:
+        if type(item) is Fan:
+            yield from item.pieces()
+        else:
+            yield item  # type: ignore[misc]
+
+
+def piece_order(p: Piece) -> tuple[object, ...]:
+    """The order of an assignment's pieces: by stage, sender, receiver, leaf and box."""
+    return p.stage, p.src, p.dst, p.leaf, p.box
+
+
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """Every byte every destination device gets: from itself or from a sender."""
+    """Every byte every destination device gets: from itself or from a sender.
+
+    ``sent`` lists pieces one by one; ``fans`` are relays to several receivers each (`Fan`);
+    `pieces` gives both as pieces, one per receiver."""
 
     local: tuple[LocalCopy, ...]
-    pieces: tuple[Piece, ...]
+    sent: tuple[Piece, ...]
+    fans: tuple[Fan, ...] = ()
+
+    @functools.cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        """Every piece, fans expanded, in `piece_order` (made on first access: at thousands
+        of GPUs millions of pieces; the planner itself goes over ``sent`` and ``fans``)."""
+        if not self.fans:
+            return self.sent
+        return tuple(sorted([*self.sent, *each_piece(self.fans)], key=piece_order))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -690,7 +752,7 @@ def route(
                         if chain and fan_out and g not in held:  # (d is alone in ds)
                             singles[g, (d,)].append(_Region(replicas, index, common, nbytes))
     by_leaf = fan_out if per_leaf is None else per_leaf
-    relays: list[Piece] = []
+    relays: list[Fan] = []
     turn: dict[tuple[int, ...], int] = defaultdict(int)  # the next importer of each group
 
     def runs_of(regions: list[_Region]) -> list[list[_Region]]:
@@ -735,8 +797,9 @@ def route(
                     far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
                 # The importer forwards what it received, read from its destination shard:
                 # regions next to each other (a stage's experts) go as one box.
+                others = tuple(other for other in ds if other != d)
                 for leaf, box in _merged([(r.leaf, r.box) for r in part]):
-                    relays.extend(Piece(leaf, d, other, box, 1) for other in ds if other != d)
+                    relays.append(Fan(leaf, d, others, box, 1))
     choose = _choose_senders
     if by_leaf:
         choose = functools.partial(_per_leaf, _choose_senders)
@@ -746,9 +809,10 @@ def route(
         # rounds with the relays instead of taking fast rounds of their own beside the slow
         # cross-domain ones (a round lasts as long as its slowest message).
         near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
-    pieces = choose(far) + near_pieces + relays
-    pieces.sort(key=lambda p: (p.stage, p.src, p.dst, p.leaf, p.box))
-    return Assignment(tuple(local), tuple(pieces))
+    pieces = choose(far) + near_pieces
+    pieces.sort(key=piece_order)
+    relays.sort(key=lambda f: (f.stage, f.src, f.leaf, f.box, f.dsts))
+    return Assignment(tuple(local), tuple(pieces), tuple(relays))
 
 
 def _by_domain(devices: Iterable[int], domain: Mapping[int, int]) -> list[tuple[int, list[int]]]:
@@ -806,7 +870,7 @@ def _chained(
     leaves: Sequence[LeafSpec],
     min_share_bytes: int,
     offset: int = 0,
-) -> tuple[list[tuple[_Region, int]], list[Piece], int]:
+) -> tuple[list[tuple[_Region, int]], list[Fan], int]:
     """Route one run of regions that every group of ``groups`` (one per domain) lacks: the
     regions cross from the sources once, in shares, and the domains relay them to each other.
 
@@ -830,7 +894,7 @@ def _chained(
         shares = max(1, min(shares, total // min_share_bytes))
     parts = _split_evenly(run, shares, [leaves[r.leaf].itemsize for r in run])
     demands: list[tuple[_Region, int]] = []
-    relays: list[Piece] = []
+    relays: list[Fan] = []
     # (group, position) -> what arrives there from the other groups, in share order.
     arrived: dict[tuple[int, int], list[tuple[int, Box]]] = defaultdict(list)
     for s, part in enumerate(parts):
@@ -839,19 +903,19 @@ def _chained(
         importer = at[home]
         demands.extend((r, importer) for r in part)
         boxes = _merged([(r.leaf, r.box) for r in part])
+        inside = tuple(d for d in groups[home] if d != importer)
+        across = tuple(at[q] for q in range(k) if q != home)
         for leaf, box in boxes:
-            relays.extend(
-                Piece(leaf, importer, d, box, stage=1) for d in groups[home] if d != importer
-            )
-            relays.extend(Piece(leaf, importer, at[q], box, stage=1) for q in range(k) if q != home)
+            relays.extend(Fan(leaf, importer, ds, box, 1) for ds in (inside, across) if ds)
         for q in range(k):
             if q != home:
                 arrived[q, p].extend(boxes)
     for (q, p), boxes in sorted(arrived.items()):
         ds = groups[q]
         here = ds[(p + offset) % len(ds)]
-        for leaf, box in _merged(boxes):
-            relays.extend(Piece(leaf, here, d, box, stage=2) for d in ds if d != here)
+        others = tuple(d for d in ds if d != here)
+        if others:
+            relays.extend(Fan(leaf, here, others, box, 2) for leaf, box in _merged(boxes))
     return demands, relays, -(-len(parts) // k)
 
 

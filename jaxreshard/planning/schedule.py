@@ -30,7 +30,16 @@ from jaxreshard.planning.layout import (
     split_flat_sized,
     strides,
 )
-from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy, Piece, gc_paused
+from jaxreshard.planning.route import (
+    Assignment,
+    Fan,
+    LeafSpec,
+    LocalCopy,
+    Piece,
+    Sent,
+    each_piece,
+    gc_paused,
+)
 
 ALIGN = 16
 """Chunk sizes are multiples of the widest element (complex128), so no chunk cuts an element."""
@@ -116,7 +125,8 @@ class Unit:
     Attributes:
       leaves: the leaves whose bytes (or a slab of them) the unit moves, in tree order.
       local: the local copies done with the unit (a slab unit: only its leaf's first slab).
-      listed: the pieces the unit sends that are listed one by one (every stage).
+      listed: what the unit sends that is listed one by one (every stage): pieces, and
+        relays to several receivers each (`Fan`).
       fresh: the leaves whose destination arrays the unit's first step creates when the
         caller donates none (all of ``leaves``; for a leaf cut into slabs, its first slab).
       overlap: whether the unit runs several stages that depend on nothing of each other (a
@@ -132,7 +142,7 @@ class Unit:
 
     leaves: tuple[int, ...]
     local: tuple[LocalCopy, ...]
-    listed: tuple[Piece, ...]
+    listed: tuple[Sent, ...]
     fresh: tuple[int, ...]
     overlap: bool = False
     slabs: tuple[Slab, ...] = ()
@@ -142,9 +152,9 @@ class Unit:
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
-        """Everything the unit sends: ``listed``, then each slab's pieces (cut anew on every
-        access; hold on to the result rather than asking twice)."""
-        return self.listed + tuple(p for slab in self.slabs for p in slab.pieces())
+        """Everything the unit sends as pieces: ``listed`` (fans expanded), then each slab's
+        pieces (cut anew on every access; hold on to the result rather than asking twice)."""
+        return (*each_piece(self.listed), *(p for slab in self.slabs for p in slab.pieces()))
 
     def stream_bytes(self, leaves: Sequence[LeafSpec]) -> dict[tuple[int, tuple[int, int]], int]:
         """Bytes of each ``(stage, (sender, receiver))`` stream, without cutting the slabs
@@ -193,33 +203,40 @@ class SlabCut:
 
     Each entry ``(piece, box, whole)`` is cut into ``k`` runs of rows of ``box`` (`_run`), run
     ``j`` in slab ``j`` (a relay may enter several times, once per box its sender received); a
-    ``whole`` entry goes uncut into the last slab. The bytes every slab puts on each stream
+    ``whole`` entry goes uncut into the last slab. An entry's piece may be a `Fan`: its runs
+    go to each of its receivers. The bytes every slab puts on each stream
     are computed from per-entry arrays, so the cost model never needs the cut pieces. Pure
     data (plans are fingerprinted); compared by identity, as its entries are many."""
 
     dim: int
     k: int
     itemsize: int
-    entries: tuple[tuple[Piece, Box, bool], ...]
+    entries: tuple[tuple[Sent, Box, bool], ...]
 
     @functools.cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per entry: rows along ``dim``, bytes per row, whole, stage, stream index."""
+        """Per (entry, receiver): rows along ``dim``, bytes per row, whole, stage, stream
+        index."""
         dim, index = self.dim, self._streams
+        times = np.array([len(p.dsts) for p, _, _ in self.entries], np.int64)
         rows = np.array([box[dim][1] - box[dim][0] for _, box, _ in self.entries], np.int64)
         size = np.array([box_size(box) for _, box, _ in self.entries], np.int64)
         rows = np.maximum(rows, 1)
         whole = np.array([whole for _, _, whole in self.entries], dtype=bool)
         stage = np.array([p.stage for p, _, _ in self.entries], dtype=np.int64)
-        stream = np.array([index[p.stage, (p.src, p.dst)] for p, _, _ in self.entries], np.int64)
-        return rows, size // rows * self.itemsize, whole, stage, stream
+        stream = np.array(
+            [index[p.stage, (p.src, d)] for p, _, _ in self.entries for d in p.dsts], np.int64
+        )
+        rows, row_bytes = np.repeat(rows, times), np.repeat(size // rows * self.itemsize, times)
+        return rows, row_bytes, np.repeat(whole, times), np.repeat(stage, times), stream
 
     @functools.cached_property
     def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
         """Each ``(stage, (sender, receiver))`` stream of the entries, numbered."""
         index: dict[tuple[int, tuple[int, int]], int] = {}
         for p, _, _ in self.entries:
-            index.setdefault((p.stage, (p.src, p.dst)), len(index))
+            for d in p.dsts:
+                index.setdefault((p.stage, (p.src, d)), len(index))
         return index
 
     def _rows(self, j: int, stage: int | None) -> np.ndarray:
@@ -255,10 +272,14 @@ class SlabCut:
                 continue
             if whole:
                 if last:
-                    out.append(piece)
+                    out.extend(each_piece((piece,)))
                 continue
             run = _run(box, self.dim, self.k, j)
-            if run is not None:  # (the constructor: dataclasses.replace is 3x slower)
+            if run is None:
+                continue
+            if type(piece) is Fan:
+                out.extend(Piece(piece.leaf, piece.src, d, run, piece.stage) for d in piece.dsts)
+            else:  # (the constructor: dataclasses.replace is 3x slower)
                 out.append(Piece(piece.leaf, piece.src, piece.dst, run, piece.stage, piece.relay))
         return out
 
@@ -648,7 +669,8 @@ class PreparedPlan:
     """An assignment's pieces and local copies grouped by leaf, each leaf's load, signature and
     stream columns, and the slabs cut so far: what `split_units` needs whatever its options.
 
-    A leaf's *stream columns* are two arrays over its pieces: each piece's stream as one integer,
+    A leaf's *stream columns* are two arrays over its pieces (a fan's, one per receiver): each
+    piece's stream as one integer,
     ``(stage * n + sender) * n + receiver`` over ``n`` device ids, and its bytes. Units made of
     whole leaves, or of one stage of them (`Unit.parts`), sum their streams from these
     (`streams`) instead of walking their pieces again: at thousands of GPUs a unit lists up to
@@ -658,7 +680,7 @@ class PreparedPlan:
         self, leaves: Sequence[LeafSpec], assignment: Assignment, gather_bytes: int | None = None
     ) -> None:
         self.leaves = leaves
-        self.pieces_of: dict[int, list[Piece]] = defaultdict(list)
+        self.pieces_of: dict[int, list[Sent]] = defaultdict(list)
         self.local_of: dict[int, list[LocalCopy]] = defaultdict(list)
         self.n = 1 + max(
             (max(layout.devices) for leaf in leaves for layout in (leaf.src, leaf.dst)), default=0
@@ -666,7 +688,7 @@ class PreparedPlan:
         n, itemsize = self.n, [leaf.itemsize for leaf in leaves]
         codes: dict[int, list[int]] = defaultdict(list)
         sizes: dict[int, list[int]] = defaultdict(list)
-        for p in assignment.pieces:  # one pass: millions of pieces at thousands of GPUs
+        for p in assignment.sent:  # one pass: hundreds of thousands of pieces at scale
             i = p.leaf
             self.pieces_of[i].append(p)
             k = itemsize[i]
@@ -674,6 +696,15 @@ class PreparedPlan:
                 k *= stop - start
             sizes[i].append(k)
             codes[i].append((p.stage * n + p.src) * n + p.dst)
+        for f in assignment.fans:  # a stream per receiver
+            i = f.leaf
+            self.pieces_of[i].append(f)
+            k = itemsize[i]
+            for start, stop in f.box:
+                k *= stop - start
+            sizes[i].extend([k] * len(f.dsts))
+            base = (f.stage * n + f.src) * n
+            codes[i].extend([base + d for d in f.dsts])
         for c in assignment.local:
             self.local_of[c.leaf].append(c)
         self.columns = [
@@ -798,7 +829,7 @@ class _Arriving:
     """What later stages bring into a unit (`_pipelined`)."""
 
     def __init__(self) -> None:
-        self.pieces: list[Piece] = []
+        self.pieces: list[Sent] = []
         self.slabs: list[Slab] = []
         self.leaves: set[int] = set()
         self.parts: list[tuple[int, int | None]] | None = []
@@ -811,7 +842,7 @@ class _Arriving:
             self.parts.extend((leaf, stage) for leaf, _ in parts)
 
 
-def _several_stages(pieces: Iterable[Piece], slabs: Iterable[Slab]) -> bool:
+def _several_stages(pieces: Iterable[Sent], slabs: Iterable[Slab]) -> bool:
     """Whether ``pieces`` and ``slabs`` (each restricted to one stage) span several stages."""
     return len({p.stage for p in pieces} | {s.stage for s in slabs}) > 1
 
@@ -906,7 +937,7 @@ def _meshes(leaf: LeafSpec) -> tuple[object, object]:
 
 def _unit(
     run: Sequence[int],
-    pieces_of: Mapping[int, Sequence[Piece]],
+    pieces_of: Mapping[int, Sequence[Sent]],
     local_of: Mapping[int, Sequence[LocalCopy]],
 ) -> Unit:
     return Unit(
@@ -922,7 +953,7 @@ def _slabs(
     index: int,
     k: int,
     itemsize: int,
-    pieces_of: Mapping[int, Sequence[Piece]],
+    pieces_of: Mapping[int, Sequence[Sent]],
     local_of: Mapping[int, Sequence[LocalCopy]],
 ) -> list[Unit]:
     """Up to ``k`` units, each moving one slab of every piece of leaf ``index``.
@@ -940,11 +971,11 @@ def _slabs(
     pieces = pieces_of[index]
     dim = _slab_dimension(pieces, k)
     k = max(1, min(k, max(p.box[dim][1] - p.box[dim][0] for p in pieces)))
-    entries: list[tuple[Piece, Box, bool]] = []
+    entries: list[tuple[Sent, Box, bool]] = []
     # What each device can forward, by receiver: entries (box, whole) of stage-0 pieces and
     # of the relays of stages done so far.
     received: dict[int, list[tuple[Box, bool]]] = defaultdict(list)
-    relays: dict[int, list[Piece]] = defaultdict(list)
+    relays: dict[int, list[Sent]] = defaultdict(list)
     for p in pieces:
         if p.from_dst:
             relays[p.stage].append(p)
@@ -972,11 +1003,11 @@ def _slabs(
             if boxes is None:
                 entries.append((r, r.box, True))
                 if keep:
-                    forwarded.append((r.dst, r.box, True))
+                    forwarded.extend((d, r.box, True) for d in r.dsts)
                 continue
             entries.extend((r, box, False) for box in boxes)
             if keep:
-                forwarded.extend((r.dst, box, False) for box in boxes)
+                forwarded.extend((d, box, False) for d in r.dsts for box in boxes)
         for dst, box, whole in forwarded:
             received[dst].append((box, whole))
     cut = SlabCut(dim, k, itemsize, tuple(entries))
@@ -1008,15 +1039,15 @@ def _run(box: Box, dim: int, k: int, j: int) -> Box | None:
     return (*box[:dim], (lo, hi), *box[dim + 1 :]) if hi > lo else None
 
 
-def _slab_dimension(pieces: Sequence[Piece], k: int) -> int:
+def _slab_dimension(pieces: Sequence[Sent], k: int) -> int:
     """The dimension along which most bytes spread over ``k`` slabs: each piece counts its
-    size times the share of the slabs its rows reach (ties: the first dimension). A dimension
-    no layout shards gives every piece its full length there."""
+    size times the share of the slabs its rows reach (ties: the first dimension; a fan once
+    per receiver). A dimension no layout shards gives every piece its full length there."""
     rank = len(pieces[0].box)
     # Each piece's extent per dimension, as one array (a large leaf has 10^5 pieces at
     # thousands of GPUs: three sums over them in Python took 0.5 s a leaf).
     extent = np.array([[b - a for a, b in p.box] for p in pieces], np.int64).reshape(-1, rank)
-    size = extent.prod(axis=1)
+    size = extent.prod(axis=1) * np.array([len(p.dsts) for p in pieces], np.int64)
     if len(size) and int(size.max()) * k * len(size) >= 1 << 62:  # int64 could overflow
         spread = [sum(int(n) * min(int(e), k) for n, e in zip(size, extent[:, i], strict=True))
                   for i in range(rank)]  # fmt: skip
@@ -1319,16 +1350,18 @@ def plan_rounds(
 
 
 def _stream_bytes(
-    leaves: Sequence[LeafSpec], pieces: Iterable[Piece]
+    leaves: Sequence[LeafSpec], pieces: Iterable[Sent]
 ) -> defaultdict[tuple[int, tuple[int, int]], int]:
-    """Bytes of each ``(stage, (sender, receiver))`` stream of ``pieces``."""
+    """Bytes of each ``(stage, (sender, receiver))`` stream of ``pieces`` (a fan's to each
+    of its receivers)."""
     sizes: defaultdict[tuple[int, tuple[int, int]], int] = defaultdict(int)
     itemsize = [leaf.itemsize for leaf in leaves]
     for p in pieces:  # `box_size` inlined: millions of relays at thousands of GPUs
         n = itemsize[p.leaf]
         for start, stop in p.box:
             n *= stop - start
-        sizes[p.stage, (p.src, p.dst)] += n
+        for d in p.dsts:
+            sizes[p.stage, (p.src, d)] += n
     return sizes
 
 
@@ -2155,11 +2188,17 @@ def plan_stats(
     # update per piece (millions at thousands of GPUs), `crosses` asked once per key.
     itemsize = [leaf.itemsize for leaf in leaves]
     by_pair: dict[tuple[int, int, bool], int] = defaultdict(int)
-    for p in assignment.pieces:
+    for p in assignment.sent:
         n = itemsize[p.leaf]
         for start, stop in p.box:  # `box_size` inlined
             n *= stop - start
         by_pair[p.src, p.dst, p.stage > 0 if p.relay is None else p.relay] += n
+    for f in assignment.fans:
+        n = itemsize[f.leaf]
+        for start, stop in f.box:
+            n *= stop - start
+        for d in f.dsts:
+            by_pair[f.src, d, True] += n
     sent_by: dict[int, int] = defaultdict(int)
     recv_by: dict[int, int] = defaultdict(int)
     relayed = cross = relayed_cross = 0

@@ -39,7 +39,7 @@ from typing import Any
 from jaxreshard.errors import ReshardError
 from jaxreshard.planning.route import LeafSpec
 
-FORMAT = "jaxreshard-plan-v1"
+FORMAT = "jaxreshard-plan-v2"
 """Version tag hashed into every fingerprint: plans of different library versions never agree."""
 
 DEFAULT_AGREEMENT_TIMEOUT_S = 300.0

@@ -804,11 +804,12 @@ def m2n_like(
     bi, bx = _effective(topology, profile)
     seconds = 0.0
     stages: dict[int, dict[tuple[int, bool], int]] = defaultdict(lambda: defaultdict(int))
-    for p in assignment.pieces:
+    for p in (*assignment.sent, *assignment.fans):
         nbytes = box_size(p.box) * leaves[p.leaf].itemsize
-        cross = topology.crosses(p.src, p.dst)
-        stages[p.stage][p.src, cross] += nbytes
-        stages[p.stage][-1 - p.dst, cross] += nbytes
+        for d in p.dsts:
+            cross = topology.crosses(p.src, d)
+            stages[p.stage][p.src, cross] += nbytes
+            stages[p.stage][-1 - d, cross] += nbytes
     for load in stages.values():
         seconds += _busiest_link_time(load, bi, bx, profile, topology.round_latency, staging_bytes)
         per_device: dict[int, int] = defaultdict(int)

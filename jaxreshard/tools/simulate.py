@@ -877,8 +877,8 @@ def simulate(
         assert plan_stats(leaves, assignment, schedule, crosses=topo.crosses) == stats
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stages: dict[int, int] = {}
-    for piece in assignment.pieces:
-        stages[piece.stage] = stages.get(piece.stage, 0) + 1
+    for piece in (*assignment.sent, *assignment.fans):
+        stages[piece.stage] = stages.get(piece.stage, 0) + len(piece.dsts)
     # NCCL M2N fans out inside each domain once, from balanced senders: destination domains
     # never forward to each other, so it is priced on an assignment that does not chain them.
     m2n = (
