@@ -208,6 +208,37 @@ def test_a_share_spanning_adjacent_regions_is_relayed_as_one_box():
     assert relays == [(4, 5, ((0, 32), (0, 32))), (5, 4, ((32, 64), (0, 32)))]
 
 
+def test_a_share_relayed_inside_a_domain_is_one_fan_listed_as_a_piece_per_receiver():
+    """Devices 4-7 (one domain) each lack the whole array: each imports a quarter and relays
+    it to the three others. The assignment holds that as four fans of three receivers; its
+    ``pieces`` list twelve relays, one per (sender, receiver), sorted like every piece (by
+    stage, sender, receiver, leaf, box), and the statistics count 3/4 of the array relayed
+    into each of the four devices."""
+    src = ((4,), ("x",), (0, 1, 2, 3), ("x",))
+    lf = leaf_spec((64, 32), src, ((4,), ("dp",), (4, 5, 6, 7), ()))
+    stats, assignment, _ = check_virtual([lf], TWO_BY_FOUR)
+    fans = {(f.src, f.dsts) for f in assignment.fans}
+    assert fans == {(d, tuple(o for o in (4, 5, 6, 7) if o != d)) for d in (4, 5, 6, 7)}
+    assert all(box_size(f.box) * 4 == ARRAY_BYTES // 4 and f.stage == 1 for f in assignment.fans)
+    relays = [p for p in assignment.pieces if p.from_dst]
+    assert sorted((p.src, p.dst) for p in relays) == [
+        (s, d) for s in (4, 5, 6, 7) for d in (4, 5, 6, 7) if s != d
+    ]
+    order = [(p.stage, p.src, p.dst, p.leaf, p.box) for p in assignment.pieces]
+    assert order == sorted(order)
+    assert stats.bytes_relayed == 4 * ARRAY_BYTES * 3 // 4
+
+
+def test_leaves_with_the_same_demands_get_the_same_senders():
+    """Two leaves laid out alike (a model's layers) are balanced alike, each over its own
+    pieces: the second leaf's pieces are the first's, for its own index."""
+    src = ((2, 2), ("dp", "x"), (0, 1, 2, 3), (None, "x"))
+    leaves = [leaf_spec((64, 32), src, ((4,), ("x",), (4, 5, 6, 7), ("x",))) for _ in range(2)]
+    _, assignment, _ = check_virtual(leaves, TWO_BY_FOUR)
+    sent = [{(p.src, p.dst, p.box) for p in assignment.pieces if p.leaf == i} for i in (0, 1)]
+    assert sent[0] == sent[1] and len({s for s, _, _ in sent[0]}) == 4
+
+
 def test_shares_end_on_whole_rows_when_a_row_is_small():
     """Three importers of 256 rows: a share of 85.3 rows ends on a row (85 or 86 rows, one
     box each), not in the middle of one (two boxes); balance within a row."""

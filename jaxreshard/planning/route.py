@@ -925,8 +925,20 @@ def _per_leaf(
     """``choose`` senders for each leaf's demands on their own: every leaf is then balanced
     over its senders by itself, and so is every slab of it (`schedule.split_units` runs a
     plan unit by unit, one after the other, so a balance reached only over the whole plan
-    would leave some senders idle in each unit while others are the busiest)."""
-    return [p for run in _by_leaf(demands) for p in choose(run)]
+    would leave some senders idle in each unit while others are the busiest).
+
+    ``choose`` depends on a leaf's demands only, not on which leaf they are: leaves with the
+    same demands in the same order (a model's layers laid out alike) are chosen for once."""
+    out: list[Piece] = []
+    known: dict[tuple[object, ...], list[Piece]] = {}
+    for run in _by_leaf(demands):
+        key = tuple((d.dst, d.box, d.candidates, d.nbytes) for d in run)
+        if key in known:
+            leaf = run[0].leaf
+            out.extend(Piece(leaf, p.src, p.dst, p.box) for p in known[key])
+        else:
+            out.extend(known.setdefault(key, choose(run)))
+    return out
 
 
 _Leafed = TypeVar("_Leafed", "_Demand", "_Region")

@@ -1026,7 +1026,11 @@ def _slabs(
 
 
 def _within(inner: Box, outer: Box) -> bool:
-    return all(a <= c and d <= b for (c, d), (a, b) in zip(inner, outer, strict=True))
+    # A loop, not all() over a generator: asked ~10^6 times at thousands of GPUs (`_slabs`).
+    for (c, d), (a, b) in zip(inner, outer, strict=True):
+        if c < a or b < d:
+            return False
+    return True
 
 
 def _run(box: Box, dim: int, k: int, j: int) -> Box | None:
@@ -1087,7 +1091,7 @@ def plan_unit_rounds(
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
     if link_class is not None:  # asked once per pair and unit below: answered once per pair
-        link_class = functools.cache(link_class)
+        link_class = _ClassOf(link_class)
     units = split_units(
         leaves,
         assignment,
@@ -1384,7 +1388,7 @@ def _plan_stream_rounds(
     colour = colour_rounds if colour is None else colour
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     if chunks is not None:
-        classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
+        classes = _pair_classes(sizes, link_class)
         chunk_of = {cls: chunks[cls] for cls in sorted(set(classes.values()))}
         chunk = max(chunk_of.values(), default=cap)
     else:
@@ -1502,7 +1506,7 @@ def chunk_sizes(
     beside one of the slowest class's."""
     cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
-    classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
+    classes = _pair_classes(sizes, link_class)
     by_class: dict[int, dict[tuple[Any, tuple[int, int]], int]] = defaultdict(dict)
     for key, n in sizes.items():  # (one pass: ~10^6 streams at scale)
         by_class[classes[key[1]]][key] = n
@@ -1521,6 +1525,34 @@ def chunk_sizes(
             weights=weights,
         )
     return dict(sorted(chunk_of.items())), classes
+
+
+class _ClassOf(dict[tuple[int, int], int]):
+    """``link_class``, answering each (sender, receiver) pair once and then by lookup (the
+    planner asks for the classes of ~10^6 streams at thousands of GPUs, unit by unit)."""
+
+    def __init__(self, link_class: Callable[[int, int], int]) -> None:
+        super().__init__()
+        self.link_class = link_class
+
+    def __missing__(self, pair: tuple[int, int]) -> int:
+        self[pair] = cls = self.link_class(*pair)
+        return cls
+
+    def __call__(self, src: int, dst: int) -> int:
+        return self[src, dst]
+
+
+def _pair_classes(
+    sizes: Iterable[tuple[Any, tuple[int, int]]], link_class: Callable[[int, int], int] | None
+) -> dict[tuple[int, int], int]:
+    """The link class of each pair of the ``(stage, pair)`` keys ``sizes`` (0 without
+    ``link_class``)."""
+    if link_class is None:
+        return {pair: 0 for _, pair in sizes}
+    if isinstance(link_class, _ClassOf):
+        return {pair: link_class[pair] for _, pair in sizes}
+    return {pair: link_class(*pair) for _, pair in sizes}
 
 
 Rounds = list[tuple[int, list[Entry]]]
@@ -2012,12 +2044,21 @@ def colour_rounds(
             )
             key = (tuple(ranked.items()), None if ranked_order is None else tuple(ranked_order))
             if key not in alike:
-                alike[key] = colour_rounds(ranked, ranked_order)
+                alike[key] = _colour_connected(ranked, ranked_order)
             for r, entries in enumerate(alike[key]):
                 if r == len(merged):
                     merged.append([])
                 merged[r].extend(((senders[s], receivers[d]), k) for (s, d), k in entries)
         return [sorted(entries) for entries in merged]
+    return _colour_connected(multiplicity, order)
+
+
+def _colour_connected(
+    multiplicity: Mapping[tuple[int, int], int],
+    order: Sequence[tuple[int, int]] | None = None,
+) -> list[list[tuple[tuple[int, int], int]]]:
+    """`colour_rounds` of a graph in one part (no split into parts: at thousands of GPUs
+    looking for them again in each part of a relay stage took a second)."""
     # A multigraph whose multiplicities share a factor g is g copies of a smaller one: colour
     # that once and run each of its rounds g times (the pairs of one fan-out group all carry
     # the same number of chunks: thousands of chunks become a few edges).
@@ -2030,12 +2071,12 @@ def colour_rounds(
         once = {p: 1 for p in multiplicity}
         rest = {p: n - base for p, n in multiplicity.items() if n > base}
         if base * _max_degree(once) + _max_degree(rest) == _max_degree(multiplicity):
-            each = colour_rounds(once)
+            each = _colour_connected(once)  # (the same pairs: one part)
             repeated = [[(p, copy) for p, _ in entries] for copy in range(base) for entries in each]
             left = colour_rounds(rest) if rest else []
             return repeated + [[(p, base + k) for p, k in entries] for entries in left]
     if g > 1:
-        reduced = colour_rounds({p: n // g for p, n in multiplicity.items()}, order)
+        reduced = _colour_connected({p: n // g for p, n in multiplicity.items()}, order)
         return [  # copy c moves chunks c * n/g .. of each pair, in stream order
             [(p, copy * (multiplicity[p] // g) + k) for p, k in entries]
             for copy in range(g)
@@ -2193,12 +2234,14 @@ def plan_stats(
         for start, stop in p.box:  # `box_size` inlined
             n *= stop - start
         by_pair[p.src, p.dst, p.stage > 0 if p.relay is None else p.relay] += n
+    # Fans by sender and receivers first: a domain's relays are thousands of fans over a few
+    # (importer, others) groups, so each receiver is counted once per group, not per fan.
+    by_fan: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
     for f in assignment.fans:
         n = itemsize[f.leaf]
         for start, stop in f.box:
             n *= stop - start
-        for d in f.dsts:
-            by_pair[f.src, d, True] += n
+        by_fan[f.src, f.dsts] += n
     sent_by: dict[int, int] = defaultdict(int)
     recv_by: dict[int, int] = defaultdict(int)
     relayed = cross = relayed_cross = 0
@@ -2209,6 +2252,15 @@ def plan_stats(
         if crosses is not None and crosses(src, dst):
             cross += n
             relayed_cross += n if from_dst else 0
+    for (src, dsts), n in by_fan.items():
+        sent_by[src] += n * len(dsts)
+        for d in dsts:
+            recv_by[d] += n
+        relayed += n * len(dsts)
+        if crosses is not None:
+            crossing = n * sum(1 for d in dsts if crosses(src, d))
+            cross += crossing
+            relayed_cross += crossing
     wire = staging = 0
     for rounds in schedule.round_sizes_by_bucket():
         wire += sum(size * messages for size, messages in rounds)
