@@ -288,7 +288,7 @@ def test_the_chunk_model_prices_the_busiest_device_of_each_stage(ladder):
         sizes |= {(stage, pair): 50_000 for pair in [(40, 41), (42, 41), (42, 43), (42, 44)]}
     weights = {"a": 1, "b": 3, "c": 2}
     latency = 64
-    model = _ChunkModel(sizes, latency, 0.0, weights)
+    model = _ChunkModel.of(sizes, latency, 0.0, weights)
     for chunk in (64, 256, 512, 1024, 4096):
         expected = 0
         for stage, weight in weights.items():

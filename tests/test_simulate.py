@@ -523,13 +523,13 @@ def test_chained_plans_leave_room_for_two_faster_rounds_beside_a_slow_one(monkey
     that is not chained keeps its chunks as large as they come (its lanes' rounds do not
     outnumber each other the same way)."""
     asked = []
-    real = schedule.chunk_sizes
+    real = schedule._class_chunks  # (the chunk choice over a plan's streams as arrays)
 
     def spy(*args, **kwargs):
         asked.append(kwargs.get("beside_slowest", 0))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(schedule, "chunk_sizes", spy)
+    monkeypatch.setattr(schedule, "_class_chunks", spy)
     chained = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP4", "h100")
     fanned = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
     assert chained.stats.bytes_relayed_cross_domain > 0 == fanned.stats.bytes_relayed_cross_domain

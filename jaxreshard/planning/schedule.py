@@ -301,6 +301,7 @@ class _StreamKeys:
         self.prepared = prepared
         self.interned: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
         self.cut_ids: dict[SlabCut, int] = {}
+        self.codes_of: dict[SlabCut, np.ndarray] = {}
 
     def of(self, unit: Unit) -> tuple[object, dict[tuple[int, tuple[int, int]], int] | None]:
         """The unit's key, and its `Unit.stream_bytes` where keying it summed them (a unit
@@ -321,6 +322,36 @@ class _StreamKeys:
             for slab in unit.slabs
         )  # equal slabs put equal bytes on equal streams, so their sums are equal too
         return key, None
+
+    def codes(self, unit: Unit) -> tuple[object, np.ndarray, np.ndarray]:
+        """The unit's key (as `of` gives it) and its streams as `PreparedPlan` codes and
+        bytes, without making a dict of them where the key needs none (needs ``prepared``)."""
+        prepared = self.prepared
+        assert prepared is not None, "stream codes are numbered over a prepared plan's devices"
+        if unit.listed and unit.parts is not None and not unit.slabs:
+            codes, sizes = prepared.streams(unit.parts)
+            return ("parts", codes.tobytes(), sizes.tobytes()), codes, sizes
+        if unit.listed or not unit.slabs:
+            key, streams = self.of(unit)
+            assert streams is not None
+            return key, *prepared.encode(streams)
+        key, _ = self.of(unit)
+        parts = [
+            (self._cut_codes(slab.cut), slab.cut.stream_totals(slab.j, slab.stage))
+            for slab in unit.slabs
+        ]
+        codes = np.concatenate([c for c, _ in parts])
+        totals = np.concatenate([t for _, t in parts]).astype(np.int64)
+        return key, *_summed(codes[totals > 0], totals[totals > 0])
+
+    def _cut_codes(self, cut: SlabCut) -> np.ndarray:
+        """The codes of ``cut``'s streams, in its streams' order."""
+        if cut not in self.codes_of:
+            n = self.prepared.n  # type: ignore[union-attr]
+            self.codes_of[cut] = np.array(
+                [(st * n + s) * n + d for st, (s, d) in cut._streams], np.int64
+            )
+        return self.codes_of[cut]
 
     def _cut_id(self, cut: SlabCut) -> int:
         if cut not in self.cut_ids:
@@ -737,11 +768,17 @@ class PreparedPlan:
             sizes.append(s)
         if not codes or not sum(len(c) for c in codes):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        code, size = np.concatenate(codes), np.concatenate(sizes)
-        order = np.argsort(code, kind="stable")
-        code, size = code[order], size[order]
-        starts = np.flatnonzero(np.concatenate(([True], code[1:] != code[:-1])))
-        return code[starts], np.add.reduceat(size, starts)  # int64: exact
+        return _summed(np.concatenate(codes), np.concatenate(sizes))
+
+    def encode(
+        self, streams: Mapping[tuple[int, tuple[int, int]], int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(stage, (sender, receiver)) -> bytes`` as sorted codes and bytes (`streams`)."""
+        n = self.n
+        codes = np.fromiter(
+            ((st * n + s) * n + d for st, (s, d) in streams), np.int64, len(streams)
+        )
+        return _summed(codes, np.fromiter(streams.values(), np.int64, len(streams)))
 
     def stream_bytes(
         self, codes: np.ndarray, sizes: np.ndarray
@@ -761,6 +798,16 @@ class PreparedPlan:
                 index, k, self.leaves[index].itemsize, self.pieces_of, self.local_of
             )
         return self._slabs[key]
+
+
+def _summed(codes: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``codes`` sorted, each once, with the sum of its ``sizes`` (int64: exact)."""
+    if not len(codes):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.argsort(codes, kind="stable")
+    code, size = codes[order], sizes[order]
+    starts = np.flatnonzero(np.concatenate(([True], code[1:] != code[:-1])))
+    return code[starts], np.add.reduceat(size, starts)
 
 
 def _pipelined(units: Sequence[Unit]) -> list[Unit]:
@@ -1100,24 +1147,41 @@ def plan_unit_rounds(
         unit_bytes=unit_bytes,
         prepared=prepared,
     )
-    sizes: dict[tuple[Any, tuple[int, int]], int] = {}
-    weights: dict[Any, int] = {}
-    # Units with the same streams (a leaf's slabs, repeated layers) count once, weighted by
-    # how often they occur; not where a fault cost makes the order of units matter.
-    first: dict[object, tuple[int, set[int]]] = {}  # streams' key -> first unit, its stages
+    # Every unit's streams as arrays (`_StreamArrays`: ~10^6 streams at thousands of GPUs),
+    # each (unit, stage) a stage of the chunk model, numbered in order. Units with the same
+    # streams (a leaf's slabs, repeated layers) count once, weighted by how often they occur;
+    # not where a fault cost makes the order of units matter.
+    n = prepared.n
+    codes: list[np.ndarray] = []
+    nbytes: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    weight: list[int] = []  # per (unit, stage)
+    first: dict[object, list[int]] = {}  # streams' key -> the stages of the first unit
+    chained = False
     keys = _StreamKeys(leaves, prepared)
-    for u, unit in enumerate(units):
-        key, streams = keys.of(unit)
+    for unit in units:
+        key, unit_codes, unit_sizes = keys.codes(unit)
         if not fault_cost and key in first:
-            v, stages = first[key]
-            for stage in stages:
-                weights[v, stage] += 1
+            for label in first[key]:
+                weight[label] += 1
             continue
-        streams = unit.stream_bytes(leaves) if streams is None else streams
-        first[key] = u, {stage for stage, _ in streams}
-        for (stage, pair), n in streams.items():
-            sizes[(u, stage), pair] = n
-        weights.update(((u, stage), 1) for stage in first[key][1])
+        stage = unit_codes // (n * n)
+        stages, at = np.unique(stage, return_inverse=True)
+        first[key] = list(range(len(weight), len(weight) + len(stages)))
+        codes.append(unit_codes)
+        nbytes.append(unit_sizes)
+        labels.append(at.reshape(-1) + len(weight))
+        weight.extend([1] * len(stages))
+        chained = chained or any(st > 1 for st in stages.tolist())
+    code = np.concatenate(codes) if codes else np.zeros(0, np.int64)
+    src, dst = np.divmod(code % (n * n), n)
+    streams = _StreamArrays(
+        np.concatenate(labels) if labels else np.zeros(0, np.int64),
+        src,
+        dst,
+        np.concatenate(nbytes) if nbytes else np.zeros(0, np.int64),
+        np.arange(len(weight)),
+    )
     # Where destination domains forward to each other (relays of stage 2), the slowest links
     # carry two stages of every pipelined unit and the fastest a third: a chunk as large as a
     # bucket would leave each bucket one lane's round, so chunks stay within half a bucket
@@ -1129,15 +1193,15 @@ def plan_unit_rounds(
     # extra round doubles up there instead of taking a bucket where the slowest links idle
     # (modeled DeepSeek-V3 128 -> 512: 63 MiB NVLink chunks beside 10.6 MiB NIC chunks made
     # 214 buckets of two NVLink rounds and none across, 760 ms; 55.5 MiB ones, 712 ms).
-    chained = any(stage > 1 for (_, stage), _ in sizes)
-    chunks, _ = chunk_sizes(
-        sizes,
+    chunks = _class_chunks(
+        streams,
+        np.array(weight, np.int64),
+        _code_classes(code, n, link_class),
         bucket_bytes=bucket_bytes,
-        link_class=link_class,
+        latency_bytes=None,
         class_latency_bytes=class_latency_bytes,
         ladder=ladder_rungs,
         fault_cost=fault_cost,
-        weights=weights,
         max_chunk_bytes=bucket_bytes // 2 if chained else None,
         beside_slowest=2 if chained else 0,
     )
@@ -1504,27 +1568,93 @@ def chunk_sizes(
     ``max_chunk_bytes``; with ``beside_slowest`` (the slowest class, the largest, is chosen
     first), every other class's chunks are small enough that that many of them fit a bucket
     beside one of the slowest class's."""
+    classes = _pair_classes(sizes, link_class)
+    streams, labels = _StreamArrays.of(sizes)
+    weight = np.array([(weights or {}).get(label, 1) for label in labels], np.int64)
+    cls = np.fromiter((classes[pair] for _, pair in sizes), np.int64, len(sizes))
+    chunk_of = _class_chunks(
+        streams,
+        weight,
+        cls,
+        bucket_bytes=bucket_bytes,
+        latency_bytes=latency_bytes,
+        class_latency_bytes=class_latency_bytes,
+        ladder=ladder,
+        fault_cost=fault_cost,
+        max_chunk_bytes=max_chunk_bytes,
+        beside_slowest=beside_slowest,
+    )
+    return chunk_of, classes
+
+
+def _class_chunks(
+    streams: _StreamArrays,
+    weight: np.ndarray,
+    classes: np.ndarray,
+    *,
+    bucket_bytes: int,
+    latency_bytes: int | None,
+    class_latency_bytes: Mapping[int, int] | None,
+    ladder: int,
+    fault_cost: float,
+    max_chunk_bytes: int | None,
+    beside_slowest: int,
+) -> dict[int, int]:
+    """`chunk_sizes` over streams as arrays: ``weight`` per stage, ``classes`` per stream."""
     cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
-    classes = _pair_classes(sizes, link_class)
-    by_class: dict[int, dict[tuple[Any, tuple[int, int]], int]] = defaultdict(dict)
-    for key, n in sizes.items():  # (one pass: ~10^6 streams at scale)
-        by_class[classes[key[1]]][key] = n
     chunk_of: dict[int, int] = {}
-    for cls in sorted(by_class, reverse=True):  # the slowest first
+    for cls in sorted(set(np.unique(classes).tolist()), reverse=True):  # the slowest first
         room = cap
         if beside_slowest and chunk_of:
             slowest = chunk_of[max(chunk_of)]
             room = min(cap, max(ALIGN, (bucket_bytes - slowest) // beside_slowest // ALIGN * ALIGN))
-        chunk_of[cls] = choose_chunk_bytes(
-            by_class[cls],
+        mine = streams.where(classes == cls)
+        chunk_of[cls] = _choose_chunk(
+            mine,
+            weight[mine.labels],
             cap=room,
             latency_bytes=(class_latency_bytes or {}).get(cls, latency),
             ladder=ladder,
             fault_cost=fault_cost,
-            weights=weights,
         )
-    return dict(sorted(chunk_of.items())), classes
+    return dict(sorted(chunk_of.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StreamArrays:
+    """Streams as arrays, one entry per stream: its stage (``0 .. stages - 1``, in the
+    stages' order), sender, receiver and bytes. The chunk choice works on these: at
+    thousands of GPUs a plan's units have ~10^6 streams. ``labels``: which stages of a larger
+    set these are (`where`), as indices into it."""
+
+    stage: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    labels: np.ndarray
+
+    @staticmethod
+    def of(sizes: Mapping[tuple[Any, tuple[int, int]], int]) -> tuple[_StreamArrays, list[Any]]:
+        """The arrays of ``(stage, (sender, receiver)) -> bytes``, and the stages in order."""
+        labels = sorted({stage for stage, _ in sizes})
+        index = {label: i for i, label in enumerate(labels)}
+        count = len(sizes)
+        arrays = _StreamArrays(
+            np.fromiter((index[st] for st, _ in sizes), np.int64, count),
+            np.fromiter((pair[0] for _, pair in sizes), np.int64, count),
+            np.fromiter((pair[1] for _, pair in sizes), np.int64, count),
+            np.fromiter(sizes.values(), np.int64, count),
+            np.arange(len(labels)),
+        )
+        return arrays, labels
+
+    def where(self, keep: np.ndarray) -> _StreamArrays:
+        """The streams ``keep`` selects, their stages numbered among those left."""
+        labels, stage = np.unique(self.stage[keep], return_inverse=True)
+        return _StreamArrays(
+            stage.reshape(-1), self.src[keep], self.dst[keep], self.nbytes[keep], labels
+        )
 
 
 class _ClassOf(dict[tuple[int, int], int]):
@@ -1541,6 +1671,18 @@ class _ClassOf(dict[tuple[int, int], int]):
 
     def __call__(self, src: int, dst: int) -> int:
         return self[src, dst]
+
+
+def _code_classes(
+    codes: np.ndarray, n: int, link_class: Callable[[int, int], int] | None
+) -> np.ndarray:
+    """The link class of each stream of ``codes`` (`PreparedPlan`'s stream codes over ``n``
+    device ids; 0 without ``link_class``), asked once per pair."""
+    if link_class is None:
+        return np.zeros(len(codes), np.int64)
+    pairs, at = np.unique(codes % (n * n), return_inverse=True)
+    known = np.array([link_class(*divmod(p, n)) for p in pairs.tolist()], np.int64)
+    return known[at.reshape(-1)] if len(pairs) else np.zeros(0, np.int64)
 
 
 def _pair_classes(
@@ -1805,9 +1947,26 @@ def choose_chunk_bytes(
     ``weights`` counts how many times each stage runs (default once; the order of stages
     matters to the fault cost, so weights other than 1 are for plans without one).
     """
-    if not sizes:
+    streams, labels = _StreamArrays.of(sizes)
+    weight = np.array([(weights or {}).get(label, 1) for label in labels], np.int64)
+    return _choose_chunk(
+        streams, weight, cap=cap, latency_bytes=latency_bytes, ladder=ladder, fault_cost=fault_cost
+    )
+
+
+def _choose_chunk(
+    streams: _StreamArrays,
+    weight: np.ndarray,
+    *,
+    cap: int,
+    latency_bytes: int,
+    ladder: int,
+    fault_cost: float,
+) -> int:
+    """`choose_chunk_bytes` over streams as arrays, ``weight`` per stage."""
+    if not len(streams.nbytes):
         return cap
-    distinct = sorted(set(sizes.values()), reverse=True)[:8]
+    distinct = np.unique(streams.nbytes)[::-1][:8].tolist()
     candidates = {cap}
     for size in distinct:
         for k in range(1, 65):
@@ -1815,7 +1974,7 @@ def choose_chunk_bytes(
             if c <= cap:
                 candidates.add(c)
 
-    model = _ChunkModel(sizes, latency_bytes, fault_cost, weights)
+    model = _ChunkModel(streams, weight, latency_bytes, fault_cost)
     return min(candidates, key=lambda c: (model.time(c, ladder), -c))
 
 
@@ -1829,38 +1988,43 @@ class _ChunkModel:
     streams: 650,000 streams at 4,096 GPUs are 33,000 (sender, size) pairs)."""
 
     def __init__(
-        self,
-        sizes: Mapping[tuple[int, tuple[int, int]], int],
-        latency: int,
-        fault_cost: float = 0.0,
-        weights: Mapping[Any, int] | None = None,
+        self, streams: _StreamArrays, weight: np.ndarray, latency: int, fault_cost: float = 0.0
     ) -> None:
         self.fault_cost = fault_cost
-        stages = sorted({stage for stage, _ in sizes})
-        self.stage_index = {stage: i for i, stage in enumerate(stages)}
-        self.weight = np.array([(weights or {}).get(st, 1) for st in stages], dtype=np.int64)
+        self.stages = len(weight)
+        self.weight = weight
         self.latency = latency
-        count = len(sizes)
-        nbytes = np.fromiter(sizes.values(), np.int64, count)
-        self.sizes, size_id = np.unique(nbytes, return_inverse=True)  # distinct sizes
+        self.sizes, size_id = np.unique(streams.nbytes, return_inverse=True)  # distinct sizes
+        size_id = size_id.reshape(-1)
         n = len(self.sizes)
-        index = self.stage_index
-        stage = np.fromiter((index[st] for st, _ in sizes), np.int64, count)
+        stage = streams.stage
         # The distinct (stage, size) pairs: each stage's largest tail.
         pairs = np.unique(stage * n + size_id)
         self.pair_stage, self.pair_size = pairs // n, pairs % n
         self.sides = []
         self.groups = []
-        for end in (0, 1):  # senders, receivers
-            device = np.fromiter((pair[end] for _, pair in sizes), np.int64, count)
+        for device in (streams.src, streams.dst):  # senders, receivers
             row, size, times, row_stage = _alike_devices(stage, device, size_id, n)
             self.sides.append((row, size, times))
             self.groups.append(_grouped(row_stage))
 
+    @staticmethod
+    def of(
+        sizes: Mapping[tuple[Any, tuple[int, int]], int],
+        latency: int,
+        fault_cost: float = 0.0,
+        weights: Mapping[Any, int] | None = None,
+    ) -> _ChunkModel:
+        """The model of ``(stage, (sender, receiver)) -> bytes``, each stage run
+        ``weights[stage]`` times (default once)."""
+        streams, labels = _StreamArrays.of(sizes)
+        weight = np.array([(weights or {}).get(label, 1) for label in labels], np.int64)
+        return _ChunkModel(streams, weight, latency, fault_cost)
+
     def _busiest(self, per_size: np.ndarray) -> np.ndarray:
         """Per stage, the largest sum of ``per_size`` (a value per distinct stream size) over
         one sender's or receiver's streams."""
-        out = np.zeros(len(self.stage_index), dtype=np.int64)
+        out = np.zeros(self.stages, dtype=np.int64)
         for (device, size, count), (order, starts, present) in zip(
             self.sides, self.groups, strict=True
         ):
@@ -1876,7 +2040,7 @@ class _ChunkModel:
             full, rest = full + whole, np.where(whole, 0, rest)
         n_full = self._busiest(full)
         n_tail = self._busiest((rest > 0).astype(np.int64))
-        largest = np.zeros(len(self.stage_index), dtype=np.int64)
+        largest = np.zeros(self.stages, dtype=np.int64)
         np.maximum.at(largest, self.pair_stage, rest[self.pair_size])
         tails = _ladder_sizes(largest, chunk, ladder) if ladder else _aligned(largest)
         total = int(
