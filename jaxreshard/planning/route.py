@@ -25,6 +25,7 @@ of the devices that hold it, chosen with the plan's `Topology` (`route`):
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -850,13 +851,18 @@ def _source_bound(groups: Mapping[Group, list[_Region]]) -> bool:
     sources: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     into: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     importers: dict[int, set[int]] = defaultdict(set)
+    held: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # (leaf, replicas) -> bytes
     for (g, ds), regions in groups.items():
         importers[g].update(ds)
         for r in regions:
             into[r.leaf][g] += r.nbytes
-            share = r.nbytes / len(r.replicas)
-            for s in r.replicas:
-                sources[r.leaf][s] += share
+            held[r.leaf, r.replicas] += r.nbytes
+    # Spread over the holders once per set of them (every rack lacks the same regions: at
+    # 4,096 GPUs 29 times each, over 16 replicas).
+    for (leaf, replicas), nbytes in held.items():
+        share = nbytes / len(replicas)
+        for s in replicas:
+            sources[leaf][s] += share
     if not sources:
         return False
     sent = sum(max(load.values()) for load in sources.values())
@@ -1020,8 +1026,14 @@ def _split_evenly(
         bounds = _snapped(bounds, regions, itemsizes, total // (k * SHARE_ROUNDING))
     parts: list[list[_Region]] = [[] for _ in range(k)]
     offset = 0
+    # A region meets the runs from the one its start falls in (found by bisection where the
+    # bounds are in order, as they are unless snapping crossed two) to the one its end does.
+    ordered = all(a <= b for a, b in zip(bounds, bounds[1:]))
     for r, item in zip(regions, itemsizes, strict=True):
-        for j in range(k):
+        start = max(0, bisect.bisect_right(bounds, offset) - 1) if ordered else 0
+        for j in range(start, k):
+            if ordered and bounds[j] >= offset + r.nbytes:
+                break
             lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + r.nbytes)
             if lo >= hi:
                 continue
