@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import heapq
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1028,7 +1029,7 @@ def _split_evenly(
     offset = 0
     # A region meets the runs from the one its start falls in (found by bisection where the
     # bounds are in order, as they are unless snapping crossed two) to the one its end does.
-    ordered = all(a <= b for a, b in zip(bounds, bounds[1:]))
+    ordered = all(a <= b for a, b in itertools.pairwise(bounds))
     for r, item in zip(regions, itemsizes, strict=True):
         start = max(0, bisect.bisect_right(bounds, offset) - 1) if ordered else 0
         for j in range(start, k):

@@ -335,13 +335,13 @@ class _StreamKeys:
             key, streams = self.of(unit)
             assert streams is not None
             return key, *prepared.encode(streams)
-        key, _ = self.of(unit)
         parts = [
-            (self._cut_codes(slab.cut), slab.cut.stream_totals(slab.j, slab.stage))
+            (slab.cut, self._cut_codes(slab.cut), slab.cut.stream_totals(slab.j, slab.stage))
             for slab in unit.slabs
         ]
-        codes = np.concatenate([c for c, _ in parts])
-        totals = np.concatenate([t for _, t in parts]).astype(np.int64)
+        key = tuple((self._cut_id(cut), totals.tobytes()) for cut, _, totals in parts)  # (`of`)
+        codes = np.concatenate([c for _, c, _ in parts])
+        totals = np.concatenate([t for _, _, t in parts]).astype(np.int64)
         return key, *_summed(codes[totals > 0], totals[totals > 0])
 
     def _cut_codes(self, cut: SlabCut) -> np.ndarray:
@@ -390,7 +390,7 @@ class Schedule:
 
 ALL_STAGES = -1
 """The stage label of rounds that colour every stage of a pipelined unit as one
-(`_plan_stream_rounds`): each pair's stream is then its pieces of all stages end to end."""
+(`_plan_code_rounds`): each pair's stream is then its pieces of all stages end to end."""
 
 Entry = tuple[tuple[int, int], int]
 """``((sender, receiver), k)``: chunk ``k`` of that pair's stream (of one stage)."""
@@ -1137,8 +1137,6 @@ def plan_unit_rounds(
     ``ladder_rungs``: rungs per halving of the tails' ladder (`tail_ladder`).
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
-    if link_class is not None:  # asked once per pair and unit below: answered once per pair
-        link_class = _ClassOf(link_class)
     units = split_units(
         leaves,
         assignment,
@@ -1152,6 +1150,7 @@ def plan_unit_rounds(
     # streams (a leaf's slabs, repeated layers) count once, weighted by how often they occur;
     # not where a fault cost makes the order of units matter.
     n = prepared.n
+    classes_of = _CodeClasses(link_class, n)  # (the plan's pairs' classes, asked once each)
     codes: list[np.ndarray] = []
     nbytes: list[np.ndarray] = []
     labels: list[np.ndarray] = []
@@ -1196,7 +1195,7 @@ def plan_unit_rounds(
     chunks = _class_chunks(
         streams,
         np.array(weight, np.int64),
-        _code_classes(code, n, link_class),
+        classes_of(code),
         bucket_bytes=bucket_bytes,
         latency_bytes=None,
         class_latency_bytes=class_latency_bytes,
@@ -1226,22 +1225,21 @@ def plan_unit_rounds(
     colour = _ColourMemo()  # units with other streams still share many colourings
     keys = _StreamKeys(leaves, prepared)
     for u, unit in enumerate(units):
-        streams_key, streams = keys.of(unit)
+        streams_key, codes_of_unit, bytes_of_unit = keys.codes(unit)
         key = (unit.overlap, streams_key)
         if key not in planned:
-            streams = unit.stream_bytes(leaves) if streams is None else streams
             planned[key] = (
-                _plan_stream_rounds(
-                    streams,
+                _plan_code_rounds(
+                    codes_of_unit,
+                    bytes_of_unit,
+                    classes_of,
                     bucket_bytes=bucket_bytes,
-                    link_class=link_class,
-                    class_latency_bytes=class_latency_bytes,
                     chunks=chunks,
                     interleave=unit.overlap,
-                    ladder_rungs=ladder_rungs,
+                    ladder=ladder_rungs,
                     colour=colour,
                 )
-                if streams
+                if len(codes_of_unit)
                 else None
             )
         if (plan := planned[key]) is not None:
@@ -1443,74 +1441,149 @@ def _plan_stream_rounds(
     chunks: Mapping[int, int] | None = None,
     interleave: bool = False,
     ladder_rungs: int = CPU_LADDER_RUNGS,
-    colour: Colour | None = None,
 ) -> RoundPlan:
     """`plan_rounds` from the bytes of each ``(stage, (sender, receiver))`` stream (with
-    ``chunks``, tails take `ladder_size` rounds of ``ladder_rungs`` rungs per halving).
-    ``colour``: what colours edges (default `colour_rounds`; `plan_unit_rounds` passes a
-    `_ColourMemo` shared by all units)."""
-    colour = colour_rounds if colour is None else colour
-    cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
-    if chunks is not None:
-        classes = _pair_classes(sizes, link_class)
-        chunk_of = {cls: chunks[cls] for cls in sorted(set(classes.values()))}
-        chunk = max(chunk_of.values(), default=cap)
-    else:
-        chunk_of, classes = chunk_sizes(
+    ``chunks``, tails take `ladder_size` rounds of ``ladder_rungs`` rungs per halving; else
+    each schedule chooses its own chunks, `chunk_sizes`, and pads tails to `ALIGN` only)."""
+    if chunks is None:
+        chunks, _ = chunk_sizes(
             sizes,
             bucket_bytes=bucket_bytes,
             latency_bytes=latency_bytes,
             link_class=link_class,
             class_latency_bytes=class_latency_bytes,
         )
-        chunk = max(chunk_of.values(), default=cap)
-    ladder = ladder_rungs if chunks is not None else 0
-    by_stage: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
-    slowest = max(classes.values(), default=0)
-    if interleave and len({st for st, pair in sizes if classes[pair] == slowest}) > 1:
+        ladder_rungs = 0
+    n = 1 + max((max(pair) for _, pair in sizes), default=0)
+    codes = np.fromiter(((st * n + s) * n + d for st, (s, d) in sizes), np.int64, len(sizes))
+    codes, nbytes = _summed(codes, np.fromiter(sizes.values(), np.int64, len(sizes)))
+    return _plan_code_rounds(
+        codes,
+        nbytes,
+        _CodeClasses(link_class, n),
+        bucket_bytes=bucket_bytes,
+        chunks=chunks,
+        interleave=interleave,
+        ladder=ladder_rungs,
+    )
+
+
+def _plan_code_rounds(
+    codes: np.ndarray,
+    nbytes: np.ndarray,
+    classes_of: _CodeClasses,
+    *,
+    bucket_bytes: int,
+    chunks: Mapping[int, int],
+    interleave: bool = False,
+    ladder: int = 0,
+    colour: Colour | None = None,
+) -> RoundPlan:
+    """`_plan_stream_rounds` from the streams as sorted stream codes (`PreparedPlan`) and
+    their bytes: a stage is made into a dict for colouring only when its rounds are not
+    known yet (at thousands of GPUs a unit has ~10^5 streams, and stages of different units
+    are often alike). ``chunks``: the chunk size of each link class (tails in rounds of
+    `ladder_size` with ``ladder`` rungs per halving, or 0: padded to `ALIGN`). ``colour``:
+    what colours edges (default `colour_rounds`; `plan_unit_rounds` passes a `_ColourMemo`
+    shared by all units, which also remembers whole stages' rounds)."""
+    colour = colour_rounds if colour is None else colour
+    cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+    link_class, n = classes_of.link_class, classes_of.n
+    cls = classes_of(codes)
+    chunk_of = {c: chunks[c] for c in sorted(set(np.unique(cls).tolist()))}
+    chunk = max(chunk_of.values(), default=cap)
+    slowest = max(chunk_of, default=0)
+    stage, pair = np.divmod(codes, n * n)
+    parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # stage, pairs, bytes, classes
+    if interleave and len(np.unique(stage[cls == slowest])) > 1:
         # Several stages cross the slowest links (destination domains forwarding to each
         # other beside the sources' sends): their streams are coloured as one, so a round
         # takes a chunk of whichever stage a device can send or receive then. Coloured
         # apart, a device that both imports and forwards would spend the import rounds idle
         # on one side.
-        for (_, pair), n in sorted(sizes.items()):
-            by_stage[ALL_STAGES][pair] = by_stage[ALL_STAGES].get(pair, 0) + n
-    else:
-        for (stage, pair), n in sorted(sizes.items()):
-            by_stage[stage][pair] = n
+        pairs, sizes = _summed(pair, nbytes)
+        parts.append((ALL_STAGES, pairs, sizes, classes_of(pairs)))
+    else:  # (codes are sorted: each stage is one run of them, its pairs in order)
+        starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]]) if len(stage) else []
+        ends = np.r_[starts[1:], len(stage)] if len(stage) else []
+        for a, b in zip(list(starts), list(ends), strict=True):
+            parts.append((int(stage[a]), pair[a:b], nbytes[a:b], cls[a:b]))
+
+    def as_dicts(
+        pairs: np.ndarray, sizes: np.ndarray, classes: np.ndarray
+    ) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+        """A stage's streams and their classes as dicts, by (sender, receiver) in order."""
+        keys = list(zip((pairs // n).tolist(), (pairs % n).tolist(), strict=True))
+        return dict(zip(keys, sizes.tolist(), strict=True)), dict(
+            zip(keys, classes.tolist(), strict=True)
+        )
+
     runs: list[list[tuple[int, tuple[int, list[Entry]]]]] = []  # runs of (stage, round)
-    for stage, streams in sorted(by_stage.items()):
+    for st, pairs, sizes, classes in parts:
         if link_class is None:
+            streams, _ = as_dicts(pairs, sizes, classes)
             rounds = _stage_rounds(streams, chunk, ladder, colour)
         elif isinstance(colour, _ColourMemo):  # a stage's rounds depend on its streams only
-            key = (tuple(streams.items()), tuple(chunk_of.items()), ladder)
+            key = (pairs.tobytes(), sizes.tobytes(), tuple(chunk_of.items()), ladder)
             if key not in colour.stages:
-                made = _class_rounds(streams, chunk_of, classes, ladder, colour)
+                streams, known = as_dicts(pairs, sizes, classes)
+                made = _class_rounds(streams, chunk_of, known, ladder, colour)
                 colour.stages[key] = [(size, tuple(entries)) for size, entries in made]
             rounds = colour.stages[key]
         else:
-            rounds = _class_rounds(streams, chunk_of, classes, ladder, colour)
-        if stage == ALL_STAGES:  # the slowest links' rounds beside the others, as below
+            streams, known = as_dicts(pairs, sizes, classes)
+            rounds = _class_rounds(streams, chunk_of, known, ladder, colour)
+        if st == ALL_STAGES:  # the slowest links' rounds beside the others, as below
+            _, known = as_dicts(pairs, sizes, classes)
             lanes: tuple[list[Any], list[Any]] = ([], [])  # (slowest links, the others)
             for r in rounds:
-                lanes[not any(classes[pair] == slowest for pair, _ in r[1])].append((stage, r))
+                lanes[not any(known[p] == slowest for p, _ in r[1])].append((st, r))
             runs.extend(lanes)
         else:
-            runs.append([(stage, r) for r in rounds])
+            runs.append([(st, r) for r in rounds])
     if interleave and len(runs) > 1:  # no stage depends on another: all share the buckets
         runs = [_interleave(runs)]
     buckets: list[PlannedBucket] = []
     for run in runs:
         group: list[tuple[int, Round]] = []
-        for stage, (size, entries) in run:
+        for st, (size, entries) in run:
             if group and sum(s for _, (s, _) in group) + size > cap:
                 buckets.append(_planned(group))
                 group = []
-            group.append((stage, (size, tuple(entries))))
+            group.append((st, (size, tuple(entries))))
         if group:
             buckets.append(_planned(group))
     named = () if link_class is None else tuple(sorted(chunk_of.items()))
     return RoundPlan(chunk, named, tuple(buckets))
+
+
+class _CodeClasses:
+    """The link class of streams given as `PreparedPlan` stream codes over ``n`` device ids
+    (0 for all without ``link_class``): ``link_class`` is asked once per pair, and the
+    answers are looked up by bisection over the pairs asked so far (one table for a whole
+    plan: its units ask for ~10^6 streams' classes)."""
+
+    def __init__(self, link_class: Callable[[int, int], int] | None, n: int) -> None:
+        self.link_class, self.n = link_class, n
+        self.pairs = np.zeros(0, np.int64)  # sorted
+        self.classes = np.zeros(0, np.int64)
+
+    def __call__(self, codes: np.ndarray) -> np.ndarray:
+        if self.link_class is None:
+            return np.zeros(len(codes), np.int64)
+        pair = codes % (self.n * self.n)
+        at = np.searchsorted(self.pairs, pair)
+        known = at < len(self.pairs)
+        known[known] = self.pairs[at[known]] == pair[known]
+        if not known.all():
+            new = np.unique(pair[~known])
+            asked = [self.link_class(*divmod(p, self.n)) for p in new.tolist()]
+            pairs = np.concatenate([self.pairs, new])
+            order = np.argsort(pairs, kind="stable")
+            self.pairs = pairs[order]
+            self.classes = np.concatenate([self.classes, np.array(asked, np.int64)])[order]
+            at = np.searchsorted(self.pairs, pair)
+        return self.classes[at]
 
 
 def _interleave(runs: Sequence[Sequence[Any]]) -> list[Any]:
@@ -1568,7 +1641,7 @@ def chunk_sizes(
     ``max_chunk_bytes``; with ``beside_slowest`` (the slowest class, the largest, is chosen
     first), every other class's chunks are small enough that that many of them fit a bucket
     beside one of the slowest class's."""
-    classes = _pair_classes(sizes, link_class)
+    classes = {pair: link_class(*pair) if link_class else 0 for _, pair in sizes}
     streams, labels = _StreamArrays.of(sizes)
     weight = np.array([(weights or {}).get(label, 1) for label in labels], np.int64)
     cls = np.fromiter((classes[pair] for _, pair in sizes), np.int64, len(sizes))
@@ -1655,46 +1728,6 @@ class _StreamArrays:
         return _StreamArrays(
             stage.reshape(-1), self.src[keep], self.dst[keep], self.nbytes[keep], labels
         )
-
-
-class _ClassOf(dict[tuple[int, int], int]):
-    """``link_class``, answering each (sender, receiver) pair once and then by lookup (the
-    planner asks for the classes of ~10^6 streams at thousands of GPUs, unit by unit)."""
-
-    def __init__(self, link_class: Callable[[int, int], int]) -> None:
-        super().__init__()
-        self.link_class = link_class
-
-    def __missing__(self, pair: tuple[int, int]) -> int:
-        self[pair] = cls = self.link_class(*pair)
-        return cls
-
-    def __call__(self, src: int, dst: int) -> int:
-        return self[src, dst]
-
-
-def _code_classes(
-    codes: np.ndarray, n: int, link_class: Callable[[int, int], int] | None
-) -> np.ndarray:
-    """The link class of each stream of ``codes`` (`PreparedPlan`'s stream codes over ``n``
-    device ids; 0 without ``link_class``), asked once per pair."""
-    if link_class is None:
-        return np.zeros(len(codes), np.int64)
-    pairs, at = np.unique(codes % (n * n), return_inverse=True)
-    known = np.array([link_class(*divmod(p, n)) for p in pairs.tolist()], np.int64)
-    return known[at.reshape(-1)] if len(pairs) else np.zeros(0, np.int64)
-
-
-def _pair_classes(
-    sizes: Iterable[tuple[Any, tuple[int, int]]], link_class: Callable[[int, int], int] | None
-) -> dict[tuple[int, int], int]:
-    """The link class of each pair of the ``(stage, pair)`` keys ``sizes`` (0 without
-    ``link_class``)."""
-    if link_class is None:
-        return {pair: 0 for _, pair in sizes}
-    if isinstance(link_class, _ClassOf):
-        return {pair: link_class[pair] for _, pair in sizes}
-    return {pair: link_class(*pair) for _, pair in sizes}
 
 
 Rounds = list[tuple[int, list[Entry]]]
@@ -2137,7 +2170,7 @@ class _ColourMemo:
     on 4,096 GPUs: 116 colourings, 55 different, about 3 s of 5). Each answer is handed out
     as fresh lists, since callers add entries to rounds they got (`_class_rounds`).
 
-    ``stages`` remembers whole stages' rounds for `_plan_stream_rounds` (with link classes),
+    ``stages`` remembers whole stages' rounds for `_plan_code_rounds` (with link classes),
     keyed by the stage's streams, the chunk sizes and the ladder (the classes are the plan's):
     units whose relays inside racks are alike skip all of their work, not only the colouring
     (modeled DeepSeek-V3 on 4,096 GPUs: 58 stages, 44 different; three of 142,848 relay
