@@ -1781,12 +1781,14 @@ def _tail_rounds(
     chunk: int,
     ladder: int = 0,
     colour: Colour | None = None,
+    order: Sequence[tuple[int, int]] | None = None,
 ) -> Rounds:
     """Each stream's tail (chunk index ``full[pair]``), largest first, in rounds sized to their
     largest tail (with ``ladder``, rounded up by `ladder_size` of ``chunk`` with that many
-    rungs per halving)."""
+    rungs per halving). ``order``: the tails' pairs in that order, where the caller has it."""
     colour = colour_rounds if colour is None else colour
-    order = sorted(tails, key=lambda p: (-tails[p], p))
+    if order is None:
+        order = sorted(tails, key=lambda p: (-tails[p], p))
     out = []
     for entries in colour({p: 1 for p in order}, order):
         located = [(pair, full[pair]) for pair, _ in entries]
@@ -1886,29 +1888,34 @@ def _class_rounds(
         full, tails = _full_and_tails(mine, chunk, ladder)
         left = dict(full)
         fits = sum(1 << r for r, (size, _) in enumerate(out) if size >= chunk)
-        for (s, d), n in full.items():
+        placed = False  # (the slowest class finds no rounds: at scale, skip ~10^5 pairs)
+        for (s, d), n in full.items() if fits else ():
             free = fits & ~(busy_src[s] | busy_dst[d])
             while left[s, d] and free:
                 r = (free & -free).bit_length() - 1
                 free ^= 1 << r
                 place(r, (s, d), n - left[s, d])
                 left[s, d] -= 1
+                placed = True
         new = colour({p: n for p, n in left.items() if n})
-        if any(left[p] != full[p] for p in full):  # some chunks went into earlier rounds
+        if placed:  # some chunks went into earlier rounds
             new = [[(p, full[p] - left[p] + k) for p, k in entries] for entries in new]
-        add((chunk, entries) for entries in new)
+        last = cls == slowest_first[-1]
+        add(((chunk, entries) for entries in new), last=last and not tails)
         # A tail takes a slot free at both ends in a round at least its size, where there is
         # one (a round lasts as long as its largest message), and no round of its own.
         by_size = sorted(range(len(out)), key=lambda r: -out[r][0])
         smaller = [-out[r][0] for r in by_size]  # ascending
         masks = list(itertools.accumulate((1 << r for r in by_size), operator.or_))
-        for pair in sorted(tails, key=lambda p: (-tails[p], p)):
+        order = sorted(tails, key=lambda p: (-tails[p], p))
+        for pair in order if out else ():
             large = bisect.bisect_right(smaller, -tails[pair])  # rounds by_size[:large] hold it
             free = masks[large - 1] & ~(busy_src[pair[0]] | busy_dst[pair[1]]) if large else 0
             if free:
                 place((free & -free).bit_length() - 1, pair, full[pair])
                 del tails[pair]
-        add(_tail_rounds(tails, full, chunk, ladder, colour), last=cls == slowest_first[-1])
+        order = [p for p in order if p in tails]  # (still largest first)
+        add(_tail_rounds(tails, full, chunk, ladder, colour, order), last=last)
     return out
 
 
