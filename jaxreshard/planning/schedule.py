@@ -214,21 +214,34 @@ class SlabCut:
     entries: tuple[tuple[Sent, Box, bool], ...]
 
     @functools.cached_property
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per (entry, receiver): rows along ``dim``, bytes per row, whole, stage, stream
-        index."""
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """Per entry: rows along ``dim``, bytes per row, whole, stage, and its group (the
+        entries of one stage, sender and receivers: a domain's fans to the same others);
+        per (group, receiver): the group and the stream index. A slab's bytes are summed
+        per group, then handed to the group's streams: at thousands of GPUs a leaf's
+        relays are 20,000 entries but 1.4 million (entry, receiver) pairs."""
         dim, index = self.dim, self._streams
-        times = np.array([len(p.dsts) for p, _, _ in self.entries], np.int64)
+        groups: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        group = np.array(
+            [groups.setdefault((p.stage, p.src, p.dsts), len(groups)) for p, _, _ in self.entries],
+            np.int64,
+        )
         rows = np.array([box[dim][1] - box[dim][0] for _, box, _ in self.entries], np.int64)
         size = np.array([box_size(box) for _, box, _ in self.entries], np.int64)
         rows = np.maximum(rows, 1)
         whole = np.array([whole for _, _, whole in self.entries], dtype=bool)
         stage = np.array([p.stage for p, _, _ in self.entries], dtype=np.int64)
-        stream = np.array(
-            [index[p.stage, (p.src, d)] for p, _, _ in self.entries for d in p.dsts], np.int64
+        slot_group = [g for (_, _, dsts), g in groups.items() for _ in dsts]
+        slot_stream = [index[st, (src, d)] for st, src, dsts in groups for d in dsts]
+        return (
+            rows,
+            size // rows * self.itemsize,
+            whole,
+            stage,
+            group,
+            np.array(slot_group, np.int64),
+            np.array(slot_stream, np.int64),
         )
-        rows, row_bytes = np.repeat(rows, times), np.repeat(size // rows * self.itemsize, times)
-        return rows, row_bytes, np.repeat(whole, times), np.repeat(stage, times), stream
 
     @functools.cached_property
     def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
@@ -241,7 +254,7 @@ class SlabCut:
 
     def _rows(self, j: int, stage: int | None) -> np.ndarray:
         """Rows of every entry in slab ``j`` (0 for entries of other stages)."""
-        all_rows, _, whole, stages, _ = self._arrays
+        all_rows, _, whole, stages, *_ = self._arrays
         rows = all_rows // self.k + (j < all_rows % self.k)
         rows = np.where(whole, all_rows if j == self.k - 1 else 0, rows)
         if stage is not None:
@@ -255,9 +268,10 @@ class SlabCut:
     def stream_totals(self, j: int, stage: int | None) -> np.ndarray:
         """Bytes slab ``j`` (of stage ``stage``, or all) puts on each stream of `_streams`,
         in index order (float64: exact below 2**53 bytes per stream)."""
-        _, row_bytes, _, _, stream = self._arrays
-        weights = self._rows(j, stage) * row_bytes
-        return np.bincount(stream, weights=weights, minlength=len(self._streams))
+        _, row_bytes, _, _, group, slot_group, slot_stream = self._arrays
+        # (every group has an entry: the sums cover every group)
+        per_group = np.bincount(group, weights=self._rows(j, stage) * row_bytes)
+        return np.bincount(slot_stream, weights=per_group[slot_group], minlength=len(self._streams))
 
     def stream_bytes(self, j: int, stage: int | None) -> dict[tuple[int, tuple[int, int]], int]:
         totals = self.stream_totals(j, stage)
@@ -749,6 +763,7 @@ class PreparedPlan:
         ids: dict[tuple[object, ...], int] = {}
         self.signatures = [ids.setdefault(_signature(leaf), len(ids)) for leaf in leaves]
         self._slabs: dict[tuple[int, int], list[Unit]] = {}
+        self._streams: dict[tuple[tuple[int, int | None], ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def widest(self, index: int) -> int:
         """The bytes of leaf ``index``'s largest piece (0 without pieces)."""
@@ -757,7 +772,16 @@ class PreparedPlan:
 
     def streams(self, parts: Iterable[tuple[int, int | None]]) -> tuple[np.ndarray, np.ndarray]:
         """The streams of ``parts`` (leaf, stage or None for all) as sorted codes (see the
-        class) and the bytes each carries."""
+        class) and the bytes each carries (made once for each ``parts``: both cuts of
+        `plan_unit_rounds` ask for most units; the arrays are shared, not to be changed)."""
+        parts = tuple(parts)
+        if parts not in self._streams:
+            self._streams[parts] = self._summed_streams(parts)
+        return self._streams[parts]
+
+    def _summed_streams(
+        self, parts: Sequence[tuple[int, int | None]]
+    ) -> tuple[np.ndarray, np.ndarray]:
         codes, sizes = [], []
         for leaf, stage in parts:
             c, s = self.columns[leaf]
