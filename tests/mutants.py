@@ -439,8 +439,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "    if interleave and len({st for st, pair in sizes if classes[pair] == slowest})"
-                " > 1:",
+                "    if interleave and len(np.unique(stage[cls == slowest])) > 1:",
                 "    if False:",
             ),
         ),
@@ -464,8 +463,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "merged[r].extend(((senders[s], receivers[d]), k) for (s, d), k in entries)",
-                "merged[r].extend(((senders[s], receivers[d]), 0) for (s, d), k in entries)",
+                "merged[r].extend([((senders[s], receivers[d]), k) for (s, d), k in entries])",
+                "merged[r].extend([((senders[s], receivers[d]), 0) for (s, d), k in entries])",
             ),
         ),
         (
@@ -606,6 +605,34 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         (f"{T_PLANNER}::test_remembered_colourings_are_the_colourings_and_stay_unchanged",),
         "a remembered colouring is handed out as the memo's own lists, so a caller adding "
         "entries to a round changes the next unit's rounds",
+    ),
+    Mutant(
+        "schedule-parts-without-the-stage-full-rounds",
+        SCHEDULE,
+        (
+            (
+                "dict.fromkeys(kind, cls), ladder, colour, most)",
+                "dict.fromkeys(kind, cls), ladder, colour)",
+            ),
+        ),
+        (f"{T_PLANNER}::test_a_stage_planned_part_by_part_is_the_stage_planned_whole",),
+        "a stage planned part by part gives each part only its own full-chunk rounds, so a "
+        "small rack's tails take rounds of their own instead of the slots the stage's other "
+        "racks leave free",
+    ),
+    Mutant(
+        "schedule-parts-ranked-senders-apart-from-receivers",
+        SCHEDULE,
+        (
+            (
+                "        rank_s, rank_d = np.searchsorted(devices, s), np.searchsorted(devices, d)",
+                "        rank_s, rank_d = np.unique(s, return_inverse=True)[1], np.searchsorted("
+                "devices, d)",
+            ),
+        ),
+        (f"{T_PLANNER}::test_a_stage_planned_part_by_part_is_the_stage_planned_whole",),
+        "a part's senders are numbered apart from its receivers, so the kinds of parts alike "
+        "are told apart wrongly and a sender of one rack stands for another's receiver",
     ),
     Mutant(
         "schedule-chained-chunks-leave-no-room",

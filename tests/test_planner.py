@@ -24,6 +24,7 @@ from jaxreshard.planning.schedule import (
     _class_rounds,
     _ColourMemo,
     _ladder_sizes,
+    _parted_rounds,
     _slab_dimension,
     _stage_rounds,
     build_schedule,
@@ -220,6 +221,41 @@ def test_a_tail_takes_a_free_slot_of_a_larger_round_on_a_cluster():
         (0, 1): [0], (0, 2): [0], (0, 3): [0], (0, 4): [0], (5, 1): [0, 1, 2]
     }  # fmt: skip
     assert [pair for pair, _ in got[3][1]] == [(0, 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    racks=st.integers(2, 5),
+    kinds=st.integers(1, 3),
+    ladder=st.sampled_from([0, 1, 2]),
+)
+def test_a_stage_planned_part_by_part_is_the_stage_planned_whole(seed, racks, kinds, ladder):
+    """A stage of one link class whose streams fall into parts that share no device (racks
+    relaying inside themselves) is planned part by part, each kind of part once: the rounds,
+    sizes and entries are those `_class_rounds` makes of the whole stage. Racks of a few
+    kinds (some alike, some of other sizes or bytes), full chunks and tails of all sizes, and
+    senders that are another part's receivers by rank but not by id."""
+    rng = np.random.default_rng(seed)
+    chunk = 1024
+    shapes = []
+    for _ in range(kinds):
+        size = int(rng.integers(2, 6))
+        pairs = [(s, d) for s in range(size) for d in range(size) if s != d and rng.random() < 0.7]
+        pairs = pairs or [(0, 1)]
+        shapes.append({p: int(rng.choice([100, 600, 1024, 2500, 4096, 5000])) for p in pairs})
+    streams = {}
+    for r in range(racks):
+        shape = shapes[r % kinds]
+        base, into = 20 * r, 20 * r + (10 if r % 2 else 0)  # odd racks send to other ids
+        streams |= {(base + s, into + d): n for (s, d), n in shape.items()}
+    streams = dict(sorted(streams.items()))
+    n = 1 + max(max(p) for p in streams)
+    codes = np.array([s * n + d for s, d in streams], np.int64)
+    sizes = np.array(list(streams.values()), np.int64)
+    whole = _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), ladder)
+    parted = _parted_rounds(codes, sizes, n, 0, chunk, ladder, _ColourMemo())
+    assert parted == whole
 
 
 def _rungs_by_hand(chunk: int, quarters: bool) -> list[int]:
