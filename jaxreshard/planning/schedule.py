@@ -22,8 +22,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import scipy.sparse
-import scipy.sparse.csgraph
 
 from jaxreshard.planning.layout import (
     Box,
@@ -2031,6 +2029,10 @@ def _parted_rounds(
     ``full_rounds``), and a tail round is as large as its largest tail over the parts
     (round sizes grow with the tails they hold). At 4,096 GPUs a relay stage of 142,848
     streams is 29 racks of a few kinds."""
+    # Imported here: scipy.sparse takes ~0.1 s to import, paid only by plans with such stages.
+    import scipy.sparse
+    import scipy.sparse.csgraph
+
     src, dst = np.divmod(pairs, n)
     graph = scipy.sparse.coo_matrix((np.ones(len(pairs)), (src, dst)), shape=(n, n))
     _, label = scipy.sparse.csgraph.connected_components(graph, connection="weak")
