@@ -1357,7 +1357,11 @@ def _check_options(bucket_bytes: Any, topology: Any, compiler_options: Any, fall
             "compiler_options"
         )
     if fallback not in (None, "device_put"):
-        raise ReshardError(f'fallback must be None or "device_put", got {fallback!r}')
+        raise ReshardError(
+            f'fallback must be None or "device_put", got {fallback!r}\nHow to fix: leave it '
+            'out (a leaf jaxreshard cannot move is refused, naming it), or pass "device_put" '
+            "to move such leaves with jax.device_put"
+        )
 
 
 def _sharding_key(s: Any) -> Any:

@@ -65,12 +65,18 @@ class Fp8Blockwise:
         if self.block is not None:
             block = tuple(int(b) for b in self.block)
             if not block or min(block) < 1:
-                raise ReshardError(f"Fp8Blockwise block must be positive sizes, got {self.block}")
+                raise ReshardError(
+                    f"Fp8Blockwise block must be positive sizes, got {self.block}\nHow to fix: "
+                    "pass one size per trailing dimension, such as (128, 128), or None for "
+                    "one scale per tensor"
+                )
             object.__setattr__(self, "block", block)
         fmt = jnp.dtype(self.fmt)
         if fmt not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
             raise ReshardError(
-                f"Fp8Blockwise fmt must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {fmt}"
+                f"Fp8Blockwise fmt must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {fmt}\n"
+                "How to fix: pass fmt=jnp.float8_e4m3fn (the default) or jnp.float8_e5m2; "
+                "for another dtype, pass it as the plan's dtype= instead of an Fp8Blockwise"
             )
         object.__setattr__(self, "fmt", fmt)
 
@@ -204,7 +210,10 @@ def scale_sharding(sharding: Sharding, shape: Sequence[int], fmt: Fp8Blockwise) 
         if fmt.block is not None and _fits(sharding, shape, grid, fmt):
             return sharding
         return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
-    raise ReshardError(f"an Fp8Blockwise leaf needs a NamedSharding, got {type(sharding).__name__}")
+    raise ReshardError(
+        f"an Fp8Blockwise leaf needs a NamedSharding, got {type(sharding).__name__}\nHow to "
+        "fix: give the leaf's destination as a jax.sharding.NamedSharding"
+    )
 
 
 def _fits(s: NamedSharding, shape: Sequence[int], grid: Sequence[int], fmt: Fp8Blockwise) -> bool:

@@ -33,6 +33,31 @@ def test_tree_structures_that_differ_name_the_missing_leaf(src):
     assert "How to fix" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"bucket_bytes": 0},
+        {"topology": "nvlink"},
+        {"compiler_options": ["xla_cpu_enable_fast_math"]},
+        {"fallback": "device-put"},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_a_bad_option_is_refused_with_its_fix(src, option):
+    with pytest.raises((jr.ReshardError, TypeError), match=next(iter(option))) as e:
+        jr.plan(src, dst_tree(), **option)
+    assert "How to fix" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "option", [{"block": (0, 128)}, {"fmt": jnp.float16}], ids=["block", "fmt"]
+)
+def test_a_bad_fp8_format_is_refused_with_its_fix(option):
+    with pytest.raises(jr.ReshardError, match=next(iter(option))) as e:
+        jr.Fp8Blockwise(**option)
+    assert "How to fix" in str(e.value)
+
+
 def test_a_destination_that_does_not_divide_the_shape(src):
     bad = dst_tree()
     bad["b"]["c"] = sharding(tuple(range(4, 7)), (3,), ("tp",), None, "tp")
