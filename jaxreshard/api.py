@@ -665,10 +665,11 @@ class Plan:
         send: dict[int, int] = collections.defaultdict(int)
         recv: dict[int, int] = collections.defaultdict(int)
         local: dict[int, int] = collections.defaultdict(int)
-        for p in self.assignment.pieces:
+        for p in (*self.assignment.sent, *self.assignment.fans):  # (not every fan's pieces)
             n = math.prod(e - b for b, e in p.box) * self.leaves[p.leaf].itemsize
-            send[p.src] += n
-            recv[p.dst] += n
+            send[p.src] += n * len(p.dsts)
+            for d in p.dsts:
+                recv[d] += n
         for c in self.assignment.local:
             local[c.device] += math.prod(e - b for b, e in c.box) * self.leaves[c.leaf].itemsize
         devices = sorted(set(send) | set(recv) | set(local))

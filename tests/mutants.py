@@ -598,8 +598,9 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "return [list(entries) for entries in self.known[key]]",
-                "return self.known[key]",
+                "colour_rounds(multiplicity, order)\n"
+                "        return [list(entries) for entries in self.known[key]]",
+                "colour_rounds(multiplicity, order)\n        return self.known[key]",
             ),
         ),
         (f"{T_PLANNER}::test_remembered_colourings_are_the_colourings_and_stay_unchanged",),
@@ -611,11 +612,11 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "dict.fromkeys(kind, cls), ladder, colour, most)",
-                "dict.fromkeys(kind, cls), ladder, colour)",
+                "dict.fromkeys(kind, cls), ladder, coloured, most)",
+                "dict.fromkeys(kind, cls), ladder, coloured)",
             ),
         ),
-        (f"{T_PLANNER}::test_a_stage_planned_part_by_part_is_the_stage_planned_whole",),
+        (f"{T_PLANNER}::test_racks_relaying_inside_themselves_are_planned_once_each_kind[0]",),
         "a stage planned part by part gives each part only its own full-chunk rounds, so a "
         "small rack's tails take rounds of their own instead of the slots the stage's other "
         "racks leave free",
@@ -633,6 +634,32 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         (f"{T_PLANNER}::test_a_stage_planned_part_by_part_is_the_stage_planned_whole",),
         "a part's senders are numbered apart from its receivers, so the kinds of parts alike "
         "are told apart wrongly and a sender of one rack stands for another's receiver",
+    ),
+    Mutant(
+        "schedule-ranked-parts-not-looked-into",
+        SCHEDULE,
+        (
+            (
+                "            alike[key] = colour_rounds(ranked, ranked_order)",
+                "            alike[key] = _colour_connected(ranked, ranked_order)",
+            ),
+        ),
+        (f"{T_PLANNER}::test_a_part_ranked_on_its_own_may_fall_apart_and_is_coloured_so",),
+        "a part of a stage, ranked on its own, is coloured whole even where its sends and "
+        "receives fall apart: a tail finds no free slot and takes a round of its own",
+    ),
+    Mutant(
+        "schedule-parts-never-give-way",
+        SCHEDULE,
+        (
+            (
+                "        sum(asked[kind][call] for kind, _ in members) == 1 for call in",
+                "        False and sum(asked[kind][call] for kind, _ in members) == 1 for call in",
+            ),
+        ),
+        (f"{T_PLANNER}::test_parts_give_way_to_the_whole_stage_where_one_part_has_full_chunks",),
+        "a stage is planned part by part even where one part alone has full chunks, which the "
+        "whole stage colours as a graph of its own: other rounds than the whole stage's",
     ),
     Mutant(
         "schedule-chained-chunks-leave-no-room",

@@ -1577,8 +1577,9 @@ def _plan_code_rounds(
         )
 
     def stage_rounds(pairs: np.ndarray, sizes: np.ndarray, classes: np.ndarray) -> Rounds:
-        """`_class_rounds` of one stage; by parts (`_parted_rounds`) where it has one class."""
-        if len(np.unique(classes)) == 1:
+        """`_class_rounds` of one stage; by parts (`_parted_rounds`) where it has one class
+        and enough streams to pay for looking for parts."""
+        if len(pairs) >= PARTED_STREAMS and len(np.unique(classes)) == 1:
             cls = int(classes[0])
             made = _parted_rounds(pairs, sizes, n, cls, chunk_of[cls], ladder, colour)
             if made is not None:
@@ -2008,6 +2009,11 @@ def _class_rounds(
     return [(size, sorted(entries)) for size, entries in out]
 
 
+PARTED_STREAMS = 1 << 12
+"""The fewest streams of a stage that `_plan_code_rounds` plans by parts (`_parted_rounds`):
+looking for parts costs a few milliseconds, which a small stage's whole rounds do not."""
+
+
 def _parted_rounds(
     pairs: np.ndarray,
     sizes: np.ndarray,
@@ -2034,9 +2040,14 @@ def _parted_rounds(
     import scipy.sparse.csgraph
 
     src, dst = np.divmod(pairs, n)
-    graph = scipy.sparse.coo_matrix((np.ones(len(pairs)), (src, dst)), shape=(n, n))
+    # Over the stage's own devices, numbered compactly (device ids may be sparse and large).
+    ids, at = np.unique(np.concatenate([src, dst]), return_inverse=True)
+    at = at.reshape(-1)
+    graph = scipy.sparse.coo_matrix(
+        (np.ones(len(pairs)), (at[: len(pairs)], at[len(pairs) :])), shape=(len(ids), len(ids))
+    )
     _, label = scipy.sparse.csgraph.connected_components(graph, connection="weak")
-    part = label[src]
+    part = label[at[: len(pairs)]]
     order = np.argsort(part, kind="stable")  # (each part keeps its pairs in order)
     part = part[order]
     starts = np.flatnonzero(np.r_[True, part[1:] != part[:-1]])
@@ -2066,10 +2077,19 @@ def _parted_rounds(
         _max_degree({p: k for p, k in _full_and_tails(kind, chunk, ladder)[0].items() if k})
         for kind in ranked
     )
-    made = [
-        _class_rounds(kind, {cls: chunk}, dict.fromkeys(kind, cls), ladder, colour, most)
-        for kind in ranked
-    ]
+    memo = colour if isinstance(colour, _ColourMemo) else None
+    made, asked = [], []
+    for kind in ranked:
+        coloured = _PartColour(memo)
+        made.append(
+            _class_rounds(kind, {cls: chunk}, dict.fromkeys(kind, cls), ladder, coloured, most)
+        )
+        asked.append(coloured.asked)
+    calls = {len(a) for a in asked}
+    if len(calls) != 1 or any(
+        sum(asked[kind][call] for kind, _ in members) == 1 for call in range(calls.pop())
+    ):
+        return None  # a colouring of the whole stage with edges in one part only
     rounds = max(len(m) for m in made)
     entries: list[list[Entry]] = [[] for _ in range(rounds)]
     size = [0] * rounds
@@ -2388,42 +2408,74 @@ def colour_rounds(
     # Parts alike up to their device ids (the racks of a cluster) are coloured once.
     parts = _components(multiplicity)
     if len(parts) > 1:
-        merged: list[list[tuple[tuple[int, int], int]]] = []
-        alike: dict[tuple[object, ...], list[list[tuple[tuple[int, int], int]]]] = {}
-        suborders: list[list[tuple[int, int]] | None] = [None] * len(parts)
-        if order is not None:
-            grouped: list[list[tuple[int, int]]] = [[] for _ in parts]
-            part_of = {pair: i for i, part in enumerate(parts) for pair in part}
-            for pair in order:
-                grouped[part_of[pair]].append(pair)
-            suborders = list(grouped)
-        for part, suborder in zip(parts, suborders, strict=True):
-            senders = sorted({s for s, _ in part})
-            receivers = sorted({d for _, d in part})
-            rank_s = {s: i for i, s in enumerate(senders)}
-            rank_d = {d: i for i, d in enumerate(receivers)}
-            # Ranks keep the ids' order, so colouring the ranked part is colouring the part.
-            ranked = {(rank_s[s], rank_d[d]): n for (s, d), n in part.items()}
-            ranked_order = (
-                None if suborder is None else [(rank_s[s], rank_d[d]) for s, d in suborder]
-            )
-            key = (tuple(ranked.items()), None if ranked_order is None else tuple(ranked_order))
-            if key not in alike:
-                alike[key] = _colour_connected(ranked, ranked_order)
-            for r, entries in enumerate(alike[key]):
-                if r == len(merged):
-                    merged.append([])
-                merged[r].extend([((senders[s], receivers[d]), k) for (s, d), k in entries])
-        return [sorted(entries) for entries in merged]
+        return _colour_parts(parts, order)
     return _colour_connected(multiplicity, order)
+
+
+def _colour_parts(
+    parts: Sequence[Mapping[tuple[int, int], int]], order: Sequence[tuple[int, int]] | None
+) -> list[list[tuple[tuple[int, int], int]]]:
+    """`colour_rounds` of a graph in several ``parts`` (`_components`): each part ranked (its
+    senders, and its receivers, numbered in order), coloured, and laid beside the others."""
+    merged: list[list[tuple[tuple[int, int], int]]] = []
+    alike: dict[tuple[object, ...], list[list[tuple[tuple[int, int], int]]]] = {}
+    suborders: list[list[tuple[int, int]] | None] = [None] * len(parts)
+    if order is not None:
+        grouped: list[list[tuple[int, int]]] = [[] for _ in parts]
+        part_of = {pair: i for i, part in enumerate(parts) for pair in part}
+        for pair in order:
+            grouped[part_of[pair]].append(pair)
+        suborders = list(grouped)
+    for part, suborder in zip(parts, suborders, strict=True):
+        senders = sorted({s for s, _ in part})
+        receivers = sorted({d for _, d in part})
+        rank_s = {s: i for i, s in enumerate(senders)}
+        rank_d = {d: i for i, d in enumerate(receivers)}
+        # Ranks keep the ids' order, so colouring the ranked part is colouring the part.
+        ranked = {(rank_s[s], rank_d[d]): n for (s, d), n in part.items()}
+        ranked_order = None if suborder is None else [(rank_s[s], rank_d[d]) for s, d in suborder]
+        key = (tuple(ranked.items()), None if ranked_order is None else tuple(ranked_order))
+        if key not in alike:
+            # Ranked, a device that sends and receives is two nodes: the ranked part may
+            # fall apart again (colour_rounds looks), as a bipartite graph of sends and
+            # receives does.
+            alike[key] = colour_rounds(ranked, ranked_order)
+        for r, entries in enumerate(alike[key]):
+            if r == len(merged):
+                merged.append([])
+            merged[r].extend([((senders[s], receivers[d]), k) for (s, d), k in entries])
+    return [sorted(entries) for entries in merged]
+
+
+class _PartColour:
+    """Colours one part's graphs as `colour_rounds` colours them inside a stage of several
+    parts (`_parted_rounds`): by `_colour_parts` even when they are in one part (there, each
+    is ranked on its own first, and may fall apart again ranked), remembered beside the
+    stage's other colourings. ``asked`` records, call by call, whether a call had edges: a
+    stage whose call had edges in one part only was coloured whole by `colour_rounds`
+    directly, so `_parted_rounds` then gives way to the whole stage."""
+
+    def __init__(self, memo: _ColourMemo | None) -> None:
+        self.known = memo.known if memo is not None else {}
+        self.asked: list[bool] = []
+
+    def __call__(
+        self,
+        multiplicity: Mapping[tuple[int, int], int],
+        order: Sequence[tuple[int, int]] | None = None,
+    ) -> list[list[tuple[tuple[int, int], int]]]:
+        self.asked.append(bool(multiplicity))
+        key = ("part", tuple(multiplicity.items()), None if order is None else tuple(order))
+        if key not in self.known:
+            self.known[key] = _colour_parts(_components(multiplicity), order)
+        return [list(entries) for entries in self.known[key]]
 
 
 def _colour_connected(
     multiplicity: Mapping[tuple[int, int], int],
     order: Sequence[tuple[int, int]] | None = None,
 ) -> list[list[tuple[tuple[int, int], int]]]:
-    """`colour_rounds` of a graph in one part (no split into parts: at thousands of GPUs
-    looking for them again in each part of a relay stage took a second)."""
+    """`colour_rounds` of a graph found to be in one part."""
     # A multigraph whose multiplicities share a factor g is g copies of a smaller one: colour
     # that once and run each of its rounds g times (the pairs of one fan-out group all carry
     # the same number of chunks: thousands of chunks become a few edges).
