@@ -572,8 +572,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "(self._cut_id(slab.cut), slab.cut.stream_totals(slab.j, slab.stage).tobytes())",
-                '(self._cut_id(slab.cut), b"")',
+                "return tuple((self._cut_id(cut), totals.tobytes()) for cut, totals in slabs)",
+                'return tuple((self._cut_id(cut), b"") for cut, totals in slabs)',
             ),
         ),
         (f"{T_LOWER}::test_units_share_a_stream_key_only_where_their_streams_are_equal",),
@@ -598,9 +598,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "colour_rounds(multiplicity, order)\n"
                 "        return [list(entries) for entries in self.known[key]]",
-                "colour_rounds(multiplicity, order)\n        return self.known[key]",
+                "        return self.known[key]",
             ),
         ),
         (f"{T_PLANNER}::test_remembered_colourings_are_the_colourings_and_stay_unchanged",),

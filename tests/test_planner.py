@@ -224,6 +224,17 @@ def test_a_tail_takes_a_free_slot_of_a_larger_round_on_a_cluster():
     assert [pair for pair, _ in got[3][1]] == [(0, 1)]
 
 
+def _parted_and_whole(streams, chunk, ladder):
+    """A stage of one link class (``(sender, receiver) -> bytes``) planned part by part
+    (`_parted_rounds`, from the stage's sorted stream codes) and whole (`_class_rounds`)."""
+    streams = dict(sorted(streams.items()))
+    n = 1 + max(max(p) for p in streams)
+    codes = np.array([s * n + d for s, d in streams], np.int64)
+    sizes = np.array(list(streams.values()), np.int64)
+    parted = _parted_rounds(codes, sizes, n, 0, chunk, ladder, _ColourMemo())
+    return parted, _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), ladder)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -250,12 +261,7 @@ def test_a_stage_planned_part_by_part_is_the_stage_planned_whole(seed, racks, ki
         shape = shapes[r % kinds]
         base, into = 20 * r, 20 * r + (10 if r % 2 else 0)  # odd racks send to other ids
         streams |= {(base + s, into + d): n for (s, d), n in shape.items()}
-    streams = dict(sorted(streams.items()))
-    n = 1 + max(max(p) for p in streams)
-    codes = np.array([s * n + d for s, d in streams], np.int64)
-    sizes = np.array(list(streams.values()), np.int64)
-    whole = _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), ladder)
-    parted = _parted_rounds(codes, sizes, n, 0, chunk, ladder, _ColourMemo())
+    parted, whole = _parted_and_whole(streams, chunk, ladder)
     assert parted in (None, whole)  # None: only the whole stage is coloured so
 
 
@@ -270,12 +276,7 @@ def test_racks_relaying_inside_themselves_are_planned_once_each_kind(ladder):
         share = [2500, 2500, 2600, 2500, 2400, 2500, 2500, 2700][:size]
         streams |= {(20 * r + s, 20 * r + d): share[s] for s in range(size) for d in range(size)}
         streams = {p: n for p, n in streams.items() if p[0] != p[1]}
-    streams = dict(sorted(streams.items()))
-    n = 1 + max(max(p) for p in streams)
-    codes = np.array([s * n + d for s, d in streams], np.int64)
-    sizes = np.array(list(streams.values()), np.int64)
-    whole = _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), ladder)
-    parted = _parted_rounds(codes, sizes, n, 0, chunk, ladder, _ColourMemo())
+    parted, whole = _parted_and_whole(streams, chunk, ladder)
     assert parted is not None and parted == whole
 
 
@@ -287,11 +288,8 @@ def test_parts_give_way_to_the_whole_stage_where_one_part_has_full_chunks():
     chunk = 64
     streams = {(4, 0): 2 * chunk + 5, (4, 5): 2 * chunk + 7, (6, 4): 3 * chunk + 9}
     streams |= {(20, 21): 10, (22, 23): 20}  # a part of tails only
-    n = 24
-    codes = np.array([s * n + d for s, d in streams], np.int64)
-    sizes = np.array(list(streams.values()), np.int64)
-    whole = _class_rounds(streams, {0: chunk}, dict.fromkeys(streams, 0), 0)
-    assert _parted_rounds(codes, sizes, n, 0, chunk, 0, _ColourMemo()) in (None, whole)
+    parted, whole = _parted_and_whole(streams, chunk, 0)
+    assert parted in (None, whole)
 
 
 def test_a_part_ranked_on_its_own_may_fall_apart_and_is_coloured_so():

@@ -140,9 +140,11 @@ class Fan:
     def from_dst(self) -> bool:
         return True  # a relay: read from the sender's destination shard
 
-    def pieces(self) -> list[Piece]:
-        """One piece per receiver, in the order of ``dsts``."""
-        leaf, src, box, stage = self.leaf, self.src, self.box, self.stage
+    def pieces(self, box: Box | None = None) -> list[Piece]:
+        """One piece per receiver, in the order of ``dsts``: of ``box`` (a part of the fan's,
+        as a slab cuts it), or of the fan's own."""
+        leaf, src, stage = self.leaf, self.src, self.stage
+        box = self.box if box is None else box
         return [Piece(leaf, src, d, box, stage) for d in self.dsts]
 
 

@@ -18,7 +18,7 @@ import itertools
 import math
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -292,7 +292,7 @@ class SlabCut:
             if run is None:
                 continue
             if type(piece) is Fan:
-                out.extend(Piece(piece.leaf, piece.src, d, run, piece.stage) for d in piece.dsts)
+                out.extend(piece.pieces(run))
             else:  # (the constructor: dataclasses.replace is 3x slower)
                 out.append(Piece(piece.leaf, piece.src, piece.dst, run, piece.stage, piece.relay))
         return out
@@ -325,17 +325,13 @@ class _StreamKeys:
             codes, sizes = prepared.streams(unit.parts)
             streams = prepared.stream_bytes(codes, sizes)
             if not unit.slabs:
-                return ("parts", codes.tobytes(), sizes.tobytes()), streams
+                return _parts_key(codes, sizes), streams
             streams = _add_slabs(streams, unit.slabs)
             return frozenset(streams.items()), streams
         if unit.listed or not unit.slabs:
             streams = unit.stream_bytes(self.leaves)
             return frozenset(streams.items()), streams
-        key = tuple(
-            (self._cut_id(slab.cut), slab.cut.stream_totals(slab.j, slab.stage).tobytes())
-            for slab in unit.slabs
-        )  # equal slabs put equal bytes on equal streams, so their sums are equal too
-        return key, None
+        return self._slab_key(_slab_totals(unit)), None
 
     def codes(self, unit: Unit) -> tuple[object, np.ndarray, np.ndarray]:
         """The unit's key (as `of` gives it) and its streams as `PreparedPlan` codes and
@@ -344,33 +340,56 @@ class _StreamKeys:
         assert prepared is not None, "stream codes are numbered over a prepared plan's devices"
         if unit.listed and unit.parts is not None and not unit.slabs:
             codes, sizes = prepared.streams(unit.parts)
-            return ("parts", codes.tobytes(), sizes.tobytes()), codes, sizes
+            return _parts_key(codes, sizes), codes, sizes
         if unit.listed or not unit.slabs:
             key, streams = self.of(unit)
             assert streams is not None
-            return key, *prepared.encode(streams)
-        parts = [
-            (slab.cut, self._cut_codes(slab.cut), slab.cut.stream_totals(slab.j, slab.stage))
-            for slab in unit.slabs
-        ]
-        key = tuple((self._cut_id(cut), totals.tobytes()) for cut, _, totals in parts)  # (`of`)
-        codes = np.concatenate([c for _, c, _ in parts])
-        totals = np.concatenate([t for _, _, t in parts]).astype(np.int64)
-        return key, *_summed(codes[totals > 0], totals[totals > 0])
+            return key, *_encoded(streams, prepared.n)
+        slabs = _slab_totals(unit)
+        codes = np.concatenate([self._cut_codes(cut) for cut, _ in slabs])
+        totals = np.concatenate([t for _, t in slabs]).astype(np.int64)
+        return self._slab_key(slabs), *_summed(codes[totals > 0], totals[totals > 0])
+
+    def _slab_key(self, slabs: Sequence[tuple[SlabCut, np.ndarray]]) -> tuple[object, ...]:
+        """The key of a unit of slabs only, from each slab's cut and stream totals: equal
+        slabs put equal bytes on equal streams, so their sums are equal too."""
+        return tuple((self._cut_id(cut), totals.tobytes()) for cut, totals in slabs)
 
     def _cut_codes(self, cut: SlabCut) -> np.ndarray:
         """The codes of ``cut``'s streams, in its streams' order."""
         if cut not in self.codes_of:
             n = self.prepared.n  # type: ignore[union-attr]
-            self.codes_of[cut] = np.array(
-                [(st * n + s) * n + d for st, (s, d) in cut._streams], np.int64
-            )
+            self.codes_of[cut] = _codes(cut._streams, n)
         return self.codes_of[cut]
 
     def _cut_id(self, cut: SlabCut) -> int:
         if cut not in self.cut_ids:
             self.cut_ids[cut] = self.interned.setdefault(tuple(cut._streams), len(self.interned))
         return self.cut_ids[cut]
+
+
+def _slab_totals(unit: Unit) -> list[tuple[SlabCut, np.ndarray]]:
+    """Each slab of ``unit`` as its cut and the bytes it puts on each of the cut's streams."""
+    return [(slab.cut, slab.cut.stream_totals(slab.j, slab.stage)) for slab in unit.slabs]
+
+
+def _parts_key(codes: np.ndarray, sizes: np.ndarray) -> tuple[object, ...]:
+    """The key of a unit whose streams are known by its parts (`PreparedPlan.streams`)."""
+    return ("parts", codes.tobytes(), sizes.tobytes())
+
+
+def _codes(keys: Collection[tuple[int, tuple[int, int]]], n: int) -> np.ndarray:
+    """``(stage, (sender, receiver))`` stream keys as `PreparedPlan`'s codes over ``n``
+    device ids, in order."""
+    return np.fromiter(((st * n + s) * n + d for st, (s, d) in keys), np.int64, len(keys))
+
+
+def _encoded(
+    streams: Mapping[tuple[int, tuple[int, int]], int], n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(stage, (sender, receiver)) -> bytes`` as sorted codes over ``n`` device ids and the
+    bytes of each (`PreparedPlan.streams`' form)."""
+    return _summed(_codes(streams, n), np.fromiter(streams.values(), np.int64, len(streams)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -805,16 +824,6 @@ class PreparedPlan:
         if not codes or not sum(len(c) for c in codes):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return _summed(np.concatenate(codes), np.concatenate(sizes))
-
-    def encode(
-        self, streams: Mapping[tuple[int, tuple[int, int]], int]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``(stage, (sender, receiver)) -> bytes`` as sorted codes and bytes (`streams`)."""
-        n = self.n
-        codes = np.fromiter(
-            ((st * n + s) * n + d for st, (s, d) in streams), np.int64, len(streams)
-        )
-        return _summed(codes, np.fromiter(streams.values(), np.int64, len(streams)))
 
     def stream_bytes(
         self, codes: np.ndarray, sizes: np.ndarray
@@ -1513,8 +1522,7 @@ def _plan_stream_rounds(
         )
         ladder_rungs = 0
     n = 1 + max((max(pair) for _, pair in sizes), default=0)
-    codes = np.fromiter(((st * n + s) * n + d for st, (s, d) in sizes), np.int64, len(sizes))
-    codes, nbytes = _summed(codes, np.fromiter(sizes.values(), np.int64, len(sizes)))
+    codes, nbytes = _encoded(sizes, n)
     return _plan_code_rounds(
         codes,
         nbytes,
@@ -1647,7 +1655,7 @@ class _CodeClasses:
             known = self.dense[pair]
             if (known < 0).any():
                 new = np.unique(pair[known < 0])
-                asked = [self.link_class(*divmod(p, self.n)) for p in new.tolist()]
+                asked = self._ask(new)
                 if max(asked, default=0) < 1 << 15 and min(asked, default=0) >= 0:
                     self.dense[new] = asked
                     return self.dense[pair].astype(np.int64)
@@ -1659,13 +1667,18 @@ class _CodeClasses:
         known[known] = self.pairs[at[known]] == pair[known]
         if not known.all():
             new = np.unique(pair[~known])
-            asked = [self.link_class(*divmod(p, self.n)) for p in new.tolist()]
+            asked = self._ask(new)
             pairs = np.concatenate([self.pairs, new])
             order = np.argsort(pairs, kind="stable")
             self.pairs = pairs[order]
             self.classes = np.concatenate([self.classes, np.array(asked, np.int64)])[order]
             at = np.searchsorted(self.pairs, pair)
         return self.classes[at]
+
+    def _ask(self, pairs: np.ndarray) -> list[int]:
+        """``link_class`` of each of ``pairs`` (codes of sender and receiver)."""
+        assert self.link_class is not None
+        return [self.link_class(*divmod(p, self.n)) for p in pairs.tolist()]
 
 
 def _interleave(runs: Sequence[Sequence[Any]]) -> list[Any]:
@@ -2373,12 +2386,21 @@ class _ColourMemo:
         multiplicity: Mapping[tuple[int, int], int],
         order: Sequence[tuple[int, int]] | None = None,
     ) -> list[list[tuple[tuple[int, int], int]]]:
+        return self.remembered(multiplicity, order, colour_rounds)
+
+    def remembered(
+        self,
+        multiplicity: Mapping[tuple[int, int], int],
+        order: Sequence[tuple[int, int]] | None,
+        colour: Callable[..., list[list[tuple[tuple[int, int], int]]]],
+    ) -> list[list[tuple[tuple[int, int], int]]]:
+        """``colour(multiplicity, order)``, made once for each ``colour`` and graph."""
         # The items as they come, unsorted (sorting them cost more than it saved): the same
         # counts listed in another order only miss, since the colouring does not depend on
         # the dict's order.
-        key = (tuple(multiplicity.items()), None if order is None else tuple(order))
+        key = (colour, tuple(multiplicity.items()), None if order is None else tuple(order))
         if key not in self.known:
-            self.known[key] = colour_rounds(multiplicity, order)
+            self.known[key] = colour(multiplicity, order)
         return [list(entries) for entries in self.known[key]]
 
 
@@ -2456,7 +2478,7 @@ class _PartColour:
     directly, so `_parted_rounds` then gives way to the whole stage."""
 
     def __init__(self, memo: _ColourMemo | None) -> None:
-        self.known = memo.known if memo is not None else {}
+        self.memo = memo if memo is not None else _ColourMemo()
         self.asked: list[bool] = []
 
     def __call__(
@@ -2465,10 +2487,14 @@ class _PartColour:
         order: Sequence[tuple[int, int]] | None = None,
     ) -> list[list[tuple[tuple[int, int], int]]]:
         self.asked.append(bool(multiplicity))
-        key = ("part", tuple(multiplicity.items()), None if order is None else tuple(order))
-        if key not in self.known:
-            self.known[key] = _colour_parts(_components(multiplicity), order)
-        return [list(entries) for entries in self.known[key]]
+        return self.memo.remembered(multiplicity, order, _colour_as_part)
+
+
+def _colour_as_part(
+    multiplicity: Mapping[tuple[int, int], int], order: Sequence[tuple[int, int]] | None = None
+) -> list[list[tuple[tuple[int, int], int]]]:
+    """`colour_rounds` of a graph among other parts of a larger one (`_colour_parts`)."""
+    return _colour_parts(_components(multiplicity), order)
 
 
 def _colour_connected(
