@@ -188,6 +188,22 @@ def test_regular_layouts_run_each_stage_as_one_program_over_the_arrays_own_mesh(
         assert all(o.spec is not None for o in step.unpacks[0].program.targets)
 
 
+def test_leaves_of_the_same_meshes_share_units_wherever_they_sit_in_the_tree():
+    """A unit never mixes meshes (its programs run per mesh), but leaves of two mesh pairs
+    interleaved in tree order are not cut into a unit each: each pair's leaves are cut
+    together, so the call takes a step per pair, not one per leaf."""
+    other_src = ((2, 2), ("fsdp", "tp"), (4, 5, 6, 7))
+    other_dst = ((4,), ("tp",), (0, 1, 2, 3))
+    a, b = gpt(FSDP_TP, TP4, layers=1, d=16), gpt(other_src, other_dst, layers=1, d=16)
+    leaves = [leaf for pair in zip(a, b, strict=True) for leaf in pair]
+    schedule, lowered = check(leaves)
+    assert sorted(unit.leaves for unit in schedule.units) == [
+        tuple(range(0, len(leaves), 2)),
+        tuple(range(1, len(leaves), 2)),
+    ]
+    assert len(lowered.steps) == 2
+
+
 def test_a_steady_refit_reuses_every_staging_buffer():
     """Slot sizes come from one chunk size and a ladder of tails, so the pool the runtime keeps
     between calls already holds every buffer a step needs (no allocation after the first

@@ -638,7 +638,9 @@ def split_units(
     that divides the repeats where one is close), or, when one period does not fit, every
     period is cut the same way. Equal units lower to equal programs, so the programs, and
     the first call's compile time, do not grow with the number of layers. Outside the
-    stretch leaves are cut greedily in tree order.
+    stretch leaves are cut greedily in tree order, the leaves of each (source mesh,
+    destination mesh) pair apart from the others: a tree whose leaves alternate between
+    meshes would otherwise make a unit, and a step (three launches and a host sync), per leaf.
 
     *Large leaves.* A leaf that alone exceeds ``unit_bytes`` (default: one bucket) for some
     device, or (outside repeated stretches) has a piece larger than ``slab_bytes``, is cut into
@@ -666,11 +668,15 @@ def split_units(
     pieces_of, local_of, loads = prepared.pieces_of, prepared.local_of, prepared.loads
     signatures = prepared.signatures
 
-    def cut(indices: range) -> list[tuple[str, list[int], int]]:
-        """Greedy parts of ``indices``: ("run", leaves, 0) or ("slab", [leaf], k)."""
+    def cut(indices: Iterable[int]) -> list[tuple[str, list[int], int]]:
+        """Greedy parts of ``indices``: ("run", leaves, 0) or ("slab", [leaf], k), the leaves
+        of each mesh pair in turn (in the order the pairs first appear)."""
         parts: list[tuple[str, list[int], int]] = []
         run: list[int] = []
+        groups: dict[tuple[object, object], list[int]] = {}
         for index in indices:
+            groups.setdefault(_meshes(leaves[index]), []).append(index)
+        for index in itertools.chain.from_iterable(groups.values()):
             out, into, _, _ = loads[index]
             largest = max([*out.values(), *into.values(), 0])
             k = -(-largest // unit_bytes)
