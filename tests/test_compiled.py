@@ -17,6 +17,7 @@ from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
 
 import jaxreshard as jr
+from jaxreshard.run import runtime as runtime_module
 
 SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"), "fsdp", "tp")
 DST = (tuple(range(4, 8)), (4,), ("tp",), None, "tp")
@@ -113,6 +114,37 @@ def test_the_second_call_compiles_nothing_though_it_starts_from_the_pool_the_fir
             out = plan(src, donate=out) if call % 2 else plan(src)
             jax.block_until_ready(out)
         assert later.count == 0, f"call {call + 2} compiled {later.count} programs"
+    for k in src:
+        assert_exact(out[k], np.asarray(src[k]), dst[k])
+
+
+def test_the_first_call_compiles_its_programs_together_before_any_step_runs(monkeypatch):
+    """A tree of distinct leaves makes many programs; the first call compiles them on a pool
+    of threads before dispatching (XLA compiles outside the GIL), each once: the steps find
+    every pack, unpack and allocation compiled and compile nothing themselves, also under
+    settings the caller's thread holds alone (JAX keys its cache on some of them)."""
+    monkeypatch.setattr(runtime_module.os, "cpu_count", lambda: 4)  # a pool even on 1 core
+    shapes = [(8, 12), (16,), (4, 6, 2), (24, 4)]
+    src, dst = {}, {}
+    for i, shape in enumerate(shapes):
+        src[f"l{i}"] = jax.device_put(
+            random_array(shape, ("float32", "int8", "bfloat16", "uint16")[i]),
+            sharding((0, 1, 2, 3), (2, 2), ("x", "y"), *(("x", "y", None)[: len(shape)])),
+        )
+        dst[f"l{i}"] = sharding((4, 5, 6, 7), (4,), ("t",), "t")
+    plan = jr.plan(src, dst, bucket_bytes=48)
+    assert plan.stats.buckets > 2
+    with jax.transfer_guard("disallow"), jax.default_matmul_precision("highest"):
+        with COMPILES as first:
+            out = plan(src)
+            jax.block_until_ready(out)
+    programs = {"jit(pack)", "jit(unpack)", "jit(zeros)"}
+    ahead = [name for name, thread in first.events if name in programs]
+    assert ahead and all(
+        thread.startswith("jaxreshard-compile") for name, thread in first.events if name in programs
+    ), first.events
+    distinct = {id(c.fn) for s in plan.runtime._steps for c in (*s.packs, *s.unpacks)}
+    assert sum(name in ("jit(pack)", "jit(unpack)") for name in ahead) == len(distinct)
     for k in src:
         assert_exact(out[k], np.asarray(src[k]), dst[k])
 

@@ -32,8 +32,11 @@ devices, and wraps only its own buffers.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -79,6 +82,10 @@ from jaxreshard.run.codec import (
 
 Buffers = dict[int, jax.Array]
 """Device id -> this process's single-device buffer on it."""
+
+MAX_COMPILE_THREADS = 32
+"""Most threads `Runtime._compile_ahead` compiles a first call's programs on (at most one per
+core)."""
 
 ONE_OFF_OPTIONS = {"xla_backend_optimization_level": 0}
 """XLA options of the programs a plan runs once (tables of box starts, staging buffers): their
@@ -160,14 +167,15 @@ class Runtime:
         nothing but staging buffers has been written and the call stops there.
         """
         with self._lock:
+            srcs = _Sources(self, src)
             if self._steps is None:
                 self._tables = self._build_tables()
+                transfers = dict.fromkeys(s.transfer for s in self.lowered.steps if s.transfer)
+                _in_parallel([functools.partial(self._transfer_fn, t) for t in transfers])
                 self._steps = [self._resolve(step) for step in self.lowered.steps]
-                for slot, devices in self._allocations():
-                    self._zeros_program(slot, devices)
+                self._compile_ahead(srcs, fresh=donate is None)
             clock = _Clock(profile)
             dst = _Destinations(self, donate)
-            srcs = _Sources(self, src)
             previous: list[jax.Array] = []
             hook = [before_collectives] if before_collectives is not None else []
             for step in self._steps:
@@ -286,6 +294,43 @@ class Runtime:
             if end in ends:  # the states are finite (the cap bounds them): this ends
                 return list(groups)
             ends.append(end)
+
+    def _compile_ahead(self, src: _Sources, fresh: bool) -> None:
+        """Compile the first call's programs all at once, on a pool of threads.
+
+        (The transfer programs are compiled the same way before the steps are resolved.)
+        Dispatched step by step, each pack and unpack program would compile when it first
+        runs, one after another; XLA compiles outside the GIL, so a tree of many distinct
+        leaves (hundreds of programs) compiles about as many times faster as the host has
+        cores. What is compiled here is what the steps then call: the staging and (``fresh``:
+        no donated destination) destination allocations, and each jitted pack and unpack at
+        the arguments of its first step, which JAX keeps under the key a call looks up, so
+        the steps only dispatch. This warms caches and decides nothing: an argument that
+        differs from the one compiled here (a weak type, say) compiles at its step as before,
+        and an error raised here is raised again there.
+        """
+        jobs: list[Callable[[], Any]] = [
+            functools.partial(self._zeros_program, slot, devices)
+            for slot, devices in self._allocations()
+        ]
+        seen: set[int] = set()
+        for step in self._steps or ():
+            if fresh and step.fresh:
+                full = [i for i in step.fresh if self._allocates(i)]
+                if full:
+                    jobs.append(functools.partial(_compiled, self._alloc_fn(full), ()))
+            for run in (*step.packs, *step.unpacks):
+                if id(run.fn) not in seen:
+                    seen.add(id(run.fn))
+                    jobs.append(functools.partial(_compiled, run.fn, run.avals(self, src)))
+        _in_parallel(jobs)
+
+    def _allocates(self, leaf: int) -> bool:
+        """Whether `alloc` makes leaf ``leaf``'s array with `_alloc` (it has a shard here and
+        elements)."""
+        return bool(self.dst_shardings[leaf].addressable_devices) and bool(
+            np.prod(self.leaves[leaf].shape)
+        )
 
     def _allocate(self, slot: Slot, devices: tuple[int, ...]) -> Buffers:
         """One zeroed buffer of ``slot`` on each of ``devices`` (this process's), made on
@@ -426,7 +471,7 @@ class Runtime:
     def alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
         """Fresh (zero) destination arrays of ``leaves`` that have a shard on this process."""
         empty = [i for i in leaves if not np.prod(self.leaves[i].shape)]
-        full = [i for i in leaves if np.prod(self.leaves[i].shape)]
+        full = [i for i in leaves if np.prod(self.leaves[i].shape)]  # (`_allocates`)
         made = dict(zip(full, self._alloc(full), strict=True)) if full else {}
         made.update({i: self._alloc_empty(i) for i in empty})
         return [made[i] for i in leaves]
@@ -448,6 +493,10 @@ class Runtime:
         )
 
     def _alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
+        return list(self._alloc_fn(leaves)())
+
+    def _alloc_fn(self, leaves: Sequence[int]) -> Callable[[], tuple[jax.Array, ...]]:
+        """The jitted program making zero arrays of ``leaves`` (one per distinct list)."""
         shardings = tuple(self.dst_shardings[i] for i in leaves)
         avals = tuple((self.leaves[i].shape, self.leaves[i].dst_dtype) for i in leaves)
         key = (avals, shardings)
@@ -458,7 +507,7 @@ class Runtime:
                 return tuple(jnp.zeros(shape, jnp.dtype(dtype)) for shape, dtype in avals)
 
             fn = self._allocs[key] = jax.jit(zeros, out_shardings=shardings)
-        return list(fn())
+        return fn
 
     # --------------------------------------------------------------------------- inspection
 
@@ -575,6 +624,14 @@ class _PackRun:
             for k, view in enumerate(self.slot_views)
         ]
 
+    def avals(self, runtime: Runtime, src: _Sources) -> list[Any]:
+        """The arguments of this call's first run, as `jax.jit`'s ``lower`` takes them."""
+        operands = [
+            _operand_aval(runtime, src, leaf, side, view)
+            for (leaf, side), view in zip(self.args, self.operand_views, strict=True)
+        ]
+        return [*self.table, *operands, *(view.aval for view in self.slot_views)]
+
     def collect(self, outs: Sequence[jax.Array], sent: dict[tuple[int, int], jax.Array]) -> None:
         """The filled buffers, by (device, step slot)."""
         for k, out in enumerate(outs):
@@ -653,6 +710,18 @@ class _UnpackRun:
                 out.append(view([bufs[d] for d in view.devices]))
         return out
 
+    def avals(self, runtime: Runtime, src: _Sources) -> list[Any]:
+        """The arguments of this call's first run, as `jax.jit`'s ``lower`` takes them."""
+        sources = [
+            _operand_aval(runtime, src, leaf, "src", view)
+            for leaf, view in zip(self.sources, self.source_views, strict=True)
+        ]
+        targets = [
+            _operand_aval(runtime, src, leaf, "dst", view)
+            for leaf, view in zip(self.targets, self.target_views, strict=True)
+        ]
+        return [*self.table, *(view.aval for view in self.chunk_views), *sources, *targets]
+
     def store(self, outs: Sequence[jax.Array], dst: _Destinations) -> None:
         for leaf, view, out in zip(self.targets, self.target_views, outs, strict=True):
             if view is None:
@@ -679,6 +748,78 @@ def _operand(holder: _Sources | _Destinations, leaf: int, view: views.View | Non
         return holder.array(leaf)
     bufs = holder.buffers(leaf)
     return view([bufs[d] for d in view.devices])
+
+
+def _operand_aval(
+    runtime: Runtime, src: _Sources, leaf: int, side: str, view: views.View | None
+) -> Any:
+    """What `_operand` (or a destination the caller did not donate) passes for a leaf."""
+    if view is not None:
+        return view.aval
+    if side == "src":
+        return src.array(leaf)
+    spec = runtime.leaves[leaf]
+    return jax.ShapeDtypeStruct(
+        spec.shape, jnp.dtype(spec.dst_dtype), sharding=runtime.dst_shardings[leaf]
+    )
+
+
+def _in_parallel(jobs: Sequence[Callable[[], Any]]) -> None:
+    """Run compile ``jobs`` on a pool of threads (`MAX_COMPILE_THREADS`, at most one per
+    core), each through `_warm`."""
+    workers = min(len(jobs), os.cpu_count() or 1, MAX_COMPILE_THREADS)
+    if workers < 2:
+        for job in jobs:
+            _warm(job)
+        return
+    settings = _thread_settings()
+
+    def warm(job: Callable[[], Any]) -> None:
+        with settings():
+            _warm(job)
+
+    with concurrent.futures.ThreadPoolExecutor(workers, "jaxreshard-compile") as pool:
+        list(pool.map(warm, jobs))
+
+
+def _thread_settings() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The calling thread's own JAX settings, to enter in another thread.
+
+    JAX's context managers (``jax.transfer_guard``, ``jax.default_matmul_precision``,
+    ``jax.set_mesh``, ...) set a value for the calling thread only, and JAX keys its compile
+    cache on some of them: compiled in a thread without them, a program would be compiled
+    again by the step that runs it. Read through JAX's config states (private API); where
+    they are not there (another JAX version), nothing is entered and such a call compiles
+    twice, as it would have without compiling ahead."""
+    try:
+        from jax._src import config as jax_config
+
+        unset = jax_config.config_ext.unset
+        local = [(state, state.get_local()) for state in jax_config.config_states.values()]
+        local = [(state, value) for state, value in local if value is not unset]
+    except Exception:  # pragma: no cover - another JAX layout
+        return contextlib.nullcontext
+
+    def enter() -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        for state, value in local:
+            stack.enter_context(state(value))
+        return stack
+
+    return enter
+
+
+def _compiled(fn: Any, avals: Sequence[Any]) -> Any:
+    return fn.lower(*avals).compile()
+
+
+def _warm(job: Callable[[], Any]) -> None:
+    """Run one compile job ahead; a failure is left for the step to raise (compiling
+    again, on the calling thread)."""
+    try:
+        job()
+    except Exception:  # the step compiles (and raises) again
+        pass
 
 
 # ------------------------------------------------------------------------------ leaf state

@@ -50,6 +50,13 @@ class View:
             base = _core.ShapedArray(self.shape, self.dtype, weak_type=weak_type)
             self._aval = _core.update_aval_with_sharding(base, sharding)
 
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct:
+        """The arrays this view makes, as a `jax.ShapeDtypeStruct` (to compile for them)."""
+        return jax.ShapeDtypeStruct(
+            self.shape, self.dtype, sharding=self.sharding, weak_type=self.weak_type
+        )
+
     def __call__(self, buffers: Sequence[jax.Array]) -> jax.Array:
         if self._aval is not None:
             return _ArrayImpl(
