@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -77,12 +78,39 @@ def _own_meshes(method: _F) -> _F:
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         _refuse_tracers(args[1:], kwargs)  # (args[0]: the plan itself)
-        if jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty:
-            return method(*args, **kwargs)  # nothing to clear (and set_mesh refuses in jit)
-        with jax.set_mesh(None):
-            return method(*args, **kwargs)
+        with _compiled_programs():
+            if jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty:
+                return method(*args, **kwargs)  # nothing to clear (and set_mesh refuses in jit)
+            with jax.set_mesh(None):
+                return method(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
+
+
+def _compiled_programs() -> contextlib.AbstractContextManager[Any]:
+    """Run a plan's programs as compiled programs, whatever JAX's debugging settings.
+
+    A plan moves bits: a leaf holding NaN or inf is data, and under ``jax.debug_nans`` /
+    ``jax.debug_infs`` JAX would re-run a program whose result holds one, op by op, on
+    buffers the program had already consumed (donated), losing the caller's ``donate=`` tree
+    mid-call. Under ``jax.disable_jit`` the compiled transfer programs cannot run at all. So
+    these settings are off while a plan runs (on the calling thread: the caller's own code
+    keeps them)."""
+    on = [
+        setting
+        for setting, value in (
+            (jax.debug_nans, jax.config.jax_debug_nans),
+            (jax.debug_infs, jax.config.jax_debug_infs),
+            (jax.disable_jit, jax.config.jax_disable_jit),
+        )
+        if value
+    ]
+    if not on:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for setting in on:
+        stack.enter_context(setting(False))
+    return stack
 
 
 def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -429,11 +457,17 @@ class Plan:
         return functools.partial(check_order, self.identity, self._label)
 
     def _move(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
+        with _compiled_programs():  # (also here: refits run on a worker thread)
+            return self._move_now(flat, old, profile)
+
+    def _move_now(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
         out: list[Any] = [None] * len(flat)
         # Fallback leaves first (named in a log line when the plan was made): checked like the
         # others, they should not fail, but if one does nothing has been donated yet.
         for i, dst in self.fallback:
-            out[i] = jax.device_put(flat[i], dst)
+            # A copy even where the sharding is already the destination's (device_put would
+            # return the source itself, and donating that result would delete the source).
+            out[i] = jax.device_put(flat[i], dst, may_alias=False)
             cast = self._fallback_avals[i][2] if i in self._fallback_avals else None
             if cast is not None:
                 out[i] = out[i].astype(cast)
@@ -596,10 +630,24 @@ class Plan:
         if sources is None and fallbacks:  # a source tree: its fallback leaves as planned too
             for i, (shape, dtype, _) in self._fallback_avals.items():
                 path, x = flat[i]
+                if isinstance(x, jax.Array) and x.is_deleted():
+                    problems.append((keystr(path), "is deleted"))
+                    continue
                 got = (tuple(np.shape(x)), _host_dtype(x))
                 if got != (shape, dtype):
                     problems.append(
                         (keystr(path), f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
+                    )
+        if sources is not None:  # donation: a fallback leaf is deleted after its copy is made
+            for i, _ in self.fallback:
+                path, x = flat[i]
+                if isinstance(x, jax.Array) and id(x) in source_ids:
+                    problems.append(
+                        (
+                            keystr(path),
+                            "is also passed as a source array; donating it would destroy the "
+                            "source",
+                        )
                     )
         if problems:
             raise leaf_error(summary, problems, fix)
@@ -1547,9 +1595,12 @@ def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval
             "type",
         )
     try:
-        if isinstance(dst, NamedSharding):  # (a spec longer than the rank: JAX's own check is
-            # a bare IndexError from inside its sharding code)
-            normalize_spec(dst.spec, len(shape), tuple(dst.mesh.axis_names))
+        spec = dst.spec if isinstance(dst, NamedSharding) else None
+        reduced = spec is not None and (spec.reduced or spec.unreduced)
+        if spec is not None and not reduced:
+            # (a spec longer than the rank: JAX's own check is a bare IndexError from inside
+            # its sharding code; a spec with reduced axes JAX refuses to read that way)
+            normalize_spec(spec, len(shape), tuple(dst.mesh.axis_names))
         dst.shard_shape(shape)
     except (LayoutError, ValueError) as e:
         raise _LeafProblem(f"through jax.device_put: {e}", "layout") from None
@@ -1699,7 +1750,9 @@ def _prefix_entries(
             # nnx.State beside the trainer's, whose Params carry other sharding annotations):
             # each entry stands for the leaf at its path.
             return [(value, True) for value in prefix_leaves]
-        raise _structure_error(name, prefix, expected, is_leaf, reference=full) from None
+        raise _structure_error(
+            name, prefix, expected, is_leaf, reference=full, none_ok=is_leaf(None)
+        ) from None
     out = []
     for value, sub in zip(prefix_leaves, subtrees, strict=True):
         leaves, structure = jax.tree_util.tree_flatten(sub)
@@ -1716,17 +1769,20 @@ def _structure_error(
     *,
     planned: bool = False,
     reference: Any = None,
+    none_ok: bool = False,
 ) -> ReshardError:
     """``tree`` against the source tree's leaves (``planned``: a call's tree against the tree
     the plan was made for). With ``is_leaf`` a leaf of ``tree`` may stand for a whole subtree
     (a prefix tree), so it is wrong only where it covers no leaf of the source. ``reference``
-    (a tree of the reference structure) locates a difference in the nodes themselves."""
+    (a tree of the reference structure) locates a difference in the nodes themselves.
+    ``none_ok``: a None entry is a value (a ``dtype=`` tree's "keep"), right or wrong where
+    any other entry would be."""
     what = "the tree the plan was made for" if planned else "the source tree"
     flat = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: x is None or (is_leaf is not None and is_leaf(x))
     )[0]
-    got = [keystr(p) for p, x in flat if x is not None]
-    nones = [keystr(p) for p, x in flat if x is None]
+    got = [keystr(p) for p, x in flat if x is not None or none_ok]
+    nones = [keystr(p) for p, x in flat if x is None and not none_ok]
     # Each path that covers some expected leaf (the leaf's own, or an ancestor's), with how
     # many it covers: an entry of ``tree`` is right exactly where it covers one.
     covering = collections.Counter(a for p in expected_paths for a in _ancestors(p))

@@ -63,18 +63,22 @@ class Fp8Blockwise:
 
     def __post_init__(self) -> None:
         if self.block is not None:
-            block = tuple(int(b) for b in self.block)
-            if not block or min(block) < 1:
+            block = _sizes(self.block)
+            if block is None:
                 raise ReshardError(
-                    f"Fp8Blockwise block must be positive sizes, got {self.block}\nHow to fix: "
-                    "pass one size per trailing dimension, such as (128, 128), or None for "
-                    "one scale per tensor"
+                    f"Fp8Blockwise block must be positive integer sizes, got {self.block!r}\n"
+                    "How to fix: pass one size per trailing dimension, such as (128, 128), or "
+                    "None for one scale per tensor"
                 )
             object.__setattr__(self, "block", block)
-        fmt = jnp.dtype(self.fmt)
+        try:
+            fmt = jnp.dtype(self.fmt)
+        except TypeError:
+            fmt = None
         if fmt not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
             raise ReshardError(
-                f"Fp8Blockwise fmt must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {fmt}\n"
+                f"Fp8Blockwise fmt must be jnp.float8_e4m3fn or jnp.float8_e5m2, got "
+                f"{self.fmt!r}\n"
                 "How to fix: pass fmt=jnp.float8_e4m3fn (the default) or jnp.float8_e5m2; "
                 "for another dtype, pass it as the plan's dtype= instead of an Fp8Blockwise"
             )
@@ -137,6 +141,19 @@ class QuantizedArray:
         )
 
 
+def _sizes(block: Any) -> tuple[int, ...] | None:
+    """``block`` as a tuple of positive ints, or None where it is not one (a bare int, a
+    string, floats or bools, which ``int()`` would quietly truncate)."""
+    if isinstance(block, (str, bytes)) or not isinstance(block, (Sequence, np.ndarray)):
+        return None
+    if not block or not all(
+        isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) and b >= 1
+        for b in block
+    ):
+        return None
+    return tuple(int(b) for b in block)
+
+
 def quantize(x: jax.Array, fmt: Fp8Blockwise) -> tuple[jax.Array, jax.Array]:
     """The fp8 values and float32 scales of ``x`` (traceable; global view)."""
     x32 = x.astype(jnp.float32)
@@ -145,7 +162,8 @@ def quantize(x: jax.Array, fmt: Fp8Blockwise) -> tuple[jax.Array, jax.Array]:
     split = tuple(d for pair in zip(grid, blocks, strict=True) for d in pair)
     xb = x32.reshape(split)
     inner = tuple(range(1, 2 * x.ndim, 2))
-    amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True)
+    # (initial: a zero-size leaf's one block has no element, and scale 1 as a block of zeros.)
+    amax = jnp.max(jnp.abs(xb), axis=inner, keepdims=True, initial=np.float32(0))
     # A block holding a NaN has a NaN amax, so its scale is 1, as inside one shard. Where a
     # block straddles source shards the max of its parts is a cross-device reduction, which
     # need not propagate NaN (XLA CPU's drops it), so NaN is looked for on its own.

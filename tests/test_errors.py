@@ -50,7 +50,17 @@ def test_a_bad_option_is_refused_with_its_fix(src, option):
 
 
 @pytest.mark.parametrize(
-    "option", [{"block": (0, 128)}, {"fmt": jnp.float16}], ids=["block", "fmt"]
+    "option",
+    [
+        {"block": (0, 128)},
+        {"block": 128},  # regression: raw TypeError
+        {"block": "ab"},  # regression: raw ValueError
+        {"block": (8.9, 8)},  # regression: truncated to (8, 8)
+        {"block": (True, 8)},  # regression: taken as (1, 8)
+        {"fmt": jnp.float16},
+        {"fmt": "nope"},  # regression: raw TypeError
+    ],
+    ids=["block", "block-int", "block-str", "block-float", "block-bool", "fmt", "fmt-name"],
 )
 def test_a_bad_fp8_format_is_refused_with_its_fix(option):
     with pytest.raises(jr.ReshardError, match=next(iter(option))) as e:
@@ -205,6 +215,16 @@ def test_donating_another_array_over_the_sources_own_buffers_is_refused(src):
 def test_a_bad_dtype(src):
     with pytest.raises(jr.ReshardError, match="dtype"):
         jr.plan(src, dst_tree(), dtype={"a": "not-a-dtype", "b": None})
+
+
+def test_a_dtype_tree_of_other_keys_names_them_and_not_its_keep_entries(src):
+    """Regression: a ``None`` ("keep") entry of a dtype tree of the wrong structure was named
+    as an error, and a mistyped key holding None was not named at all."""
+    for typo in (None, jnp.float16):
+        with pytest.raises(jr.ReshardError) as e:
+            jr.plan(src, dst_tree(), dtype={"a": None, "d": typo})
+        assert "['b']['c']: missing here" in str(e.value) and "['d']: not in" in str(e.value)
+        assert "['a']" not in str(e.value)
 
 
 def test_tracers_are_refused_by_every_entry_point_naming_the_leaf_and_the_fix(src):

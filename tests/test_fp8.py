@@ -127,6 +127,14 @@ def test_a_nan_block_and_a_tiny_block_straddling_source_shards_quantize_as_the_r
     assert np.asarray(q.scales).tobytes() == scales.tobytes()
 
 
+def test_a_zero_size_leaf_scaled_per_tensor_moves_with_scale_one():
+    """Regression: its one block has no element, and the max over it failed inside JAX in
+    the call, after planning had accepted it."""
+    src = jax.device_put(np.zeros((0, 16), np.float32), sharding(*SRC))
+    out = jr.plan(src, sharding(*DST), dtype=jr.Fp8Blockwise(block=None))(src)
+    assert out.values.shape == (0, 16) and float(out.scales) == 1.0
+
+
 @pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_per_tensor_scaling_and_both_formats(fmt):
     host = weights((64, 96), seed=4)

@@ -312,6 +312,30 @@ def test_a_typed_key_to_a_sharding_that_is_not_named_is_refused_or_sent_by_devic
     assert key_bits(out).tobytes() == key_bits(want).tobytes() == key_bits(src).tobytes()
 
 
+def test_a_fallback_leaf_already_in_place_is_copied_so_donating_it_spares_the_source():
+    """Regression: ``jax.device_put`` returns its input where the sharding is already the
+    destination's, so a fallback leaf's result was the source array itself, and the refit
+    loop's ``donate=`` deleted the source (and the result). Donating a source, or calling
+    with a deleted one, is refused for fallback leaves as for the others."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    named = sharding(tuple(range(8)), (8,), ("x",), "x")
+    gspmd = GSPMDSharding(tuple(named._device_assignment), named._to_xla_hlo_sharding(1))
+    src = {"k": jax.device_put(jax.device_put(keys(8), named), gspmd)}
+    plan = jr.plan(src, {"k": gspmd}, fallback="device_put")
+    out = plan(src)
+    assert out["k"] is not src["k"]
+    again = plan(src, donate=out)
+    assert not src["k"].is_deleted() and out["k"].is_deleted()
+    assert key_bits(again["k"]).tobytes() == key_bits(src["k"]).tobytes()
+    with pytest.raises(jr.ReshardError, match=r"\['k'\]: is also passed as a source array"):
+        plan(src, donate=src)
+    gone = {"k": jax.device_put(jax.device_put(keys(8), named), gspmd)}
+    gone["k"].delete()
+    with pytest.raises(jr.ReshardError, match=r"\['k'\]: is deleted"):
+        plan(gone)
+
+
 def test_a_source_sharding_refusal_gives_a_fix_for_the_sharding_not_the_destination():
     """Regression: refusals of a sharding jaxreshard does not move (reduced, unreduced, a
     typed key's GSPMD source) printed the fix for destination PartitionSpecs that do not fit;
@@ -330,6 +354,11 @@ def test_a_source_sharding_refusal_gives_a_fix_for_the_sharding_not_the_destinat
             jr.plan(x, dst)
         assert "destination PartitionSpec" not in str(e.value)
     out = jr.plan(reduced, dst, fallback="device_put")(reduced)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
+    # Regression: a destination with reduced axes, sent by the fallback the error offers,
+    # failed planning on JAX's refusal to read such a spec entry by entry.
+    to_reduced = NamedSharding(dst.mesh, PartitionSpec(reduced={"x"}))
+    out = jr.plan(reduced, to_reduced, fallback="device_put")(reduced)
     np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
     with pytest.raises(jr.ReshardError, match="unreduced axes"):
         jr.plan(unreduced, dst, fallback="device_put")  # device_put cannot move it either
@@ -388,3 +417,24 @@ def test_fallback_leaves_device_put_cannot_take_are_refused_when_planning():
     for bad, dtype in ((np.array(["a", "b"]), "<U1"), (np.array([object()]), "object")):
         with pytest.raises(jr.ReshardTypeError, match=rf"\['s'\]: .*dtype {dtype} cannot be on"):
             jr.plan({"w": w, "s": bad}, dst, fallback="device_put")
+
+
+@pytest.mark.parametrize("setting", ["debug_nans", "debug_infs", "disable_jit"])
+def test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree(setting):
+    """Regression: under ``jax.debug_nans`` / ``jax.debug_infs`` JAX re-ran an unpack whose
+    result held a NaN (data, here) op by op on buffers it had consumed, so the call failed
+    and the ``donate=`` tree was lost; under ``jax.disable_jit`` every call raised JAX's
+    error about its AOT path. A plan runs its programs compiled, bit for bit, whatever the
+    caller's debugging settings, and compiles nothing more for them."""
+    host = random_array((8, 8), "float32")  # NaN payloads and infinities included
+    host[1, 1], host[2, 2] = np.nan, np.inf
+    src = jax.device_put(host, sharding(*SRC, "dp"))
+    dst = sharding(*DST, None, "tp")
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    with getattr(jax, setting)(True), COMPILES:
+        out = plan(src, donate=out)
+        jax.block_until_ready(out)
+        assert COMPILES.count == 0
+        refit = plan.start(src, donate=out).result()
+    assert_exact(refit, host, dst)

@@ -111,6 +111,36 @@ def test_data_in_the_wrong_place_is_found():
         plan.verify(src, bad)
 
 
+@pytest.mark.parametrize(
+    "change",
+    ["transposed", "swap (0, 1) and (1, 0)", "swap (0, 7) and (1, 2)"],
+)
+def test_words_moved_between_mirrored_positions_are_found(change):
+    """Regression: an element's weight was (2r + 1)(2c + 1) times constants, the same at
+    (r, c) and (c, r) and wherever that product agrees (1 x 15 == 3 x 5), so a transposed
+    replica, or two words swapped between such positions, passed."""
+    host = np.arange(64, dtype=np.float32).reshape(8, 8)
+    src = jax.device_put(host, sharding(tuple(range(4)), (4,), ("a",), "a"))
+    dst = sharding(tuple(range(4, 8)), (4,), ("t",))  # replicated on devices 4-7
+    plan = jr.plan(src, dst)
+    out = plan(src)
+
+    def swapped(p, q):
+        def swap(a):
+            a[p], a[q] = a[q].copy(), a[p].copy()
+            return a
+
+        return swap
+
+    fn = {
+        "transposed": lambda a: a.T.copy(),
+        "swap (0, 1) and (1, 0)": swapped((0, 1), (1, 0)),
+        "swap (0, 7) and (1, 2)": swapped((0, 7), (1, 2)),
+    }[change]
+    with pytest.raises(jr.ReshardError, match="device 5"):
+        plan.verify(src, with_shard(out, 5, fn))
+
+
 def test_a_leaf_wrong_on_two_devices_counts_as_one_leaf():
     """Regression: the error's header counted devices as leaves ("(2 leaves)")."""
     _, src, dst = tree()

@@ -3,20 +3,24 @@
 The checksum of a box of a global array is a position-weighted sum of its words,
 
     checksum(box) = sum over elements e in box of
-                    mix(word(e)) * (2 r(e) + 1) K2 * (2 c(e) + 1) K      (mod 2**32)
+                    mix(word(e)) * (2 mix(r(e)) + 1) * (2 c(e) + 1) K    (mod 2**32)
 
 where ``word(e)`` is the element's bits as an unsigned 32-bit number (narrower dtypes widened,
 64-bit dtypes folded), ``mix`` MurmurHash3's 32-bit finalizer, ``c(e)`` the element's index
 along the last dimension and ``r(e)`` the row-major index of its row (every other dimension) in
-the *global* array, and ``K``, ``K2`` odd constants. Because the weight depends on the global
+the *global* array, and ``K`` an odd constant. Because the weight depends on the global
 position only, the checksum of a box is the sum of the checksums of any partition of it: each
 source device computes the part of every destination box it holds, each destination device the
 checksum of its whole shard, and only those 4-byte sums reach the host. ``mix`` is a bijection
 and a weight is odd, so changing one word always changes the sum; moving data to another
-position changes its weight. ``mix`` is there for several changed words: summed as they are, a
-flip of bit ``k`` adds ``2**k`` times an odd weight, so two sign flips (bit 31) always cancel
-mod 2**32 and two flips of bit 30 do for half the pairs of positions; mixed, a flipped bit
-changes about half of the word's bits and such patterns cancel with odds of about 2**-32.
+position changes its weight. The row's factor is mixed, the column's is not: with both of
+the form ``2 i + 1``, an element's weight was the same at ``(r, c)`` and ``(c, r)`` (and at any
+two positions of equal ``(2 r + 1)(2 c + 1)``), so a transposed shard, or two words swapped
+between such positions, went unseen. ``mix`` is there for several changed words: summed as
+they are, a flip of bit ``k`` adds ``2**k`` times an odd weight, so two sign flips (bit 31)
+always cancel mod 2**32 and two flips of bit 30 do for half the pairs of positions; mixed, a
+flipped bit changes about half of the word's bits and such patterns cancel with odds of about
+2**-32.
 
 The source side is cast to the destination dtype first (the same XLA convert the senders run),
 so a cast refit verifies bit for bit too. Typed PRNG keys are checked as their key data.
@@ -42,8 +46,8 @@ from jaxreshard.planning.layout import Box, shift
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
 
-K = np.uint32(0x9E3779B1)  # odd multipliers of the column and row weights
-K2 = np.uint32(0x85EBCA77)
+K = np.uint32(0x9E3779B1)  # odd multiplier of the column weights
+K2 = np.uint32(0x85EBCA77)  # mixes a complex value's two parts
 
 Job = tuple[int, Box, Box]
 """(leaf, box relative to the shard, the same box in global coordinates)."""
@@ -104,7 +108,7 @@ def box_checksum(x: jax.Array, origin: Sequence[int], global_shape: Sequence[int
         pos = jax.lax.broadcasted_iota(jnp.uint32, lead, d) + np.uint32(origin[d] % 2**32)
         row = row + pos * np.uint32(stride % 2**32)
         stride *= int(global_shape[d])
-    row_weight = (row * np.uint32(2) + np.uint32(1)) * K2
+    row_weight = _mix(row) * np.uint32(2) + np.uint32(1)
     per_row = jnp.sum(words * col_weight, axis=-1, dtype=jnp.uint32)
     return jnp.sum(per_row * row_weight, dtype=jnp.uint32)
 
