@@ -161,6 +161,44 @@ def test_a_target_with_other_keys_is_refused_even_with_as_many_leaves():
         jr_tunix.reshard_pytree(src, target)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    ["one leaf under one sharding", "a subtree under a sharding", "two one-leaf subtrees"],
+)
+def test_a_prefix_target_moves_as_tunix_moves_it_whatever_the_leaf_count(shape):
+    """Regression: a target with as many leaves as the source was taken leaf for leaf, so a
+    prefix of the source with as many shardings as it has leaves (``{a: x}`` onto one
+    sharding) was refused for its keys, though ``jax.device_put`` (Tunix's path) takes it."""
+    trainer, rollout = states()
+    x, y = trainer["up"]["kernel"], trainer["down"]["kernel"]
+    to = rollout["up"]["kernel"].sharding
+    source, target = {
+        "one leaf under one sharding": ({"a": x}, to),
+        "a subtree under a sharding": ({"a": {"w": x}}, {"a": to}),
+        "two one-leaf subtrees": ({"a": {"w": x}, "b": {"v": y}}, {"a": to, "b": to}),
+    }[shape]
+    want = tunix_reshard.reshard_pytree(source, target)
+    got = jr_tunix.reshard_pytree(source, target)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert bits(got) == bits(want) == bits(source)
+    assert all(leaf.sharding == to for leaf in jax.tree.leaves(got))
+
+
+def test_shape_dtype_struct_targets_give_their_shardings():
+    """Tunix takes any target leaf with a sharding; a ShapeDtypeStruct without one is named."""
+    trainer, rollout = states()
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), rollout
+    )
+    out = jr_tunix.reshard_pytree(trainer, target)
+    assert bits(out) == bits(trainer)
+    for x, y in zip(jax.tree.leaves(out), jax.tree.leaves(rollout), strict=True):
+        assert x.sharding == y.sharding
+    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout)
+    with pytest.raises(jr_tunix.ReshardTypeError, match=r"ShapeDtypeStruct, with no sharding"):
+        jr_tunix.reshard_pytree(trainer, bare)
+
+
 def test_a_one_device_rollout_and_host_offload_targets():
     trainer, _ = states()
     one = jax.sharding.SingleDeviceSharding(jax.devices()[7])

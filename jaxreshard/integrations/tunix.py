@@ -65,8 +65,9 @@ def reshard_pytree(
 
     Args:
       source: the pytree to move (an ``nnx.State``, nested dicts, ...).
-      target: the same structure, with a ``jax.Array`` (its sharding, memory kind included,
-        is the destination) or a ``jax.sharding.Sharding`` at each leaf.
+      target: the same structure (or a prefix of it, as ``jax.device_put`` takes), with a
+        ``jax.Array`` (its sharding, memory kind included, is the destination), a
+        ``jax.ShapeDtypeStruct`` with a sharding, or a ``jax.sharding.Sharding`` at each leaf.
       cache_plan: reuse the plan (and its compiled programs) of an earlier call with the same
         layouts; False plans and compiles on every call.
       donate_input: the source is not used again: its arrays are deleted once moved (as
@@ -176,7 +177,17 @@ def reset_counters() -> None:
 
 
 def _is_target_leaf(x: Any) -> bool:
-    return isinstance(x, (Sharding, jax.Array))
+    return isinstance(x, (Sharding, jax.Array, jax.ShapeDtypeStruct))
+
+
+def _is_prefix(prefix: Any, tree: Any) -> bool:
+    """Whether ``prefix`` (shardings at its leaves) is a prefix of ``tree``'s structure, node
+    types included (as ``jax.device_put`` broadcasts a sharding over a subtree)."""
+    try:
+        jax.tree_util.tree_map(lambda _p, _t: None, prefix, tree)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _on_source_structure(source: Any, flat: list[tuple[Any, Any]]) -> Any:
@@ -214,17 +225,18 @@ def _names(path: Any) -> tuple[Any, ...]:
 def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
     """The target's shardings, in the source's tree structure.
 
-    Tunix builds source and target from two models (``nnx.state`` of each), whose tree nodes
-    may carry different metadata; leaf for leaf they correspond, so the target's leaves are
-    laid onto the source's structure when their counts agree (else the target is used as a
-    prefix, as ``jax.device_put`` does).
+    A target whose structure is a prefix of the source's is used as one, as ``jax.device_put``
+    does. Else, Tunix builds source and target from two models (``nnx.state`` of each), whose
+    tree nodes may carry different metadata; leaf for leaf they correspond, so the target's
+    leaves are laid onto the source's structure when their counts agree.
     """
     problems, shardings = [], []
     for path, x in flat:
         if isinstance(x, Sharding):
             shardings.append(x)
-        elif isinstance(x, jax.Array):
-            shardings.append(x.sharding)  # a deleted array still has its sharding
+        elif isinstance(getattr(x, "sharding", None), Sharding):
+            # An array (a deleted one still has its sharding), or a ShapeDtypeStruct with one.
+            shardings.append(x.sharding)
         else:
             problems.append(
                 (jax.tree_util.keystr(path), f"is a {type(x).__name__}, with no sharding")
@@ -233,15 +245,17 @@ def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
         raise leaf_error(
             "reshard_pytree: these target leaves give no destination",
             problems,
-            "give each target leaf a jax.Array or a jax.sharding.Sharding",
+            "give each target leaf a jax.Array, a jax.sharding.Sharding or a "
+            "jax.ShapeDtypeStruct with a sharding",
             cls=ReshardTypeError,
         )
-    laid = _on_source_structure(source, [(p, x) for (p, _), x in zip(flat, shardings, strict=True)])
-    if laid is not None:
-        return laid
-    return jax.tree_util.tree_unflatten(
+    prefix = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf), shardings
     )
+    if _is_prefix(prefix, source):
+        return prefix
+    laid = _on_source_structure(source, [(p, x) for (p, _), x in zip(flat, shardings, strict=True)])
+    return prefix if laid is None else laid
 
 
 def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:
@@ -249,7 +263,10 @@ def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:
     if any is not a live array."""
     if not all(isinstance(x, jax.Array) and not x.is_deleted() for _, x in flat):
         return None
-    return _on_source_structure(source, flat)
+    try:
+        return _on_source_structure(source, flat)
+    except ReshardError:  # a prefix (`_destinations` took it): no array per source leaf
+        return None
 
 
 def _plan(source: Any, dst: Any, cache_plan: bool) -> api.Plan:
