@@ -343,6 +343,21 @@ def restore_trainer_state(
     return out["params"], out["opt_state"]
 
 
+def checkpoint_fits(mngr: ocp.CheckpointManager, step: int, shapes: Any) -> bool:
+    """Whether checkpoint ``step``'s parameters have the tree and shapes of ``shapes`` (read
+    from its metadata: orbax's restore of another shape fails with a long traceback)."""
+
+    def by_path(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {
+            tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(x.shape)
+            for path, x in flat
+        }
+
+    stored = ocp.StandardCheckpointHandler().metadata(mngr.directory / str(step) / "params")
+    return by_path(stored.tree) == by_path(shapes)
+
+
 def restore_params(mngr: ocp.CheckpointManager, step: int, target: Any) -> dict:
     """Only the parameters of checkpoint ``step``, in ``target``'s shardings and dtypes."""
     out = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
@@ -399,6 +414,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "reports the exposed refit time beside the synchronous refit",
     )
     args = p.parse_args(argv)
+    at_least = {
+        **{"--steps": 0, "--seed": 0, "--layers": 0},
+        **{"--prompts": 1, "--group": 1, "--d-model": 1, "--heads": 1, "--mlp": 1},
+        **{"--vocab": 2, "--max-stride": 1, "--ckpt-every": 1, "--compare-reps": 1},
+    }
+    for flag, least in at_least.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < least:
+            p.error(f"{flag} must be at least {least}, got {value}")
+    if not np.isfinite(args.lr):
+        p.error(f"--lr must be a finite number, got {args.lr}")
+    if args.d_model % args.heads:
+        p.error(
+            f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads}): each head "
+            "gets d_model / heads dimensions"
+        )
+    # Every parameter dimension that a layout splits over a mesh axis must divide by its size.
+    sizes = {  # logical axis -> (the option that sets its size, the size)
+        "embed": ("--d-model", args.d_model),
+        "heads": ("--d-model", args.d_model),  # the heads x head_dim columns of q, k, v
+        "mlp": ("--mlp", args.mlp),
+        "vocab": ("--vocab", args.vocab),
+    }
+    layouts = (
+        ("trainer", TRAINER_RULES, TRAINER_AXES, args.trainer_mesh),
+        ("sampler", SAMPLER_RULES, SAMPLER_AXES, args.sampler_mesh),
+    )
+    for name, rules, axes, shape in layouts:
+        for logical, mesh_axis in rules:
+            flag, size = sizes[logical]
+            split = dict(zip(axes, shape, strict=True)).get(mesh_axis, 1)
+            if size % split:
+                p.error(
+                    f"{flag} ({size}) must be a multiple of {split}: --{name}-mesh "
+                    f"{shape[0]}x{shape[1]} splits it over its {mesh_axis} axis"
+                )
     batch = args.prompts * args.group
     for name, (split, _) in (("trainer", args.trainer_mesh), ("sampler", args.sampler_mesh)):
         if batch % split:
@@ -486,6 +537,12 @@ def main(argv: Sequence[str] | None = None) -> Result:
     start = 0
     if args.resume and mngr.latest_step() is not None:
         start = mngr.latest_step()
+        if not checkpoint_fits(mngr, start, shapes):
+            mngr.close()
+            raise SystemExit(
+                f"--resume: checkpoint {start} in {args.ckpt_dir} was made with another model "
+                "shape: resume with the --vocab, --d-model, --layers and --mlp it was saved with"
+            )
         params, opt_state = restore_trainer_state(
             mngr, start, abstract_tree(shapes, train_sh), abstract_tree(opt_shapes, opt_sh)
         )

@@ -25,6 +25,7 @@ its own shards against the values the trainer must have produced.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import subprocess
@@ -42,9 +43,43 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--width", type=int, default=1024, help="hidden size of the toy model")
     args = p.parse_args()
+    for flag, value, least in (
+        ("--local", args.local, 1),
+        ("--num-processes", args.num_processes, 1),
+        ("--process-id", args.process_id, 0),
+        ("--devices", args.devices, 1),
+        ("--steps", args.steps, 0),
+        ("--width", args.width, 1),
+    ):
+        if value is not None and value < least:
+            p.error(f"{flag} must be at least {least}, got {value}")
+    if None not in (args.num_processes, args.process_id) and args.process_id >= args.num_processes:
+        p.error(f"--process-id must be below --num-processes ({args.num_processes})")
     if args.local:
+        if args.local == 1 and args.devices < 2:
+            p.error("--devices must be at least 2 with --local 1 (half train, half sample)")
+        _check_width(p, args.width, _mesh_sizes(args.local, args.devices))
         sys.exit(_launch_local(args))
-    refit(args)
+    refit(args, p)
+
+
+def _mesh_sizes(processes: int, devices: int) -> dict[str, int]:
+    """The mesh axes the weights are split over, with their sizes, for ``processes`` processes
+    of ``devices`` devices each (as `refit` builds the meshes)."""
+    if processes == 1:  # its devices split in two halves
+        return {"trainer tp": devices // 2, "sampler tp": devices - devices // 2}
+    return {"trainer fsdp": processes // 2, "trainer tp": devices, "sampler tp": devices}
+
+
+def _check_width(p: argparse.ArgumentParser, width: int, sizes: dict[str, int]) -> None:
+    """A usage error unless ``width`` divides by every mesh axis it is split over."""
+    lcm = math.lcm(*sizes.values())
+    if width % lcm:
+        axes = ", ".join(f"{name} {size}" for name, size in sizes.items())
+        p.error(
+            f"--width {width} must be a multiple of {lcm}, the mesh axes split it ({axes}): "
+            f"use e.g. --width {max(1, width // lcm) * lcm}"
+        )
 
 
 def _env_int(name: str) -> int | None:
@@ -75,7 +110,7 @@ def _launch_local(args: argparse.Namespace) -> int:
     return max(abs(proc.returncode) for proc in procs)
 
 
-def refit(args: argparse.Namespace) -> None:
+def refit(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.num_processes == 1 and "xla_force_host_platform_device_count" not in os.environ.get(
         "XLA_FLAGS", ""
     ):  # one process on CPU: ask for --devices devices (accelerator backends ignore the flag)
@@ -103,6 +138,10 @@ def refit(args: argparse.Namespace) -> None:
     ]
     if n == 1:
         local = by_process[0]
+        if len(local) < 2:
+            p.error(
+                f"one process needs at least 2 devices (half train, half sample), has {len(local)}"
+            )
         trainer_devices, sampler_devices = local[: len(local) // 2], local[len(local) // 2 :]
         trainer_procs, sampler_procs = 1, 1
     else:
@@ -114,6 +153,8 @@ def refit(args: argparse.Namespace) -> None:
         np.array(trainer_devices).reshape(trainer_procs, -1), ("fsdp", "tp")
     )  # fsdp across hosts, tp within
     sampler = Mesh(np.array(sampler_devices).reshape(sampler_procs, -1), ("dp", "tp"))
+    split = {"trainer fsdp": trainer.shape["fsdp"], "trainer tp": trainer.shape["tp"]}
+    _check_width(p, args.width, {**split, "sampler tp": sampler.shape["tp"]})
     is_trainer = any(d.process_index == me for d in trainer_devices)
     is_sampler = any(d.process_index == me for d in sampler_devices)
 

@@ -369,7 +369,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--reps", type=int, default=5, help="timed refits of each kind")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    at_least = {"--steps": 1, "--batch": 1, "--generations": 2, "--reps": 1, "--seed": 0}
+    why = {"--generations": " (GRPO compares the answers to the same prompt)"}
+    for flag, least in at_least.items():
+        value = getattr(args, flag[2:])
+        if value < least:
+            p.error(f"{flag} must be at least {least}{why.get(flag, '')}, got {value}")
+    if not np.isfinite(args.lr):
+        p.error(f"--lr must be a finite number, got {args.lr}")
+    return args
 
 
 def train(args: argparse.Namespace):

@@ -2265,6 +2265,11 @@ def _layer_list(text: str) -> list[int]:
     return values
 
 
+MIN_BUCKET_BYTES = 4096
+"""The smallest ``--bucket-bytes`` taken: below it a transfer of a few MiB splits into so many
+rounds that a run takes many minutes (jaxreshard itself takes any size from 1 byte)."""
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jaxreshard.bench",
@@ -2294,9 +2299,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--bucket-bytes",
         type=int,
         default=None,
-        help="jaxreshard's staging limit per device (default: jr.default_bucket_bytes)",
+        help="jaxreshard's staging limit per device, in bytes: at least "
+        f"{MIN_BUCKET_BYTES} (default: jr.default_bucket_bytes)",
     )
-    p.add_argument("--size-mib", type=float, default=256.0, help="size of the GPT tree")
+    p.add_argument("--size-mib", type=float, default=256.0, help="size of the GPT tree (> 0)")
     p.add_argument("--layers", type=int, default=8, help="blocks of the GPT tree (10 leaves each)")
     p.add_argument("--gpt-d", type=int, default=1024, help="d_model of the disjoint_gpt32k trees")
     p.add_argument("--gpt-layers", type=int, default=6, help="blocks of the disjoint_gpt32k trees")
@@ -2359,6 +2365,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--many-leaves must be a positive multiple of 8")
     if args.devices is not None and args.devices < 1:
         p.error("--devices must be at least 1")
+    if args.bucket_bytes is not None and not MIN_BUCKET_BYTES <= args.bucket_bytes <= 1 << 48:
+        p.error(
+            f"--bucket-bytes must be {MIN_BUCKET_BYTES} (4 KiB) to 2**48 bytes, got "
+            f"{args.bucket_bytes} (smaller buckets split a transfer into so many rounds that "
+            "a run of a few MiB takes many minutes)"
+        )
+
+    def value(flag: str) -> Any:
+        return getattr(args, flag[2:].replace("-", "_"))
+
+    for flag in ("--size-mib", "--big-leaf-mib"):
+        if not (math.isfinite(value(flag)) and value(flag) > 0):
+            p.error(f"{flag} must be a positive number of MiB, got {value(flag):g}")
+    if not (math.isfinite(args.async_work) and args.async_work >= 0):
+        p.error(f"--async-work must be 0 or more, got {args.async_work:g}")
+    for flag in (
+        *("--layers", "--gpt-d", "--gpt-layers", "--gpt-vocab", "--small-leaves-layers"),
+        *("--first-call-d", "--first-call-mlp", "--first-call-vocab", "--attempts"),
+    ):
+        if value(flag) < 1:
+            p.error(f"{flag} must be at least 1, got {value(flag)}")
     if args.strategies is not None:
         bad = [s for s in args.strategies if s not in STRATEGIES]
         if bad:
