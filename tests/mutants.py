@@ -744,6 +744,85 @@ SURFACE_MUTANTS: list[Mutant] = [
         "pack and unpack programs that cast compile with XLA's older CPU fusion emitters",
     ),
     Mutant(
+        "runtime-compiles-ahead-without-the-callers-settings",
+        "jaxreshard/run/runtime.py",
+        (("    settings = _thread_settings()", "    settings = contextlib.nullcontext"),),
+        (
+            "tests/test_compiled.py::"
+            "test_the_first_call_compiles_its_programs_together_before_any_step_runs",
+        ),
+        "the compile threads run without the caller's transfer guard and precision, so each "
+        "step compiles its program a second time",
+    ),
+    Mutant(
+        "schedule-units-cut-in-tree-order-across-meshes",
+        SCHEDULE,
+        (
+            (
+                "        for index in itertools.chain.from_iterable(groups.values()):",
+                "        for index in indices:",
+            ),
+        ),
+        (f"{T_LOWER}::test_leaves_of_the_same_meshes_share_units_wherever_they_sit_in_the_tree",),
+        "leaves alternating between mesh pairs make a unit (a step) each",
+    ),
+    Mutant(
+        "verify-position-weight-symmetric",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "    row_weight = _mix(row) * np.uint32(2) + np.uint32(1)",
+                "    row_weight = (row * np.uint32(2) + np.uint32(1)) * K",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_words_moved_between_mirrored_positions_are_found[transposed]",
+        ),
+        "an element's weight is the same at (r, c) and (c, r), so a transposed replica passes",
+    ),
+    Mutant(
+        "api-fallback-result-is-the-source",
+        "jaxreshard/api.py",
+        (
+            (
+                "            out[i] = jax.device_put(flat[i], dst, may_alias=False)",
+                "            out[i] = jax.device_put(flat[i], dst)",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_a_fallback_leaf_already_in_place_is_copied_so_donating_it_spares_the_source",
+        ),
+        "a fallback leaf already in its destination sharding comes back as the source array, "
+        "so donating the result deletes the source",
+    ),
+    Mutant(
+        "api-debug-settings-left-on",
+        "jaxreshard/api.py",
+        (
+            (
+                "    if not on:\n        return contextlib.nullcontext()",
+                "    return contextlib.nullcontext()",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree[debug_nans]",
+        ),
+        "a plan runs under the caller's jax.debug_nans: JAX re-runs an unpack holding a NaN "
+        "on buffers it consumed",
+    ),
+    Mutant(
+        "tunix-prefix-taken-leaf-for-leaf",
+        "jaxreshard/integrations/tunix.py",
+        (("    if _is_prefix(prefix, source):", "    if _is_prefix(prefix, source) and False:"),),
+        (
+            "tests/test_tunix_adapter.py::test_a_prefix_target_moves_as_tunix_moves_it_whatever"
+            "_the_leaf_count[one leaf under one sharding]",
+        ),
+        "a prefix target with as many entries as the source has leaves is refused for its keys",
+    ),
+    Mutant(
         "cache-destinations-up-to-trailing-nones",
         "jaxreshard/api.py",
         (
