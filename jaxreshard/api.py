@@ -113,6 +113,10 @@ def _compiled_programs() -> contextlib.AbstractContextManager[Any]:
     return stack
 
 
+_DONATES_A_SOURCE = "is also passed as a source array; donating it would destroy the source"
+"""Why a ``donate=`` leaf that is a source array is refused (moved and fallback leaves alike)."""
+
+
 def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """Refuse traced leaves (a plan called inside `jax.jit`, `jax.grad` or `jax.vmap`) before
     anything looks at them: a plan runs programs of its own on concrete arrays, so it cannot
@@ -598,7 +602,7 @@ class Plan:
             placeholder_ok = allow_placeholders and not sharding.addressable_devices
             problem = _array_problem(x, shape, dtype, sharding, placeholder_ok)
             if problem is None and id(x) in source_ids:
-                problem = "is also passed as a source array; donating it would destroy the source"
+                problem = _DONATES_A_SOURCE
             if problem is None and sources is not None and isinstance(x, jax.Array):
                 seen = first_at.setdefault(id(x), keystr(path))
                 if seen != keystr(path):
@@ -642,13 +646,7 @@ class Plan:
             for i, _ in self.fallback:
                 path, x = flat[i]
                 if isinstance(x, jax.Array) and id(x) in source_ids:
-                    problems.append(
-                        (
-                            keystr(path),
-                            "is also passed as a source array; donating it would destroy the "
-                            "source",
-                        )
-                    )
+                    problems.append((keystr(path), _DONATES_A_SOURCE))
         if problems:
             raise leaf_error(summary, problems, fix)
         return [x for _, x in flat]

@@ -482,8 +482,8 @@ class Runtime:
 
     def alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
         """Fresh (zero) destination arrays of ``leaves`` that have a shard on this process."""
+        full = [i for i in leaves if self._allocates(i)]
         empty = [i for i in leaves if not np.prod(self.leaves[i].shape)]
-        full = [i for i in leaves if np.prod(self.leaves[i].shape)]  # (`_allocates`)
         made = dict(zip(full, self._alloc(full), strict=True)) if full else {}
         made.update({i: self._alloc_empty(i) for i in empty})
         return [made[i] for i in leaves]
