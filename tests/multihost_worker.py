@@ -422,8 +422,9 @@ def case_crossed_groups() -> None:
     """Plan A over processes {0, 1}, plan B over {0, 1, 2}, both agreed; then process 0 calls
     A then B, process 1 B then A: each group's call numbers agree, yet 0 waits in A for 1,
     which waits in B for 0. Both raise within a few polls (not at the timeout), naming the
-    crossing; process 0's B then raises naming process 1's given-up call, and so does process
-    2's (it was waiting for both in B)."""
+    crossing; process 0's B then raises naming the given-up call, and so does process 2's (it
+    was waiting for both in B). WORKER_LATE names a process that makes its crossed call half a
+    poll after the others: the one that arrives later finds the crossing first."""
     a_src = mesh(BY_PROCESS[0], (2,), ("x",))
     a_dst = mesh(BY_PROCESS[1], (2,), ("x",))
     b_src = mesh(BY_PROCESS[0] + BY_PROCESS[1], (4,), ("x",))
@@ -436,6 +437,8 @@ def case_crossed_groups() -> None:
     if PID in (0, 1):
         plan_a(tree_a)
     plan_b(tree_b)  # both agreed
+    if os.environ.get("WORKER_LATE") == str(PID):
+        time.sleep(0.5)
     start = time.monotonic()
     if PID == 0:
         _refused("CROSSED_A", lambda: plan_a(tree_a))

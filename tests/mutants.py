@@ -314,6 +314,22 @@ MULTIHOST_MUTANTS = [
         "a refusal of the first call of a plan made again (identical, so agreed) is not "
         "published: the peer waits for the timeout or pairs with the next call",
     ),
+    Mutant(
+        "order-crossed-call-taken-silently",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "        crossed = _STATE.given_up.pop((group_key, n), None)",
+                "        crossed = None",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::"
+            "test_calls_crossed_between_plans_over_different_groups_raise_within_seconds[0]",
+        ),
+        "a process that found a crossing and gave the peer's call up makes that call as if "
+        "nothing happened: it waits out the timeout for peers that gave it up",
+    ),
 ]
 
 LOWER = "jaxreshard/planning/lower.py"

@@ -472,18 +472,30 @@ def test_agreed_plans_called_in_different_orders_raise_on_both_naming_both(run_o
 
 
 @pytest.mark.multiprocess
-def test_calls_crossed_between_plans_over_different_groups_raise_within_seconds():
+@pytest.mark.parametrize("late", [0, 1])
+def test_calls_crossed_between_plans_over_different_groups_raise_within_seconds(late):
     """Regression: each group of processes numbers its own calls, so plans over different
-    groups called in crossed orders were found only at the order check's timeout (300 s)."""
-    run = launch("crossed_groups", 3, 2)
+    groups called in crossed orders were found only at the order check's timeout (300 s).
+
+    Process 0 calls A (over 0, 1) then B (over 0, 1, 2); process 1 calls B then A. The process
+    that arrives later (``late``) finds the crossing first and gives the other's call up for
+    it; every crossed call then raises within seconds, whichever process found it.
+    (Regression: where process 0 found it, its B waited out the timeout for peers that had
+    given B up.)"""
+    # A call that waits out the order check's timeout fails here in 40 s, not 300.
+    env = {"WORKER_LATE": str(late), "JAXRESHARD_AGREEMENT_TIMEOUT_S": "40"}
+    run = launch("crossed_groups", 3, 2, env=env)
     run.case_ok("crossed_groups")
     p0, p1, p2 = run.outputs
-    # Whichever sees the crossing first names it, and gives the other's call up for it.
     crossed = re.compile(r"processes [01] and [01] are waiting for each other in crossed calls")
     assert crossed.search(re.search(r"CROSSED_A 0: .*", p0).group(0)), p0
     assert crossed.search(re.search(r"CROSSED_B 1: .*", p1).group(0)), p1
-    assert "GAVE_UP_B 0: jaxreshard: process 1 gave up call #" in p0
-    assert "GAVE_UP_B 2: jaxreshard: process 1 gave up call #" in p2
+    # B's call was given up by the process that found the crossing; process 0 says which.
+    if late == 0:
+        assert "GAVE_UP_B 0: jaxreshard: this process (process 0) gave up call #" in p0, p0
+    else:
+        assert "GAVE_UP_B 0: jaxreshard: process 1 gave up call #" in p0, p0
+    assert f"GAVE_UP_B 2: jaxreshard: process {late} gave up call #" in p2, p2
     for out in run.outputs:
         seconds = float(re.search(r"CROSSED_GROUPS raised after ([\d.]+) s", out).group(1))
         assert seconds < 20, seconds

@@ -188,6 +188,9 @@ class _State:
     agreed: set[str] = dataclasses.field(default_factory=set)
     rounds: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    # Calls ``(group key, n)`` this process gave up before making them, for a crossing it
+    # found (`_Waiting.check`), with the reason: making such a call raises at once.
+    given_up: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -409,6 +412,15 @@ def check_order(
     if slot is None:
         return
     client, me, group, group_key, n, base = slot
+    with _STATE.lock:
+        crossed = _STATE.given_up.pop((group_key, n), None)
+    if crossed is not None:
+        raise ReshardError(
+            f"jaxreshard: this process (process {me}) gave up call #{n + 1} over processes "
+            f"{list(group)} ({label}) before making it: {crossed}. No data was moved.\nHow to "
+            "fix: every process must call its plans in the same order, plans over different "
+            "groups of processes included"
+        )
     timeout_s = agreement_timeout_s() if timeout_s is None else timeout_s
     start = time.monotonic()
     deadline = start + timeout_s
@@ -498,9 +510,11 @@ def _publish_call(
     with _STATE.lock:
         n = _STATE.calls[group_key]
         _STATE.calls[group_key] = n + 1
+        given_up = (group_key, n) in _STATE.given_up
     # Keys in blocks of _ORDER_BLOCK calls, so that old ones go with one delete per block.
     base = f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}"
-    client.key_value_set(f"{base}/{n}/{me}", json.dumps(dict(record)))
+    if not given_up:  # (a given-up call's record, written then, stays: the peers read it)
+        client.key_value_set(f"{base}/{n}/{me}", json.dumps(dict(record)))
     return client, me, group, group_key, n, base
 
 
@@ -563,12 +577,11 @@ class _Waiting:
         other = json.loads(value)
         if other["key"] == self.key or self.me not in other["group"]:
             return
+        crossing = (other["key"], other["n"])
         with _STATE.lock:
             made = _STATE.calls[other["key"]]
-            if made == other["n"]:  # give the peer's call up here too (below), in turn
-                _STATE.calls[other["key"]] = made + 1
-        if made > other["n"]:
-            return  # this process made that call: the peer will pass it
+            if made > other["n"] or crossing in _STATE.given_up:
+                return  # this process made that call, or gave it up: the peer will pass it
         error = ReshardError(
             f"jaxreshard: processes {self.me} and {q} are waiting for each other in crossed "
             f"calls: this process in call #{self.n + 1} over processes {self.group} "
@@ -578,10 +591,16 @@ class _Waiting:
             "plans over different groups of processes included"
         )
         if made == other["n"]:
-            # The peer waits there for this process, which now takes that call's number as
-            # given up: the peer raises at once, and both count that call alike.
+            # The peer waits there for this process, which gives that call up now: the peer
+            # reads the record and raises at once. This process's own call of that number,
+            # when its program makes it (it was about to: the orders are crossed), raises at
+            # once too (`check_order`), so both count that call alike. (Taking the number
+            # silently instead left that call waiting for peers that had given it up.)
             n = other["n"]
-            record = {"fp": "", "plan": other["plan"], "abandoned": str(error).splitlines()[0]}
+            reason = str(error).splitlines()[0]
+            with _STATE.lock:
+                _STATE.given_up[crossing] = reason
+            record = {"fp": "", "plan": other["plan"], "abandoned": reason}
             key = f"{_ORDER_PREFIX}/{other['key']}/{n // _ORDER_BLOCK}/{n}/{self.me}"
             self.client.key_value_set(key, json.dumps(record))
         raise error

@@ -170,16 +170,10 @@ class Runtime:
             srcs = _Sources(self, src)
             if self._steps is None:
                 self._tables = self._build_tables()
-                ahead = jax.process_count() == 1  # (see `_compile_ahead`)
-                if ahead:
-                    transfers = dict.fromkeys(s.transfer for s in self.lowered.steps if s.transfer)
-                    _in_parallel([functools.partial(self._transfer_fn, t) for t in transfers])
+                transfers = dict.fromkeys(s.transfer for s in self.lowered.steps if s.transfer)
+                _in_parallel([functools.partial(self._transfer_fn, t) for t in transfers])
                 self._steps = [self._resolve(step) for step in self.lowered.steps]
-                if ahead:
-                    self._compile_ahead(srcs, fresh=donate is None)
-                else:
-                    for slot, devices in self._allocations():
-                        self._zeros_program(slot, devices)
+                self._compile_ahead(srcs, fresh=donate is None)
             clock = _Clock(profile)
             dst = _Destinations(self, donate)
             previous: list[jax.Array] = []
@@ -314,12 +308,6 @@ class Runtime:
         the steps only dispatch. This warms caches and decides nothing: an argument that
         differs from the one compiled here (a weak type, say) compiles at its step as before,
         and an error raised here is raised again there.
-
-        Single-controller runs only: under ``jax.distributed`` the first call compiles step by
-        step as before. Compiled ahead there, the per-call order check's detection of calls
-        crossed between plans over different groups of processes (`multihost.check_order`)
-        failed to see a peer's given-up call in half of the runs of its test (a process then
-        waits out the order check's timeout); the cause is not found yet.
         """
         jobs: list[Callable[[], Any]] = [
             functools.partial(self._zeros_program, slot, devices)
