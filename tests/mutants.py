@@ -340,6 +340,26 @@ T_PLANNER = "tests/test_planner.py"
 
 EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
+        "chunk-choice-ignores-the-pool",
+        SCHEDULE,
+        (
+            (  # the rule before: any change of round sizes between units is fresh staging
+                "total += int(self.fault_cost * _faulted_bytes(needs, self.pool_bytes))",
+                "shapes = [frozenset(+n) for n in needs]\n"
+                "            total += int(self.fault_cost * sum(\n"
+                "                sum(k * c for k, c in n.items())\n"
+                "                for i, n in enumerate(needs) if shapes[i] != shapes[i - 1]\n"
+                "            ))",
+            ),
+        ),
+        (
+            f"{T_PLANNER}::"
+            "test_the_chunk_choice_prices_fresh_staging_only_where_the_pool_cannot_keep_it",
+        ),
+        "the chunk choice prices every change of round size as fresh staging, though the "
+        "pool keeps every size: small trees get rounds cut to their smallest unit's streams",
+    ),
+    Mutant(
         "lower-read-offset-off-by-one",
         LOWER,
         (

@@ -44,7 +44,14 @@ import numpy as np
 
 from jaxreshard.planning.layout import AxisSpec, Box, Layout, MeshSpec, box_shape, box_size
 from jaxreshard.planning.route import LeafSpec, LocalCopy
-from jaxreshard.planning.schedule import Bucket, PlanStats, Schedule, Segment, gathered
+from jaxreshard.planning.schedule import (
+    Bucket,
+    PlanStats,
+    Schedule,
+    Segment,
+    gathered,
+    plan_pool,
+)
 
 GROUP_AXIS = "jaxreshard"
 """Axis name of the 1-D meshes of device groups (and of the union mesh of transfers)."""
@@ -62,6 +69,11 @@ class Slot:
     @property
     def nbytes(self) -> int:
         return self.words * int(self.word.removeprefix("uint")) // 8
+
+    def __lt__(self, other: Slot) -> bool:
+        """An order among slots of equal bytes, so that `plan_pool` frees them alike
+        wherever it runs (runtime and lowering)."""
+        return (self.word, self.words) < (other.word, other.words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -850,28 +862,6 @@ def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
         idle = tuple(dict.fromkeys(s for t, s in recv if (d, t) not in senders))
         out[d] = Roles(recv, send, idle)
     return out
-
-
-def plan_pool(
-    pool: Counter[Slot], need: Counter[Slot], cap: int
-) -> tuple[Counter[Slot], Counter[Slot]]:
-    """The pool policy: which buffers to free and which to allocate before a step.
-
-    ``pool`` holds buffers kept from earlier steps (and calls). Buffers the step does not use
-    are freed, largest first, while keeping them would take the pool past ``cap`` bytes once
-    the missing ones are allocated. Returns ``(free, allocate)``.
-    """
-    missing = need - pool
-    spare = pool - need
-    held = sum(s.nbytes * n for s, n in pool.items())
-    grow = sum(s.nbytes * n for s, n in missing.items())
-    free: Counter[Slot] = Counter()
-    for slot in sorted(spare, key=lambda s: (-s.nbytes, s.word, s.words)):
-        while spare[slot] and held + grow > cap:
-            spare[slot] -= 1
-            free[slot] += 1
-            held -= slot.nbytes
-    return free, missing
 
 
 def staging(lowered: Lowered) -> dict[int, int]:

@@ -19,7 +19,7 @@ import math
 import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -1791,6 +1791,7 @@ def _class_chunks(
             latency_bytes=(class_latency_bytes or {}).get(cls, latency),
             ladder=ladder,
             fault_cost=fault_cost,
+            pool_bytes=bucket_bytes,
         )
     return dict(sorted(chunk_of.items()))
 
@@ -2202,6 +2203,7 @@ def _choose_chunk(
     latency_bytes: int,
     ladder: int,
     fault_cost: float,
+    pool_bytes: int | None = None,
 ) -> int:
     """`choose_chunk_bytes` over streams as arrays, ``weight`` per stage."""
     if not len(streams.nbytes):
@@ -2214,7 +2216,7 @@ def _choose_chunk(
             if c <= cap:
                 candidates.add(c)
 
-    model = _ChunkModel(streams, weight, latency_bytes, fault_cost)
+    model = _ChunkModel(streams, weight, latency_bytes, fault_cost, pool_bytes or cap)
     return min(candidates, key=lambda c: (model.time(c, ladder), -c))
 
 
@@ -2228,9 +2230,15 @@ class _ChunkModel:
     streams: 650,000 streams at 4,096 GPUs are 33,000 (sender, size) pairs)."""
 
     def __init__(
-        self, streams: _StreamArrays, weight: np.ndarray, latency: int, fault_cost: float = 0.0
+        self,
+        streams: _StreamArrays,
+        weight: np.ndarray,
+        latency: int,
+        fault_cost: float = 0.0,
+        pool_bytes: int = 0,
     ) -> None:
         self.fault_cost = fault_cost
+        self.pool_bytes = pool_bytes
         self.stages = len(weight)
         self.weight = weight
         self.latency = latency
@@ -2288,19 +2296,70 @@ class _ChunkModel:
             + (self.weight * n_tail * (tails + self.latency)).sum()
         )
         if ladder and self.fault_cost and len(n_full) > 1:
-            # Stages (units) one after the other whose round sizes differ make the runtime's
-            # staging pool free and allocate buffers (cyclically: the first after the last, on
-            # the next call). Fresh buffers page-fault on first touch, which costs about twice
-            # the copy (`FAULT_COST`): priced here so the chunk size favours reuse.
-            shapes = [
-                frozenset([chunk] * (int(f) > 0) + [int(m)] * (int(t) > 0))
-                for f, t, m in zip(n_full, n_tail, tails, strict=True)
-            ]
-            sizes = n_full * chunk + n_tail * tails
-            for i, shape in enumerate(shapes):
-                if shape != shapes[i - 1]:
-                    total += int(self.fault_cost * sizes[i])
+            # Stages (units) one after the other whose round sizes differ can make the
+            # runtime's staging pool free buffers and allocate others (cyclically: the first
+            # stage after the last, on the next call). Fresh buffers page-fault on first
+            # touch, which costs about twice the copy (`FAULT_COST`): priced here so the chunk
+            # size favours reuse where the pool cannot keep every size.
+            # A step holds at most a bucket of rounds: a stage's need is capped to that.
+            needs = []
+            for f, t, m in zip(n_full.tolist(), n_tail.tolist(), tails.tolist(), strict=True):
+                need = Counter({chunk: min(f, max(1, self.pool_bytes // chunk))})
+                need[m] += min(t, max(1, self.pool_bytes // max(m, 1)))
+                needs.append(need)
+            total += int(self.fault_cost * _faulted_bytes(needs, self.pool_bytes))
         return total
+
+
+def _faulted_bytes(needs: Sequence[Counter[int]], cap: int) -> int:
+    """Bytes a staging pool kept under ``cap`` bytes (`plan_pool`) allocates afresh in one
+    call, once it runs call after call through steps that each need ``needs[i]`` (round size
+    in bytes -> count). Where every size fits at once, nothing is allocated after the first
+    call. (The runtime holds a send and a receive buffer per round, under twice the bucket;
+    this counts one, under one bucket, and `FAULT_COST` prices both.)"""
+    most: Counter[int] = Counter()
+    for need in needs:
+        most |= need
+    if sum(size * count for size, count in most.items()) <= cap:
+        return 0
+    pool: Counter[int] = Counter()
+    fresh = 0
+    for call in range(2):  # the first call fills the pool; the second is what every call pays
+        for need in needs:
+            free, allocate = plan_pool(pool, +need, cap, nbytes=int)
+            pool = pool - free + allocate
+            fresh += call * sum(size * n for size, n in allocate.items())
+    return fresh
+
+
+K = TypeVar("K")
+
+
+def plan_pool(
+    pool: Counter[K],
+    need: Counter[K],
+    cap: int,
+    nbytes: Callable[[K], int] = operator.attrgetter("nbytes"),
+) -> tuple[Counter[K], Counter[K]]:
+    """The staging pool's policy: which buffers to free and which to allocate before a step.
+
+    ``pool`` holds buffers kept from earlier steps (and calls), by kind (`lower.Slot`, or a
+    round size in bytes with ``nbytes=int``). Buffers the step does not use are freed,
+    largest first, while keeping them would take the pool past ``cap`` bytes once the missing
+    ones are allocated. Returns ``(free, allocate)``. The runtime keeps its pool by it, the
+    lowering simulates it (`lower.staging`), and the chunk choice prices it (`_faulted_bytes`).
+    """
+    missing = need - pool
+    spare = pool - need
+    held = sum(nbytes(s) * n for s, n in pool.items())
+    grow = sum(nbytes(s) * n for s, n in missing.items())
+    free: Counter[K] = Counter()
+    for slot in sorted(spare, key=lambda s: (-nbytes(s), s)):
+        while spare[slot] and held + grow > cap:
+            spare[slot] -= 1
+            free[slot] += 1
+            held -= nbytes(slot)
+    return free, missing
 
 
 def _alike_devices(
