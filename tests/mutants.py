@@ -340,6 +340,22 @@ T_PLANNER = "tests/test_planner.py"
 
 EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
+        "tunix-none-target-drops-the-leaf",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "        lambda d, o, s: s if d is None else o, dst, out, source, is_leaf=_is_kept",
+                "        lambda d, o, s: o, dst, out, source, is_leaf=_is_kept",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_a_none_target_leaves_its_source_where_it_is_as_tunix_does[a subtree]",
+        ),
+        "where the target holds None the result holds None, not the source's arrays that "
+        "Tunix's path leaves in place",
+    ),
+    Mutant(
         "chunk-choice-ignores-the-pool",
         SCHEDULE,
         (

@@ -184,6 +184,43 @@ def test_a_prefix_target_moves_as_tunix_moves_it_whatever_the_leaf_count(shape):
     assert all(leaf.sharding == to for leaf in jax.tree.leaves(got))
 
 
+@pytest.mark.parametrize("kept", ["a leaf", "a subtree", "everything"])
+def test_a_none_target_leaves_its_source_where_it_is_as_tunix_does(kept):
+    """Tunix's path (``jax.device_put``) returns the source's own array wherever the target
+    holds None (Tunix's MaxText LoRA set-up builds such targets, for leaves without a
+    partition spec). Regression: the adapter refused them."""
+    trainer, rollout = states()
+    x, b, y = trainer["up"]["kernel"], trainer["up"]["bias"], trainer["down"]["kernel"]
+    to = rollout["up"]["kernel"].sharding
+    source = {"a": x, "b": {"w": b, "v": y}}
+    target = {
+        "a leaf": {"a": to, "b": {"w": None, "v": to}},
+        "a subtree": {"a": to, "b": None},
+        "everything": None,
+    }[kept]
+    want = tunix_reshard.reshard_pytree(source, target)
+    got = jr_tunix.reshard_pytree(source, target)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(source), strict=True)
+    for g, w, s in leaves:
+        assert (g is s) == (w is s)  # left in place exactly where Tunix leaves it
+        assert g.sharding == w.sharding
+    assert bits(got) == bits(source)
+
+
+def test_donate_input_keeps_what_a_none_target_leaves_in_place():
+    """The leaves a None target keeps are the result's own: only the moved ones are
+    consumed."""
+    trainer, rollout = states()
+    x, b = trainer["down"]["kernel"], trainer["down"]["bias"]
+    want = bits({"a": x, "b": b})
+    out = jr_tunix.reshard_pytree(
+        {"a": x, "b": b}, {"a": rollout["down"]["kernel"].sharding, "b": None}, donate_input=True
+    )
+    assert x.is_deleted() and not b.is_deleted() and out["b"] is b
+    assert bits(out) == want
+
+
 def test_shape_dtype_struct_targets_give_their_shardings():
     """Tunix takes any target leaf with a sharding; a ShapeDtypeStruct without one is named."""
     trainer, rollout = states()

@@ -84,17 +84,20 @@ def reshard_pytree(
     del use_experimental_pre_reshard
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
     dst = _destinations(source, target, flat)
-    old = _old_buffers(source, flat) if _DONATE_TARGET else None
-    plan = _plan(source, dst, cache_plan)
-    out = _run(plan, source, old)
+    # A None target leaf leaves its source subtree where it is, as ``jax.device_put`` (Tunix's
+    # path) does: it is taken out of what moves (None in both trees) and put back after.
+    moving = _without_kept(dst, source)
+    old = _old_buffers(moving, flat) if _DONATE_TARGET else None
+    plan = _plan(moving, dst, cache_plan)
+    out = _with_kept(dst, _run(plan, moving, old), source)
     with _LOCK:
         _COUNTERS["calls"] += 1
         _COUNTERS["jaxreshard_calls"] += 1
         if plan.fallback:
             _COUNTERS["fallback_calls"] += 1
             _COUNTERS["fallback_leaves"] += len(plan.fallback)
-    if donate_input:
-        for x in jax.tree_util.tree_leaves(source):
+    if donate_input:  # (the leaves left where they are are the result's own)
+        for x in jax.tree_util.tree_leaves(moving):
             if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
     return out
@@ -177,17 +180,37 @@ def reset_counters() -> None:
 
 
 def _is_target_leaf(x: Any) -> bool:
-    return isinstance(x, (Sharding, jax.Array, jax.ShapeDtypeStruct))
+    """A target leaf: a destination, or None (the source subtree there stays where it is)."""
+    return x is None or isinstance(x, (Sharding, jax.Array, jax.ShapeDtypeStruct))
+
+
+def _is_kept(x: Any) -> bool:
+    return x is None
 
 
 def _is_prefix(prefix: Any, tree: Any) -> bool:
-    """Whether ``prefix`` (shardings at its leaves) is a prefix of ``tree``'s structure, node
-    types included (as ``jax.device_put`` broadcasts a sharding over a subtree)."""
+    """Whether ``prefix`` (shardings, or None, at its leaves) is a prefix of ``tree``'s
+    structure, node types included (as ``jax.device_put`` broadcasts a sharding over a
+    subtree)."""
     try:
-        jax.tree_util.tree_map(lambda _p, _t: None, prefix, tree)
+        jax.tree_util.tree_map(lambda _p, _t: None, prefix, tree, is_leaf=_is_kept)
     except (ValueError, TypeError):
         return False
     return True
+
+
+def _without_kept(dst: Any, source: Any) -> Any:
+    """``source`` with each subtree whose destination is None replaced by None."""
+    return jax.tree_util.tree_map(
+        lambda d, s: None if d is None else s, dst, source, is_leaf=_is_kept
+    )
+
+
+def _with_kept(dst: Any, out: Any, source: Any) -> Any:
+    """``out`` with each subtree whose destination is None taken from ``source``, as is."""
+    return jax.tree_util.tree_map(
+        lambda d, o, s: s if d is None else o, dst, out, source, is_leaf=_is_kept
+    )
 
 
 def _on_source_structure(source: Any, flat: list[tuple[Any, Any]]) -> Any:
@@ -232,7 +255,7 @@ def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
     """
     problems, shardings = [], []
     for path, x in flat:
-        if isinstance(x, Sharding):
+        if x is None or isinstance(x, Sharding):
             shardings.append(x)
         elif isinstance(getattr(x, "sharding", None), Sharding):
             # An array (a deleted one still has its sharding), or a ShapeDtypeStruct with one.
