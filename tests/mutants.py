@@ -356,6 +356,20 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "Tunix's path leaves in place",
     ),
     Mutant(
+        "lone-stretch-kept-apart",
+        SCHEDULE,
+        (
+            (
+                "            stretch = None  # one ordinary unit holds it all: nothing repeats "
+                "(see above)",
+                "            pass",
+            ),
+        ),
+        (f"{T_LOWER}::test_on_cpu_a_small_model_whose_layers_fit_one_unit_moves_in_one_step",),
+        "repeated layers that fit one ordinary unit are still cut apart from the other "
+        "leaves on CPU: a small model takes two steps (and a host sync) a call",
+    ),
+    Mutant(
         "chunk-choice-ignores-the-pool",
         SCHEDULE,
         (

@@ -27,7 +27,7 @@ from jaxreshard.planning.lower import (
     step_roles,
 )
 from jaxreshard.planning.route import route
-from jaxreshard.planning.schedule import _StreamKeys, build_plan_schedule
+from jaxreshard.planning.schedule import _StreamKeys, build_plan_schedule, platform_options
 from jaxreshard.planning.topology import Topology
 
 FSDP_TP = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
@@ -45,7 +45,7 @@ MOVES = {
 }
 
 
-def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False, gather_bytes=None):
+def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False, gather_bytes=None, **more):
     ids = sorted({d for lf in leaves for d in (*lf.src.devices, *lf.dst.devices)})
     topology = topology or Topology.from_groups([ids])
     assignment = route(leaves, topology, fan_out=fan_out)
@@ -56,6 +56,7 @@ def plan(leaves, bucket_bytes=1 << 16, topology=None, fan_out=False, gather_byte
         link_class=topology.link_class,
         class_latency_bytes=topology.class_latency_bytes(),
         gather_bytes=gather_bytes,
+        **more,
     )
     lowered = lower(leaves, schedule, bucket_bytes=bucket_bytes, gather_bytes=gather_bytes)
     return schedule, lowered
@@ -163,6 +164,21 @@ def test_repeated_layers_share_their_programs():
     many = plan(gpt(FSDP_TP, TP4, layers=16), bucket_bytes=1 << 14)[1]
     assert len(many.steps) > 3 * len(few.steps)
     assert many.programs() == few.programs()
+
+
+def test_on_cpu_a_small_model_whose_layers_fit_one_unit_moves_in_one_step():
+    """Repeated layers are cut apart from the other leaves so that equal units share their
+    programs; where all the layers fit one ordinary unit nothing repeats, and on CPU
+    (`platform_options`: each step costs a host sync there) they share a unit with the
+    other leaves. Regression: the Flax example's 2-layer policy took two steps a refit."""
+    embed = leaf_spec((32, 16), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")), path="embed")
+    leaves = [embed, *gpt(FSDP_TP, TP4, layers=2, d=16)]
+    kept, _ = check(leaves, lone_stretch_as_run=False)  # (accelerators: the layers apart)
+    merged, lowered = check(leaves, lone_stretch_as_run=True)
+    assert len(kept.units) == 2
+    assert len(merged.units) == len(lowered.steps) == 1
+    assert platform_options("cpu", 1 << 16)["lone_stretch_as_run"]
+    assert not platform_options("gpu", 1 << 16)["lone_stretch_as_run"]
 
 
 def test_the_slabs_of_a_large_leaf_share_their_programs():

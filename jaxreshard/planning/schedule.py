@@ -558,13 +558,15 @@ def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
     ``"tpu"``): ``unit_bytes``, one bucket on CPU and `GPU_UNIT_BUCKETS` buckets elsewhere,
     ``fault_cost``, `FAULT_COST` on CPU only (fresh pages fault there; accelerators' allocators
     reuse device memory), and ``ladder_rungs``, the tails' ladder (`CPU_LADDER_RUNGS`,
-    `ACCELERATOR_LADDER_RUNGS`). `jaxreshard.plan` and the cluster model both take them from
-    here."""
+    `ACCELERATOR_LADDER_RUNGS`), and ``lone_stretch_as_run`` (`split_units`), on CPU only,
+    where each step costs a host sync (the cluster model priced it 3% slower on the 8-GPU
+    qwen3-4b scenario). `jaxreshard.plan` and the cluster model both take them from here."""
     cpu = platform == "cpu"
     return {
         "unit_bytes": bucket_bytes if cpu else GPU_UNIT_BUCKETS * bucket_bytes,
         "fault_cost": FAULT_COST if cpu else 0.0,
         "ladder_rungs": CPU_LADDER_RUNGS if cpu else ACCELERATOR_LADDER_RUNGS,
+        "lone_stretch_as_run": cpu,
     }
 
 
@@ -624,6 +626,7 @@ def split_units(
     unit_bytes: int | None = None,
     prepared: PreparedPlan | None = None,
     gather_bytes: int | None = None,
+    lone_stretch_as_run: bool = False,
 ) -> tuple[Unit, ...]:
     """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
 
@@ -637,7 +640,10 @@ def split_units(
     whole periods (as many as fit, up to ``max_repeat_copies`` pieces per device, and a number
     that divides the repeats where one is close), or, when one period does not fit, every
     period is cut the same way. Equal units lower to equal programs, so the programs, and
-    the first call's compile time, do not grow with the number of layers. Outside the
+    the first call's compile time, do not grow with the number of layers. With
+    ``lone_stretch_as_run`` (CPU, `platform_options`), a stretch that fits one unit of
+    ``max_copies`` repeats nothing and is cut with the other leaves (a small model then moves
+    in one step, not two: a host sync and three launches fewer). Outside the
     stretch leaves are cut greedily in tree order, the leaves of each (source mesh,
     destination mesh) pair apart from the others: a tree whose leaves alternate between
     meshes would otherwise make a unit, and a step (three launches and a host sync), per leaf.
@@ -702,6 +708,10 @@ def split_units(
 
     parts: list[tuple[str, list[int], int]] = []
     start, stretch = 0, _period(signatures)
+    if lone_stretch_as_run and stretch is not None:
+        a, p, m = stretch
+        if _fits(range(a, a + p * m), loads, bucket_bytes, max_copies):
+            stretch = None  # one ordinary unit holds it all: nothing repeats (see above)
     if stretch is not None:
         a, p, m = stretch
         parts += cut(range(0, a))
@@ -1194,6 +1204,7 @@ def plan_unit_rounds(
     fault_cost: float = FAULT_COST,
     gather_bytes: int | None = None,
     ladder_rungs: int = CPU_LADDER_RUNGS,
+    lone_stretch_as_run: bool = False,
 ) -> tuple[tuple[Unit, ...], RoundPlan]:
     """The units and rounds of a whole plan, as `build_plan_schedule` makes them, without
     cutting message contents (the cost model's input at any cluster size).
@@ -1208,6 +1219,7 @@ def plan_unit_rounds(
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
     (`choose_chunk_bytes`). ``gather_bytes`` (`split_units`): which leaves move by gathers.
     ``ladder_rungs``: rungs per halving of the tails' ladder (`tail_ladder`).
+    ``lone_stretch_as_run``: see `split_units`.
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
     units = split_units(
@@ -1217,6 +1229,7 @@ def plan_unit_rounds(
         max_copies=max_copies,
         unit_bytes=unit_bytes,
         prepared=prepared,
+        lone_stretch_as_run=lone_stretch_as_run,
     )
     # Every unit's streams as arrays (`_StreamArrays`: ~10^6 streams at thousands of GPUs),
     # each (unit, stage) a stage of the chunk model, numbered in order. Units with the same
@@ -1290,6 +1303,7 @@ def plan_unit_rounds(
         pipeline=pipeline,
         unit_bytes=unit_bytes,
         prepared=prepared,
+        lone_stretch_as_run=lone_stretch_as_run,
     )
     buckets: list[PlannedBucket] = []
     # The slabs of a leaf put (nearly) the same bytes on the same streams: their rounds are
@@ -1334,6 +1348,7 @@ def build_plan_schedule(
     fault_cost: float = FAULT_COST,
     gather_bytes: int | None = None,
     ladder_rungs: int = CPU_LADDER_RUNGS,
+    lone_stretch_as_run: bool = False,
 ) -> Schedule:
     """The schedule of a whole plan: `plan_unit_rounds` (same options), then each unit's
     streams cut into its messages' segments, as `build_schedule` does for one unit."""
@@ -1349,6 +1364,7 @@ def build_plan_schedule(
         fault_cost=fault_cost,
         gather_bytes=gather_bytes,
         ladder_rungs=ladder_rungs,
+        lone_stretch_as_run=lone_stretch_as_run,
     )
     return cut_plan_schedule(leaves, units, plan, link_class=link_class)
 
