@@ -39,6 +39,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -144,6 +145,7 @@ class Runtime:
         self._dst_views: dict[int, views.View] = {}
         self._pool: dict[int, dict[Slot, list[jax.Array]]] = defaultdict(lambda: defaultdict(list))
         self.host_syncs = waits_between_steps(self.device[d].platform for d in lowered.union)
+        self._last_step: list[weakref.ref[jax.Array]] = []  # on CPU (see `run`)
         self._lock = threading.Lock()
 
     # --------------------------------------------------------------------------------- run
@@ -176,10 +178,17 @@ class Runtime:
                 self._compile_ahead(srcs, fresh=donate is None)
             clock = _Clock(profile)
             dst = _Destinations(self, donate)
-            previous: list[jax.Array] = []
+            previous = [x for x in (ref() for ref in self._last_step) if x is not None]
             hook = [before_collectives] if before_collectives is not None else []
             for step in self._steps:
                 previous = self._run_step(step, srcs, dst, clock, previous, hook)
+            if self.host_syncs:
+                # The next call's first transfer waits for this call's last step too, as each
+                # step waits for the one before: calls made back to back would otherwise put
+                # two calls' collectives in flight at once (200 refits of a one-step plan in a
+                # loop aborted in XLA's rendezvous). A call made later finds it long done.
+                # Held weakly: a result the caller dropped is not kept alive for this.
+                self._last_step = [weakref.ref(x) for x in previous]
             if hook:
                 hook.pop()()
             return dst.finish()
@@ -196,7 +205,8 @@ class Runtime:
         """Dispatch one step; returns what it wrote (for the next step's host sync). Runs and
         drops the pending ``hook`` before the step's transfer and unpacks."""
         if self.host_syncs and previous and step.transfer is not None:
-            jax.block_until_ready(previous)  # see `waits_between_steps`
+            # (see `waits_between_steps`; what the caller deleted or donated since is left out)
+            jax.block_until_ready([x for x in previous if not x.is_deleted()])
         if step.fresh and not dst.donated_all:
             dst.allocate(step.fresh)
             clock.mark("alloc", dst.pending())
@@ -226,6 +236,8 @@ class Runtime:
                 self._pool[d][slot].append(buf)
         for (d, t), buf in (*sent.items(), *received.items()):
             self._pool[d][step.slots[t]].append(buf)
+        if step.transfer is None:  # no collective: the next transfer also waits for the last
+            return [*previous, *written]
         return [*written, *received.values()]
 
     # ------------------------------------------------------------------------- staging pool
@@ -564,8 +576,10 @@ def waits_between_steps(platforms: Iterable[str]) -> bool:
     needs every device's thread to reach it at once: with several steps in flight, the
     programs queued behind a blocked collective can leave one device's part of it without a
     thread, and XLA aborts after 40 s (seen here with no waits). So on CPU each step starts
-    once the previous one has finished. Elsewhere nothing waits: the pool bounds the staging,
-    and buffer dependencies order the steps.
+    once the previous one has finished, and a call's first step once the last call's last step
+    has (a wait that costs nothing when the calls are not back to back, so `host_syncs_per_call`
+    does not count it). Elsewhere nothing waits: the pool bounds the staging, and buffer
+    dependencies order the steps.
     """
     return "cpu" in set(platforms)
 
