@@ -370,6 +370,22 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "leaves on CPU: a small model takes two steps (and a host sync) a call",
     ),
     Mutant(
+        "runtime-calls-back-to-back-unwaited",
+        RUNTIME,
+        (
+            (
+                "                self._last_step = [weakref.ref(x) for x in previous]",
+                "                pass",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::"
+            "test_on_cpu_a_call_waits_for_the_last_calls_step_before_its_first_transfer",
+        ),
+        "on CPU a call's first transfer does not wait for the last call's last step: a "
+        "one-step plan called back to back puts two calls' collectives in flight (XLA aborts)",
+    ),
+    Mutant(
         "chunk-choice-ignores-the-pool",
         SCHEDULE,
         (

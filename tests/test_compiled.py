@@ -345,3 +345,29 @@ def test_a_destination_spelled_two_ways_comes_back_as_asked():
     jr.clear_cache()
     for dst in (short, long, short):
         assert_exact(jr.reshard(src, dst), host, dst)
+
+
+def test_on_cpu_a_call_waits_for_the_last_calls_step_before_its_first_transfer(monkeypatch):
+    """XLA's CPU collectives need every device's thread at once, so on CPU each step waits for
+    the one before (`stats.host_syncs` counts those), and a call's first step waits for the
+    last call's last step. Regression: nothing waited across calls, and a one-step plan
+    called back to back put two calls' collective-permutes in flight; XLA's rendezvous
+    aborted (the soak test's 200 refits, 4 of 6 runs)."""
+    host, src = tree(2)
+    plan = jr.plan(src, {k: sharding(*DST) for k in src})
+    assert plan.stats.host_syncs == 0  # one step: no wait inside a call
+    waits = []
+    real = jax.block_until_ready
+
+    def block(x):
+        waits.append(len(jax.tree.leaves(x)))
+        return real(x)
+
+    monkeypatch.setattr(jax, "block_until_ready", block)
+    out = plan(src)
+    assert waits == []  # nothing before the first call
+    out = plan(src, donate=out)
+    assert len(waits) == 1 and waits[0] > 0  # the first call's last step
+    monkeypatch.undo()
+    for k in host:
+        assert_exact(out[k], host[k], sharding(*DST))
