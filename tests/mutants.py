@@ -319,8 +319,9 @@ MULTIHOST_MUTANTS = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "        crossed = _STATE.given_up.pop((group_key, n), None)",
-                "        crossed = None",
+                "    client, me, group, group_key, n, base, crossed = slot\n"
+                "    if crossed is not None:",
+                "    client, me, group, group_key, n, base, crossed = slot\n    if False:",
             ),
         ),
         (

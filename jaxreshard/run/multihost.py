@@ -411,9 +411,7 @@ def check_order(
     slot = _publish_call(plan, client, mine)
     if slot is None:
         return
-    client, me, group, group_key, n, base = slot
-    with _STATE.lock:
-        crossed = _STATE.given_up.pop((group_key, n), None)
+    client, me, group, group_key, n, base, crossed = slot
     if crossed is not None:
         raise ReshardError(
             f"jaxreshard: this process (process {me}) gave up call #{n + 1} over processes "
@@ -498,10 +496,11 @@ def refuse_call(plan: PlanIdentity, label: str, reason: str, *, client: Any = No
 
 def _publish_call(
     plan: PlanIdentity, client: Any, record: Mapping[str, str]
-) -> tuple[Any, int, tuple[int, ...], str, int, str] | None:
+) -> tuple[Any, int, tuple[int, ...], str, int, str, str | None] | None:
     """Take this process's next call number over ``plan``'s processes and publish ``record``
-    under it; returns ``(client, me, group, group_key, n, base)``, or None where this process
-    is not involved (or there is one process)."""
+    under it; returns ``(client, me, group, group_key, n, base, crossed)``, or None where this
+    process is not involved (or there is one process). ``crossed``: why this process gave
+    that call up before making it (`_Waiting.check`), its record then already published."""
     found = _involvement(plan, client)
     if found is None:
         return None
@@ -510,12 +509,12 @@ def _publish_call(
     with _STATE.lock:
         n = _STATE.calls[group_key]
         _STATE.calls[group_key] = n + 1
-        given_up = (group_key, n) in _STATE.given_up
+        crossed = _STATE.given_up.pop((group_key, n), None)
     # Keys in blocks of _ORDER_BLOCK calls, so that old ones go with one delete per block.
     base = f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}"
-    if not given_up:  # (a given-up call's record, written then, stays: the peers read it)
+    if crossed is None:  # (a given-up call's record, written then, stays: the peers read it)
         client.key_value_set(f"{base}/{n}/{me}", json.dumps(dict(record)))
-    return client, me, group, group_key, n, base
+    return client, me, group, group_key, n, base, crossed
 
 
 def _ignore_missing(fn: Callable[..., Any], *args: Any) -> None:
