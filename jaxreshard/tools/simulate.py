@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 
 from jaxreshard.errors import ReshardError
 from jaxreshard.planning.layout import Layout
-from jaxreshard.planning.route import LeafSpec, planner_options
+from jaxreshard.planning.route import LeafSpec, gc_paused, planner_options
 from jaxreshard.planning.route import route as assign
 from jaxreshard.planning.schedule import (
     ALIGN,
@@ -846,17 +846,18 @@ def simulate(
     # bound (at the destination's bytes) would not bound it.
     src_dtype = "float32" if itemsize > 2 else "bfloat16"
     start = time.perf_counter()
-    leaves = [
-        LeafSpec(
-            p.name,
-            _laid_out(p, model, s, src_ids, f"--src {src!r}"),
-            _laid_out(p, model, d, dst_ids, f"--dst {dst!r}"),
-            src_dtype,
-            dtype,
-            itemsize,
-        )
-        for p in model.params
-    ]
+    with gc_paused():  # as `route` and the schedule are: millions of boxes that all live on
+        leaves = [
+            LeafSpec(
+                p.name,
+                _laid_out(p, model, s, src_ids, f"--src {src!r}"),
+                _laid_out(p, model, d, dst_ids, f"--dst {dst!r}"),
+                src_dtype,
+                dtype,
+                itemsize,
+            )
+            for p in model.params
+        ]
     platform = platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes)
     routing = planner_options(bucket_bytes)
     assignment = assign(leaves, topo, fan_out=fan_out, **routing)
