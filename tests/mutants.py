@@ -407,6 +407,35 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "pool keeps every size: small trees get rounds cut to their smallest unit's streams",
     ),
     Mutant(
+        "chunk-choice-pruned-by-the-best-bare-time",
+        SCHEDULE,
+        (
+            (  # stops at the best's fault-free time, not its priced one: can miss the best
+                "if best is not None and (bare[c], -c) >= best[0]:",
+                "if best is not None and (bare[c], -c) >= (bare[best[1]], -best[1]):",
+            ),
+        ),
+        (f"{T_PLANNER}::test_the_chunk_choice_is_the_best_candidate_faults_included",),
+        "the chunk choice stops pricing candidates once one's fault-free time reaches the "
+        "best's fault-free time, though the best's faults may make a later one better",
+    ),
+    Mutant(
+        "faulted-bytes-counts-each-need-once",
+        SCHEDULE,
+        (
+            (  # every repeat of a need dropped, not only the ones right after an equal need
+                "needs = [n for k, n in enumerate(needs) if k == 0 or n != needs[k - 1]]",
+                "needs = [n for k, n in enumerate(needs) if n not in needs[:k]]",
+            ),
+        ),
+        (
+            f"{T_PLANNER}::"
+            "test_runs_of_equal_needs_allocate_what_the_pool_policy_replayed_step_by_step_does",
+        ),
+        "the pool's replay drops every need seen before, not only the ones right after an "
+        "equal need: a pool that frees and reallocates between alternating sizes looks free",
+    ),
+    Mutant(
         "lower-read-offset-off-by-one",
         LOWER,
         (

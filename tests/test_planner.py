@@ -20,6 +20,7 @@ from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import route
 from jaxreshard.planning.schedule import (
     ALIGN,
+    _choose_chunk,
     _ChunkModel,
     _class_rounds,
     _ColourMemo,
@@ -29,10 +30,12 @@ from jaxreshard.planning.schedule import (
     _plan_stream_rounds,
     _slab_dimension,
     _stage_rounds,
+    _StreamArrays,
     build_schedule,
     chunk_sizes,
     colour_rounds,
     ladder_size,
+    plan_pool,
     plan_stats,
     platform_options,
 )
@@ -194,6 +197,64 @@ def test_a_pool_that_cannot_keep_every_round_size_allocates_some_afresh_every_ca
     # allocates 2 x 1000, freeing one 3000 (3000 + 2000 <= 6000); step 2: allocates one 3000,
     # freeing both 1000s (3000 + 3000 <= 6000). Every call from then on: 5000 bytes.
     assert _faulted_bytes(needs, cap=6000) == 5000
+
+
+def test_runs_of_equal_needs_allocate_what_the_pool_policy_replayed_step_by_step_does():
+    """`_faulted_bytes` counts a run of equal needs as its first step: the bytes it gives
+    equal a plain replay of `plan_pool` over every step (two calls, the second counted), on
+    random sequences with long runs."""
+
+    def replayed(needs, cap):
+        pool, fresh = Counter(), 0
+        for call in range(2):
+            for need in needs:
+                free, allocate = plan_pool(pool, +need, cap, nbytes=int)
+                pool = pool - free + allocate
+                fresh += call * sum(size * n for size, n in allocate.items())
+        return fresh
+
+    rng = np.random.default_rng(0)
+    kinds = [Counter({1000: 2}), Counter({3000: 1, 500: 1}), Counter({3000: 2}), Counter({64: 9})]
+    for _ in range(200):
+        needs = [kinds[k] for k in rng.integers(0, 4, size=int(rng.integers(1, 9)))]
+        needs = [n for n in needs for _ in range(int(rng.integers(1, 5)))]  # runs
+        cap = int(rng.choice([600, 3000, 4000, 6000, 9000]))
+        assert _faulted_bytes(needs, cap) == replayed(needs, cap), (needs, cap)
+
+
+def test_the_chunk_choice_is_the_best_candidate_faults_included():
+    """`_choose_chunk` prices page faults only for candidates whose fault-free time could
+    still win: its choice is the brute-force best, by time then larger chunk, over every
+    candidate (each stream size over 1..64, aligned, and the cap), on random plans whose
+    units differ in round sizes."""
+    rng = np.random.default_rng(1)
+    differs = 0
+    for trial in range(12):
+        sizes = {}
+        for stage in range(int(rng.integers(2, 12))):
+            for s in range(4):
+                for d in (4 + s % 2, 6 + s % 2):
+                    sizes[stage, (s, d)] = (
+                        int(rng.integers(1, 400)) * 4096 + int(rng.integers(0, 2)) * 16
+                    )
+        streams, _ = _StreamArrays.of(sizes)
+        weight = np.ones(len(set(stage for stage, _ in sizes)), np.int64)
+        cap = int(rng.choice([256 << 10, 1 << 20, 4 << 20]))
+        options = dict(cap=cap, latency_bytes=490_000, ladder=1, fault_cost=2.0)
+        chosen = _choose_chunk(streams, weight, **options)
+        model = _ChunkModel(streams, weight, 490_000, 2.0, cap)
+        largest = sorted(set(sizes.values()))[-8:]
+        aligned = [
+            max(ALIGN, math.ceil(math.ceil(n / k) / ALIGN) * ALIGN)
+            for n in largest
+            for k in range(1, 65)
+        ]
+        candidates = {cap} | {c for c in aligned if c <= cap}
+        faultless = min(candidates, key=lambda c: (model.time(c, 1, faults=False), -c))
+        differs += faultless != chosen
+        best = min(candidates, key=lambda c: (model.time(c, 1), -c))
+        assert chosen == best, trial
+    assert differs  # some plans where faults change the choice (the pruning is exercised)
 
 
 def test_mixed_dtypes_keep_elements_whole_across_chunks():
