@@ -357,6 +357,33 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "Tunix's path leaves in place",
     ),
     Mutant(
+        "tunix-misfit-target-taken-apart",
+        "jaxreshard/integrations/tunix.py",
+        (("    kept = _is_prefix(dst, source)\n", "    kept = True\n"),),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_a_target_that_fits_the_source_neither_way_is_refused_by_jaxreshard",
+        ),
+        "a target that fits the source neither way has its None leaves taken out first, "
+        "which raises JAX's bare pytree error instead of jaxreshard's",
+    ),
+    Mutant(
+        "tunix-source-none-no-leaf",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "tree_flatten_with_path(source, is_leaf=_is_kept)",
+                "tree_flatten_with_path(source)",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_a_none_in_both_models_states_stays_none_leaf_for_leaf",
+        ),
+        "a None in the source is no leaf while the target's None is one: two models' states "
+        "with a None at the same place no longer match leaf for leaf",
+    ),
+    Mutant(
         "lone-stretch-kept-apart",
         SCHEDULE,
         (

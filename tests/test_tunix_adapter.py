@@ -208,6 +208,55 @@ def test_a_none_target_leaves_its_source_where_it_is_as_tunix_does(kept):
     assert bits(got) == bits(source)
 
 
+def test_a_target_that_fits_the_source_neither_way_is_refused_by_jaxreshard():
+    """A target neither a prefix of the source nor laid out leaf for leaf like it is refused
+    with jaxreshard's error naming the structures. Regression: taking the None target leaves
+    out first raised JAX's bare pytree ValueError instead."""
+    trainer, rollout = states()
+    to = rollout["up"]["kernel"].sharding
+    source = {"a": trainer["up"]["kernel"], "b": {"p": trainer["up"]["bias"]}}
+    target = {"a": to, "b": {"p": to, "r": to, "t": None}}
+    with pytest.raises(jr_tunix.ReshardError, match="does not match the structure"):
+        jr_tunix.reshard_pytree(source, target)
+
+
+class Node:
+    """A pytree node with metadata: two models' states of it are not prefixes of each other
+    (their metadata differ), only leaf for leaf alike."""
+
+    def __init__(self, children: dict, meta: str) -> None:
+        self.children, self.meta = children, meta
+
+
+jax.tree_util.register_pytree_with_keys(
+    Node,
+    lambda n: (
+        [(jax.tree_util.DictKey(k), v) for k, v in sorted(n.children.items())],
+        (tuple(sorted(n.children)), n.meta),
+    ),
+    lambda aux, children: Node(dict(zip(aux[0], children, strict=True)), aux[1]),
+)
+
+
+def test_a_none_in_both_models_states_stays_none_leaf_for_leaf():
+    """Source and target from two models (node metadata differ: laid leaf for leaf), both
+    holding None at the same place (a layer without a bias), and the target None where the
+    source has an array (kept there): the Nones are kept and the rest moves. Regression:
+    the target's None counted as a leaf and the source's did not, so the counts differed
+    and the call failed with JAX's bare pytree error."""
+    trainer, rollout = states()
+    (x,) = jax.tree.leaves(trainer["up"]["kernel"])  # the array (a state holds Variables)
+    (y,) = jax.tree.leaves(trainer["down"]["kernel"])
+    to = rollout["up"]["kernel"].sharding
+    got = jr_tunix.reshard_pytree(  # "k": a None target leaf, kept where it is
+        Node({"w": x, "bias": None, "k": y}, "trainer"),
+        Node({"w": to, "bias": None, "k": None}, "sampler"),
+    )
+    assert got.children["bias"] is None and got.children["k"] is y and got.meta == "trainer"
+    assert got.children["w"].sharding == to
+    assert bits(got.children["w"]) == bits(x)
+
+
 def test_donate_input_keeps_what_a_none_target_leaves_in_place():
     """The leaves a None target keeps are the result's own: only the moved ones are
     consumed."""

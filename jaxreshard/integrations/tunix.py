@@ -85,11 +85,15 @@ def reshard_pytree(
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
     dst = _destinations(source, target, flat)
     # A None target leaf leaves its source subtree where it is, as ``jax.device_put`` (Tunix's
-    # path) does: it is taken out of what moves (None in both trees) and put back after.
-    moving = _without_kept(dst, source)
+    # path) does: it is taken out of what moves (None in both trees) and put back after. A
+    # target that does not fit the source goes to `jr.plan` as it is, which names the misfit.
+    kept = _is_prefix(dst, source)
+    moving = _without_kept(dst, source) if kept else source
     old = _old_buffers(moving, flat) if _DONATE_TARGET else None
     plan = _plan(moving, dst, cache_plan)
-    out = _with_kept(dst, _run(plan, moving, old), source)
+    out = _run(plan, moving, old)
+    if kept:
+        out = _with_kept(dst, out, source)
     with _LOCK:
         _COUNTERS["calls"] += 1
         _COUNTERS["jaxreshard_calls"] += 1
@@ -221,7 +225,9 @@ def _on_source_structure(source: Any, flat: list[tuple[Any, Any]]) -> Any:
       ReshardError: when the counts agree but the keys do not (the leaves would land on the
         wrong source leaves).
     """
-    source_flat, structure = jax.tree_util.tree_flatten_with_path(source)
+    # A None in the source counts as a leaf, as it does in the target (`_is_target_leaf`):
+    # both models' states hold None where a layer has no bias, say.
+    source_flat, structure = jax.tree_util.tree_flatten_with_path(source, is_leaf=_is_kept)
     if len(source_flat) != len(flat):
         return None
     differ = [
