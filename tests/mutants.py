@@ -402,7 +402,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         RUNTIME,
         (
             (
-                "                self._last_step = [weakref.ref(x) for x in previous]",
+                "                _LAST_STEP.remember(previous)",
                 "                pass",
             ),
         ),
@@ -412,6 +412,31 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         ),
         "on CPU a call's first transfer does not wait for the last call's last step: a "
         "one-step plan called back to back puts two calls' collectives in flight (XLA aborts)",
+    ),
+    Mutant(
+        "runtime-last-step-per-plan",
+        RUNTIME,
+        (
+            (  # each plan its own last step: plan B does not wait for plan A's
+                "            previous = _LAST_STEP.arrays() if self.host_syncs else []\n",
+                "            previous = [x for x in _LAST_STEP.arrays() if id(x) in self._mine]\n",
+            ),
+            (
+                "                _LAST_STEP.remember(previous)",
+                "                _LAST_STEP.remember(previous)\n"
+                "                self._mine = {id(x) for x in previous}",
+            ),
+            (
+                "        self._lock = threading.Lock()\n\n    # ---",
+                "        self._lock = threading.Lock()\n        self._mine = set()\n\n    # ---",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::"
+            "test_on_cpu_a_plans_first_transfer_waits_for_another_plans_last_step",
+        ),
+        "on CPU a plan's call waits for the last call of the same plan only: plan B called "
+        "right after plan A puts its collectives beside A's on the shared thread pool",
     ),
     Mutant(
         "chunk-choice-ignores-the-pool",

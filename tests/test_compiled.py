@@ -363,6 +363,9 @@ def test_on_cpu_a_call_waits_for_the_last_calls_step_before_its_first_transfer(m
         waits.append(len(jax.tree.leaves(x)))
         return real(x)
 
+    monkeypatch.setattr(
+        runtime_module, "_LAST_STEP", runtime_module._LastStep()
+    )  # no other plan's step
     monkeypatch.setattr(jax, "block_until_ready", block)
     out = plan(src)
     assert waits == []  # nothing before the first call
@@ -371,3 +374,31 @@ def test_on_cpu_a_call_waits_for_the_last_calls_step_before_its_first_transfer(m
     monkeypatch.undo()
     for k in host:
         assert_exact(out[k], host[k], sharding(*DST))
+
+
+def test_on_cpu_a_plans_first_transfer_waits_for_another_plans_last_step(monkeypatch):
+    """XLA's CPU devices share one thread pool whichever plan runs on them, so plan B called
+    right after plan A waits, before its first transfer, for A's last step. Regression
+    (found in review): the wait was per plan, and B's collectives could run beside A's."""
+    host_a, a = tree(2)
+    host_b, b = tree(3)
+    plan_a = jr.plan(a, {k: sharding(*DST) for k in a})
+    plan_b = jr.plan(b, {k: sharding(*DST) for k in b})
+    out_a, out_b = plan_a(a), plan_b(b)
+    waited = []
+    real = jax.block_until_ready
+
+    def block(x):
+        waited.append({id(y) for y in jax.tree.leaves(x)})
+        return real(x)
+
+    monkeypatch.setattr(jax, "block_until_ready", block)
+    out_a = plan_a(a, donate=out_a)
+    last_of_a = {id(x) for x in runtime_module._LAST_STEP.arrays()}
+    waited.clear()
+    out_b = plan_b(b, donate=out_b)
+    monkeypatch.undo()
+    assert last_of_a and waited and last_of_a <= set().union(*waited)
+    for out, host in ((out_a, host_a), (out_b, host_b)):
+        for k in host:
+            assert_exact(out[k], host[k], sharding(*DST))

@@ -145,7 +145,6 @@ class Runtime:
         self._dst_views: dict[int, views.View] = {}
         self._pool: dict[int, dict[Slot, list[jax.Array]]] = defaultdict(lambda: defaultdict(list))
         self.host_syncs = waits_between_steps(self.device[d].platform for d in lowered.union)
-        self._last_step: list[weakref.ref[jax.Array]] = []  # on CPU (see `run`)
         self._lock = threading.Lock()
 
     # --------------------------------------------------------------------------------- run
@@ -178,17 +177,16 @@ class Runtime:
                 self._compile_ahead(srcs, fresh=donate is None)
             clock = _Clock(profile)
             dst = _Destinations(self, donate)
-            previous = [x for x in (ref() for ref in self._last_step) if x is not None]
+            previous = _LAST_STEP.arrays() if self.host_syncs else []
             hook = [before_collectives] if before_collectives is not None else []
             for step in self._steps:
                 previous = self._run_step(step, srcs, dst, clock, previous, hook)
             if self.host_syncs:
-                # The next call's first transfer waits for this call's last step too, as each
-                # step waits for the one before: calls made back to back would otherwise put
-                # two calls' collectives in flight at once (200 refits of a one-step plan in a
-                # loop aborted in XLA's rendezvous). A call made later finds it long done.
-                # Held weakly: a result the caller dropped is not kept alive for this.
-                self._last_step = [weakref.ref(x) for x in previous]
+                # The next call's first transfer, of this plan or any other, waits for this
+                # call's last step too, as each step waits for the one before: calls made back
+                # to back would otherwise put two calls' collectives in flight at once (200
+                # refits of a one-step plan in a loop aborted in XLA's rendezvous).
+                _LAST_STEP.remember(previous)
             if hook:
                 hook.pop()()
             return dst.finish()
@@ -567,6 +565,31 @@ def _groups(missing: Mapping[Slot, Counter[int]]) -> list[tuple[Slot, tuple[int,
             out.append((slot, tuple(sorted(counts))))
             counts = Counter({d: n - 1 for d, n in counts.items() if n > 1})
     return out
+
+
+class _LastStep:
+    """What the last call of any plan in this process wrote in its last step (on CPU): the
+    next call's first transfer waits for it (`waits_between_steps`). One for the process, not
+    one per plan: XLA's CPU devices share one thread pool whichever plan runs on them, so
+    plan B called right after plan A must not put its collectives beside A's. Held weakly: a
+    result the caller dropped is not kept alive for this, and a call made later finds the
+    rest long done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refs: list[weakref.ref[jax.Array]] = []
+
+    def arrays(self) -> list[jax.Array]:
+        with self._lock:
+            return [x for x in (ref() for ref in self._refs) if x is not None]
+
+    def remember(self, arrays: Sequence[jax.Array]) -> None:
+        refs = [weakref.ref(x) for x in arrays]
+        with self._lock:
+            self._refs = refs
+
+
+_LAST_STEP = _LastStep()
 
 
 def waits_between_steps(platforms: Iterable[str]) -> bool:
