@@ -577,10 +577,6 @@ class _Waiting:
         if other["key"] == self.key or self.me not in other["group"]:
             return
         crossing = (other["key"], other["n"])
-        with _STATE.lock:
-            made = _STATE.calls[other["key"]]
-            if made > other["n"] or crossing in _STATE.given_up:
-                return  # this process made that call, or gave it up: the peer will pass it
         error = ReshardError(
             f"jaxreshard: processes {self.me} and {q} are waiting for each other in crossed "
             f"calls: this process in call #{self.n + 1} over processes {self.group} "
@@ -589,16 +585,21 @@ class _Waiting:
             "was moved.\nHow to fix: every process must call its plans in the same order, "
             "plans over different groups of processes included"
         )
-        if made == other["n"]:
-            # The peer waits there for this process, which gives that call up now: the peer
-            # reads the record and raises at once. This process's own call of that number,
-            # when its program makes it (it was about to: the orders are crossed), raises at
-            # once too (`check_order`), so both count that call alike. (Taking the number
-            # silently instead left that call waiting for peers that had given it up.)
-            n = other["n"]
-            reason = str(error).splitlines()[0]
-            with _STATE.lock:
+        reason = str(error).splitlines()[0]
+        with _STATE.lock:  # one hold: no call of that number is taken in between
+            made = _STATE.calls[other["key"]]
+            if made > other["n"] or crossing in _STATE.given_up:
+                return  # this process made that call, or gave it up: the peer will pass it
+            if made == other["n"]:
+                # The peer waits there for this process, which gives that call up now: the
+                # peer reads the record below and raises at once. This process's own call of
+                # that number, when its program makes it (it was about to: the orders are
+                # crossed), raises at once too (`check_order`), so both count that call
+                # alike. (Taking the number silently instead left that call waiting for
+                # peers that had given it up.)
                 _STATE.given_up[crossing] = reason
+        if made == other["n"]:
+            n = other["n"]
             record = {"fp": "", "plan": other["plan"], "abandoned": reason}
             key = f"{_ORDER_PREFIX}/{other['key']}/{n // _ORDER_BLOCK}/{n}/{self.me}"
             self.client.key_value_set(key, json.dumps(record))
