@@ -126,6 +126,21 @@ def test_donate_target_reuses_the_rollout_buffers():
     assert bits(again) == bits(trainer)
 
 
+def test_donate_target_reuses_the_rollout_buffers_beside_none_target_leaves():
+    """With ``donate_target``, a target holding None somewhere still gives its arrays'
+    buffers to the leaves that move; the kept leaves are the source's own. Regression: a None
+    target leaf turned the reuse off for the whole call."""
+    trainer, rollout = states()
+    jr_tunix.install(donate_target=True)
+    source = {"up": trainer["up"], "down": trainer["down"]}
+    out = tunix_reshard.reshard_pytree(source, {"up": rollout["up"], "down": None})
+    assert all(x.is_deleted() for x in jax.tree.leaves(rollout["up"]))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(rollout["down"]))
+    kept = zip(jax.tree.leaves(out["down"]), jax.tree.leaves(source["down"]), strict=True)
+    assert all(o is s for o, s in kept)
+    assert bits(out) == bits(source)
+
+
 def test_leaves_jaxreshard_cannot_take_go_through_device_put_and_are_counted():
     trainer, rollout = states()
     source = {"params": trainer, "step": np.int32(3)}

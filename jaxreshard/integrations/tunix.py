@@ -288,9 +288,11 @@ def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
 
 
 def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:
-    """The target's arrays (``flat``: path, leaf) in the source's structure, to donate; None
-    if any is not a live array."""
-    if not all(isinstance(x, jax.Array) and not x.is_deleted() for _, x in flat):
+    """The target's arrays (``flat``: path, leaf) in the source's structure, to donate (None
+    where the target keeps the source's leaf: ``source`` holds None there too); None if any
+    other is not a live array."""
+    arrays = [x for _, x in flat if x is not None]
+    if not arrays or not all(isinstance(x, jax.Array) and not x.is_deleted() for x in arrays):
         return None
     try:
         return _on_source_structure(source, flat)
