@@ -357,6 +357,22 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "Tunix's path leaves in place",
     ),
     Mutant(
+        "tunix-none-target-disables-donation",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "    arrays = [x for _, x in flat if x is not None]\n",
+                "    arrays = [x for _, x in flat]\n",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_donate_target_reuses_the_rollout_buffers_beside_none_target_leaves",
+        ),
+        "with install(donate_target=True), a None anywhere in the target turns the reuse of "
+        "its arrays off for the whole call",
+    ),
+    Mutant(
         "tunix-misfit-target-taken-apart",
         "jaxreshard/integrations/tunix.py",
         (("    kept = _is_prefix(dst, source)\n", "    kept = True\n"),),
