@@ -375,7 +375,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
         "tunix-misfit-target-taken-apart",
         "jaxreshard/integrations/tunix.py",
-        (("    kept = _is_prefix(dst, source)\n", "    kept = True\n"),),
+        (("    return (prefix, False) if laid", "    return (prefix, True) if laid"),),
         (
             "tests/test_tunix_adapter.py::"
             "test_a_target_that_fits_the_source_neither_way_is_refused_by_jaxreshard",
@@ -479,8 +479,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (  # stops at the best's fault-free time, not its priced one: can miss the best
-                "if best is not None and (bare[c], -c) >= best[0]:",
-                "if best is not None and (bare[c], -c) >= (bare[best[1]], -best[1]):",
+                "if (bare[c], -c) >= best_key:",
+                "if (bare[c], -c) >= (bare[best], -best):",
             ),
         ),
         (f"{T_PLANNER}::test_the_chunk_choice_is_the_best_candidate_faults_included",),

@@ -83,11 +83,10 @@ def reshard_pytree(
     """
     del use_experimental_pre_reshard
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
-    dst = _destinations(source, target, flat)
+    dst, kept = _destinations(source, target, flat)
     # A None target leaf leaves its source subtree where it is, as ``jax.device_put`` (Tunix's
     # path) does: it is taken out of what moves (None in both trees) and put back after. A
     # target that does not fit the source goes to `jr.plan` as it is, which names the misfit.
-    kept = _is_prefix(dst, source)
     moving = _without_kept(dst, source) if kept else source
     old = _old_buffers(moving, flat) if _DONATE_TARGET else None
     plan = _plan(moving, dst, cache_plan)
@@ -251,8 +250,9 @@ def _names(path: Any) -> tuple[Any, ...]:
     return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
-def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
-    """The target's shardings, in the source's tree structure.
+def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> tuple[Any, bool]:
+    """The target's shardings, in the source's tree structure, and whether they fit it (a
+    target that fits neither way is returned as it is, for `jr.plan` to refuse).
 
     A target whose structure is a prefix of the source's is used as one, as ``jax.device_put``
     does. Else, Tunix builds source and target from two models (``nnx.state`` of each), whose
@@ -282,9 +282,9 @@ def _destinations(source: Any, target: Any, flat: list[tuple[Any, Any]]) -> Any:
         jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf), shardings
     )
     if _is_prefix(prefix, source):
-        return prefix
+        return prefix, True
     laid = _on_source_structure(source, [(p, x) for (p, _), x in zip(flat, shardings, strict=True)])
-    return prefix if laid is None else laid
+    return (prefix, False) if laid is None else (laid, True)
 
 
 def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:

@@ -2233,22 +2233,20 @@ def _choose_chunk(
                 candidates.add(c)
 
     model = _ChunkModel(streams, weight, latency_bytes, fault_cost, pool_bytes or cap)
-    if not fault_cost:
-        return min(candidates, key=lambda c: (model.time(c, ladder), -c))
     # Page faults only add to a candidate's time, and pricing them replays the staging pool
     # over every unit: candidates are taken by their time without faults, and once that
     # alone ties or loses to the best so far, no later one can win (the same choice, priced
     # for few candidates: a plan of 500 units took 5.5 s, not 1.2 s, pricing all ~200).
     bare = {c: model.time(c, ladder, faults=False) for c in candidates}
-    best: tuple[tuple[int, int], int] | None = None
-    for c in sorted(candidates, key=lambda c: (bare[c], -c)):
-        if best is not None and (bare[c], -c) >= best[0]:
+    first, *rest = sorted(candidates, key=lambda c: (bare[c], -c))
+    best, best_key = first, (model.time(first, ladder), -first)
+    for c in rest:
+        if (bare[c], -c) >= best_key:
             break
         key = (model.time(c, ladder), -c)
-        if best is None or key < best[0]:
-            best = (key, c)
-    assert best is not None
-    return best[1]
+        if key < best_key:
+            best, best_key = c, key
+    return best
 
 
 class _ChunkModel:
