@@ -573,6 +573,19 @@ def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     assert record["modeled_s"] >= record["lower_bound_s"] > 0
 
 
+def test_the_summary_reads_each_scenarios_record():
+    """`--all` keeps only each scenario's record (its plan is let go once printed): the
+    summary line shows the record's modeled time, bound, ratios and baselines."""
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "gb200-nvl72", title="small: x")
+    (line,) = sim.summary([r.record("small")]).splitlines()[1:]
+    ag = r.baselines["all-gather + broadcast"] / r.modeled.seconds
+    one_lane = r.one_lane.seconds / r.bound.seconds
+    for figure in (sim._ms(r.modeled.seconds), sim._ms(r.bound.seconds), f"{r.ratio:.2f}",
+                   f"{one_lane:.2f}", f"{ag:.2f}x"):  # fmt: skip
+        assert f" {figure} " in f" {line} "
+    assert line.startswith("small ")
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
