@@ -864,6 +864,19 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "the GPU timeline's barrier takes the last of the clocks tied for the latest, not the "
         "first (the parts reported on the critical path change)",
     ),
+    Mutant(
+        "simulate-summary-one-lane-is-the-ratio",
+        "jaxreshard/tools/simulate.py",
+        (
+            (
+                "one = one_lane / bound if one_lane is not None and bound else "
+                'r["modeled_over_bound"]',
+                'one = r["modeled_over_bound"]',
+            ),
+        ),
+        ("tests/test_simulate.py::test_the_summary_reads_each_scenarios_record",),
+        "the summary's one-lane column repeats the two-lane ratio (read from the record)",
+    ),
 ]
 API = "jaxreshard/api.py"
 
