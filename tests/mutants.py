@@ -852,6 +852,22 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "(a lane's extra round takes a bucket where the other lane idles)",
     ),
     Mutant(
+        "schedule-lanes-never-share-buckets",
+        SCHEDULE,
+        (("        if together < apart:", "        if False:"),),
+        ("tests/test_simulate.py::test_where_lanes_overlap_a_bucket_holds_a_round_of_each",),
+        "the faster links' chunks never shrink to fit beside the slowest's, so where the two "
+        "do not fit one bucket each lane takes buckets of its own and the lanes never overlap",
+    ),
+    Mutant(
+        "schedule-lanes-share-buckets-at-any-price",
+        SCHEDULE,
+        (("        if together < apart:", "        if True:"),),
+        ("tests/test_simulate.py::test_a_sliver_beside_the_slowest_chunks_is_not_taken",),
+        "the faster links' chunks shrink into whatever sliver the slowest's leave in a bucket, "
+        "rounds that cost more latency than the lanes' overlap wins back",
+    ),
+    Mutant(
         "costmodel-timeline-ties-to-the-last",
         "jaxreshard/tools/costmodel.py",
         (

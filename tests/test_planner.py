@@ -240,9 +240,8 @@ def test_the_chunk_choice_is_the_best_candidate_faults_included():
         streams, _ = _StreamArrays.of(sizes)
         weight = np.ones(len(set(stage for stage, _ in sizes)), np.int64)
         cap = int(rng.choice([256 << 10, 1 << 20, 4 << 20]))
-        options = dict(cap=cap, latency_bytes=490_000, ladder=1, fault_cost=2.0)
-        chosen = _choose_chunk(streams, weight, **options)
         model = _ChunkModel(streams, weight, 490_000, 2.0, cap)
+        chosen = _choose_chunk(streams, cap=cap, ladder=1, model=model)
         largest = sorted(set(sizes.values()))[-8:]
         aligned = [
             max(ALIGN, math.ceil(math.ceil(n / k) / ALIGN) * ALIGN)

@@ -538,6 +538,46 @@ def test_chained_plans_leave_room_for_two_faster_rounds_beside_a_slow_one(monkey
     assert 2 * room[0] + room[1] <= sim.GPU_BUCKET_BYTES
 
 
+def _lanes_per_bucket(r: sim.Result) -> list[set[bool]]:
+    """Per bucket, which lanes its rounds use (True: a round with a cross-domain message)."""
+    return [
+        {any(r.topology.crosses(s, d) for (s, d), _ in entries) for _, entries in b.rounds}
+        for b in r.rounds.buckets
+    ]
+
+
+@pytest.mark.parametrize("bucket_mib", [32, 64, 128])
+def test_where_lanes_overlap_a_bucket_holds_a_round_of_each(bucket_mib, monkeypatch):
+    """On GPUs a bucket's rounds across domains run beside those inside domains. Where a
+    whole-bucket chunk of the faster links and one of the slowest's would not fit one bucket
+    together (Qwen3-4B FSDP8 -> TP4 DP2 on H100: 90 + 45 MiB chunks in 128 MiB buckets), the
+    faster chunks shrink to fit beside the slowest's, and buckets hold both lanes; where the
+    lanes take turns (CPU), they stay as large as they come."""
+    bucket = bucket_mib * sim.MiB
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100", bucket_bytes=bucket)
+    chunk = dict(r.rounds.class_chunk_bytes)
+    assert chunk[0] + chunk[1] <= bucket
+    assert any(lanes == {True, False} for lanes in _lanes_per_bucket(r))
+
+    def taking_turns(platform, bucket_bytes):
+        return {**schedule.platform_options(platform, bucket_bytes), "lanes_overlap": False}
+
+    monkeypatch.setattr(sim, "platform_options", taking_turns)
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100", bucket_bytes=bucket)
+    assert sum(dict(r.rounds.class_chunk_bytes).values()) > bucket
+
+
+def test_a_sliver_beside_the_slowest_chunks_is_not_taken():
+    """With 8 MiB buckets the slowest links' chunks leave a sliver (0.4 MiB): NVLink rounds that
+    small would each cost far more latency than moving their bytes, which the overlap does not
+    win back, so the faster chunks stay whole and the lanes take separate buckets."""
+    bucket = 8 * sim.MiB
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100", bucket_bytes=bucket)
+    chunk = dict(r.rounds.class_chunk_bytes)
+    assert chunk[0] + chunk[1] > bucket
+    assert chunk[0] > bucket // 2
+
+
 def test_the_gap_to_the_bound_adds_up_by_cause():
     """The causes add up to ``modeled - bound``; links at their efficiency cost exactly the
     bound at that efficiency; latency is what the rounds' latencies add: without them the

@@ -560,13 +560,16 @@ def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
     reuse device memory), and ``ladder_rungs``, the tails' ladder (`CPU_LADDER_RUNGS`,
     `ACCELERATOR_LADDER_RUNGS`), and ``lone_stretch_as_run`` (`split_units`), on CPU only,
     where each step costs a host sync (the cluster model priced it 3% slower on the 8-GPU
-    qwen3-4b scenario). `jaxreshard.plan` and the cluster model both take them from here."""
+    qwen3-4b scenario), and ``lanes_overlap`` (`_class_chunks`) off CPU, where a device's
+    NIC and its links inside a domain are separate engines (on CPU one process's cores carry
+    both). `jaxreshard.plan` and the cluster model both take them from here."""
     cpu = platform == "cpu"
     return {
         "unit_bytes": bucket_bytes if cpu else GPU_UNIT_BUCKETS * bucket_bytes,
         "fault_cost": FAULT_COST if cpu else 0.0,
         "ladder_rungs": CPU_LADDER_RUNGS if cpu else ACCELERATOR_LADDER_RUNGS,
         "lone_stretch_as_run": cpu,
+        "lanes_overlap": not cpu,
     }
 
 
@@ -1205,6 +1208,7 @@ def plan_unit_rounds(
     gather_bytes: int | None = None,
     ladder_rungs: int = CPU_LADDER_RUNGS,
     lone_stretch_as_run: bool = False,
+    lanes_overlap: bool = False,
 ) -> tuple[tuple[Unit, ...], RoundPlan]:
     """The units and rounds of a whole plan, as `build_plan_schedule` makes them, without
     cutting message contents (the cost model's input at any cluster size).
@@ -1219,7 +1223,9 @@ def plan_unit_rounds(
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
     (`choose_chunk_bytes`). ``gather_bytes`` (`split_units`): which leaves move by gathers.
     ``ladder_rungs``: rungs per halving of the tails' ladder (`tail_ladder`).
-    ``lone_stretch_as_run``: see `split_units`.
+    ``lone_stretch_as_run``: see `split_units`. ``lanes_overlap``: the rounds across domains
+    and those inside them can run at once (accelerators), so the faster links' chunks may
+    shrink to fit a bucket beside the slowest's (`_class_chunks`).
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
     units = split_units(
@@ -1289,6 +1295,7 @@ def plan_unit_rounds(
         fault_cost=fault_cost,
         max_chunk_bytes=bucket_bytes // 2 if chained else None,
         beside_slowest=2 if chained else 0,
+        lanes_overlap=lanes_overlap,
     )
     # Leaves whose pieces span several chunks go into slabs of about a chunk each (or as many
     # chunks as a unit spans buckets), which share one program, instead of being cut chunk by
@@ -1349,6 +1356,7 @@ def build_plan_schedule(
     gather_bytes: int | None = None,
     ladder_rungs: int = CPU_LADDER_RUNGS,
     lone_stretch_as_run: bool = False,
+    lanes_overlap: bool = False,
 ) -> Schedule:
     """The schedule of a whole plan: `plan_unit_rounds` (same options), then each unit's
     streams cut into its messages' segments, as `build_schedule` does for one unit."""
@@ -1365,6 +1373,7 @@ def build_plan_schedule(
         gather_bytes=gather_bytes,
         ladder_rungs=ladder_rungs,
         lone_stretch_as_run=lone_stretch_as_run,
+        lanes_overlap=lanes_overlap,
     )
     return cut_plan_schedule(leaves, units, plan, link_class=link_class)
 
@@ -1789,26 +1798,52 @@ def _class_chunks(
     fault_cost: float,
     max_chunk_bytes: int | None,
     beside_slowest: int,
+    lanes_overlap: bool = False,
 ) -> dict[int, int]:
-    """`chunk_sizes` over streams as arrays: ``weight`` per stage, ``classes`` per stream."""
+    """`chunk_sizes` over streams as arrays: ``weight`` per stage, ``classes`` per stream.
+    With ``lanes_overlap`` (and no ``beside_slowest``), the faster links' chunks shrink to fit
+    a bucket beside one of the slowest's where that makes the two lanes' modeled time
+    shorter."""
     cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
     chunk_of: dict[int, int] = {}
+    slowest_lane: float | None = None  # the slowest class's rounds' time, in round latencies
     for cls in sorted(set(np.unique(classes).tolist()), reverse=True):  # the slowest first
-        room = cap
-        if beside_slowest and chunk_of:
-            slowest = chunk_of[max(chunk_of)]
-            room = min(cap, max(ALIGN, (bucket_bytes - slowest) // beside_slowest // ALIGN * ALIGN))
         mine = streams.where(classes == cls)
-        chunk_of[cls] = _choose_chunk(
-            mine,
-            weight[mine.labels],
-            cap=room,
-            latency_bytes=(class_latency_bytes or {}).get(cls, latency),
-            ladder=ladder,
-            fault_cost=fault_cost,
-            pool_bytes=bucket_bytes,
-        )
+        cls_latency = (class_latency_bytes or {}).get(cls, latency)
+        model = _ChunkModel(mine, weight[mine.labels], cls_latency, fault_cost, bucket_bytes)
+        choose = functools.partial(_choose_chunk, mine, ladder=ladder, model=model)
+        if not chunk_of:  # the slowest links: as large as they come
+            chunk_of[cls] = choose(cap=cap)
+            if lanes_overlap and cls_latency > 0:
+                slowest_lane = model.time(chunk_of[cls], ladder) / cls_latency
+            continue
+        slowest = chunk_of[max(chunk_of)]
+        if beside_slowest:
+            room = (bucket_bytes - slowest) // beside_slowest
+            chunk_of[cls] = choose(cap=min(cap, max(ALIGN, room // ALIGN * ALIGN)))
+            continue
+        whole = choose(cap=cap)
+        chunk_of[cls] = whole
+        if whole + slowest <= bucket_bytes or slowest_lane is None or cls_latency <= 0:
+            continue
+        # A chunk of these links and one of the slowest's do not fit one bucket, so a device
+        # with both kinds to send (or receive) takes them in separate buckets, and the two
+        # lanes, which could run at once, run one after the other. Chunks small enough to sit
+        # beside the slowest's make more rounds of these links, but the lanes then overlap:
+        # taken where the lanes' modeled time (in round latencies; the slower lane where they
+        # overlap, their sum where they do not) is shorter. Modeled DeepSeek-V3 128 -> 128 on
+        # GB200 with 256 MiB buckets: 244 MiB NVLink chunks beside 14 MiB NIC ones put them in
+        # separate buckets (838 ms); 203 MiB ones, 658 ms. Where the room left is small the
+        # extra rounds' latency loses (Qwen3-4B FSDP8 -> TP4 DP2 on H100, 8 MiB buckets).
+        room = (bucket_bytes - slowest) // ALIGN * ALIGN
+        if room < ALIGN:
+            continue
+        beside = choose(cap=min(cap, room))
+        apart = model.time(whole, ladder) / cls_latency + slowest_lane
+        together = max(model.time(beside, ladder) / cls_latency, slowest_lane)
+        if together < apart:
+            chunk_of[cls] = beside
     return dict(sorted(chunk_of.items()))
 
 
@@ -2205,23 +2240,15 @@ def choose_chunk_bytes(
     matters to the fault cost, so weights other than 1 are for plans without one).
     """
     streams, labels = _StreamArrays.of(sizes)
+    if not len(streams.nbytes):
+        return cap
     weight = np.array([(weights or {}).get(label, 1) for label in labels], np.int64)
-    return _choose_chunk(
-        streams, weight, cap=cap, latency_bytes=latency_bytes, ladder=ladder, fault_cost=fault_cost
-    )
+    model = _ChunkModel(streams, weight, latency_bytes, fault_cost, cap)
+    return _choose_chunk(streams, cap=cap, ladder=ladder, model=model)
 
 
-def _choose_chunk(
-    streams: _StreamArrays,
-    weight: np.ndarray,
-    *,
-    cap: int,
-    latency_bytes: int,
-    ladder: int,
-    fault_cost: float,
-    pool_bytes: int | None = None,
-) -> int:
-    """`choose_chunk_bytes` over streams as arrays, ``weight`` per stage."""
+def _choose_chunk(streams: _StreamArrays, *, cap: int, ladder: int, model: _ChunkModel) -> int:
+    """`choose_chunk_bytes` over streams as arrays, priced by ``model`` (of those streams)."""
     if not len(streams.nbytes):
         return cap
     distinct = np.unique(streams.nbytes)[::-1][:8].tolist()
@@ -2232,7 +2259,6 @@ def _choose_chunk(
             if c <= cap:
                 candidates.add(c)
 
-    model = _ChunkModel(streams, weight, latency_bytes, fault_cost, pool_bytes or cap)
     # Page faults only add to a candidate's time, and pricing them replays the staging pool
     # over every unit: candidates are taken by their time without faults, and once that
     # alone ties or loses to the best so far, no later one can win (the same choice, priced
