@@ -1278,7 +1278,8 @@ def plan_unit_rounds(
     # bucket would leave each bucket one lane's round, so chunks stay within half a bucket
     # and a bucket holds rounds of both lanes at once (modeled DeepSeek-V3 128 -> 512: 976 ms
     # with whole-bucket chunks, 766 ms with half; the same cap costs plans without stage 2
-    # up to 3%, so they keep whole-bucket chunks).
+    # up to 3%, so they keep whole-bucket chunks, unless one does not fit a bucket beside one of
+    # the slowest links' and the lanes overlap: `_class_chunks`).
     # Chained, a unit's relays inside domains can outnumber its rounds across them, so the
     # faster links' chunks also leave room for two of theirs beside one of the slowest's: the
     # extra round doubles up there instead of taking a bucket where the slowest links idle
