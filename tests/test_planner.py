@@ -241,7 +241,7 @@ def test_the_chunk_choice_is_the_best_candidate_faults_included():
         weight = np.ones(len(set(stage for stage, _ in sizes)), np.int64)
         cap = int(rng.choice([256 << 10, 1 << 20, 4 << 20]))
         model = _ChunkModel(streams, weight, 490_000, 2.0, cap)
-        chosen = _choose_chunk(streams, cap=cap, ladder=1, model=model)
+        chosen = _choose_chunk(model, cap=cap, ladder=1)
         largest = sorted(set(sizes.values()))[-8:]
         aligned = [
             max(ALIGN, math.ceil(math.ceil(n / k) / ALIGN) * ALIGN)

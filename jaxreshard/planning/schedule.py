@@ -1813,7 +1813,7 @@ def _class_chunks(
         mine = streams.where(classes == cls)
         cls_latency = (class_latency_bytes or {}).get(cls, latency)
         model = _ChunkModel(mine, weight[mine.labels], cls_latency, fault_cost, bucket_bytes)
-        choose = functools.partial(_choose_chunk, mine, ladder=ladder, model=model)
+        choose = functools.partial(_choose_chunk, model, ladder=ladder)
         if not chunk_of:  # the slowest links: as large as they come
             chunk_of[cls] = choose(cap=cap)
             if lanes_overlap and cls_latency > 0:
@@ -2245,14 +2245,13 @@ def choose_chunk_bytes(
         return cap
     weight = np.array([(weights or {}).get(label, 1) for label in labels], np.int64)
     model = _ChunkModel(streams, weight, latency_bytes, fault_cost, cap)
-    return _choose_chunk(streams, cap=cap, ladder=ladder, model=model)
+    return _choose_chunk(model, cap=cap, ladder=ladder)
 
 
-def _choose_chunk(streams: _StreamArrays, *, cap: int, ladder: int, model: _ChunkModel) -> int:
-    """`choose_chunk_bytes` over streams as arrays, priced by ``model`` (of those streams)."""
-    if not len(streams.nbytes):
-        return cap
-    distinct = np.unique(streams.nbytes)[::-1][:8].tolist()
+def _choose_chunk(model: _ChunkModel, *, cap: int, ladder: int) -> int:
+    """`choose_chunk_bytes` over the streams ``model`` prices (at least one: a model needs
+    them), its candidates from their distinct sizes."""
+    distinct = model.sizes[::-1][:8].tolist()
     candidates = {cap}
     for size in distinct:
         for k in range(1, 65):
