@@ -881,6 +881,45 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "first (the parts reported on the critical path change)",
     ),
     Mutant(
+        "costmodel-floor-without-copies",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "return max(moved, exports) / nic_rate + copies / copy_rate, copies",
+                "return max(moved, exports) / nic_rate, copies",
+            ),
+        ),
+        ("tests/test_simulate.py::test_executor_floor_by_hand",),
+        "the executor floor forgets that a domain's devices copy beside their rounds: it is the "
+        "bound at the links' efficiency again",
+    ),
+    Mutant(
+        "costmodel-floor-copies-on-one-device",
+        "jaxreshard/tools/costmodel.py",
+        (("copy = max(copy, profile.narrow_copy_bandwidth or 0.0)", "copy = copy / 64"),),
+        (
+            "tests/test_topology.py::test_random_layouts_and_domains_on_virtual_devices",
+            "tests/test_simulate.py::test_executor_floor_charges_a_sole_holders_packs",
+        ),
+        "the executor floor prices copies 64x slower than the model does: a floor above what "
+        "plans are priced at",
+    ),
+    Mutant(
+        "costmodel-floor-nics-bring-only-the-imports",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "return min(priced(m) for m in (imports, exports, needs) if m >= imports)",
+                "return priced(imports)",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::test_executor_floor_lets_the_nics_carry_more_where_copies_are_slower",
+        ),
+        "the executor floor assumes a domain's NICs bring in only what it must import, where "
+        "copies slower than the NICs make bringing more the cheaper plan: no floor then",
+    ),
+    Mutant(
         "simulate-summary-one-lane-is-the-ratio",
         "jaxreshard/tools/simulate.py",
         (

@@ -295,6 +295,48 @@ def test_physical_bound_lets_every_nic_of_a_domain_import():
     assert costmodel.round_model_bound([lf], topo()).seconds == pytest.approx(12.8)
 
 
+def test_executor_floor_by_hand():
+    """The same 128 B from domain 0 to each device of domain 1, links at half their peak
+    (NVLink 50 B/s, NIC 5 B/s), copies at 50 B/s. Domain 1's NICs take the 128 B in
+    (128 / (4 x 5) = 6.4 s); its devices lack 4 x 128 B, which they unpack, and of which their
+    NICs brought 128 B: the other 384 B came from each other, packed by their senders. Copies
+    never run beside a device's rounds, so on average (512 + 384) / (4 x 50) = 4.48 s more:
+    10.88 s. Domain 0 exports the 128 B and packs them (6.4 + 128 / 200 = 7.04 s); a device of
+    domain 1 takes 128 B over both links and unpacks it (128 / 55 + 128 / 50 = 4.89 s). The
+    plan's own modeled time lies above it, and it above the bound at the links' efficiency."""
+    lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
+    p = profile(bucket_overhead=0.0)
+    floor = costmodel.executor_floor([lf], topo(), p)
+    assert floor.seconds == pytest.approx(6.4 + 4.48)
+    assert floor.binding.startswith("domain 1 takes")
+    assert floor.seconds > costmodel.physical_bound([lf], topo(), p).seconds == pytest.approx(6.4)
+    bounds = costmodel.lower_bounds([lf], topo(), p)
+    assert (bounds.physical.seconds, bounds.executor.seconds) == pytest.approx((3.2, 10.88))
+    schedule = build_schedule(
+        [lf], topology_assign([lf], topo()).pieces, bucket_bytes=1 << 20,
+        link_class=topo().link_class, class_latency_bytes=topo().class_latency_bytes(),
+    )  # fmt: skip
+    assert costmodel.modeled_time(schedule, topo(), p, leaves=[lf]).seconds >= floor.seconds
+
+
+def test_executor_floor_lets_the_nics_carry_more_where_copies_are_slower():
+    """The same case with copies at 1 B/s, slower than a NIC: domain 1's devices do better to
+    take everything over their own NICs (512 / (4 x 5) + 512 / (4 x 1) = 153.6 s) than to
+    pass 384 B to each other (128 / 20 + 896 / 4 = 230.4 s); the floor takes the lesser."""
+    lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
+    floor = costmodel.executor_floor([lf], topo(), profile(copy_bandwidth=1))
+    assert floor.seconds == pytest.approx(25.6 + 128)
+
+
+def test_executor_floor_charges_a_sole_holders_packs():
+    """Device 0 alone holds 100 B that device 1 (same domain) needs: it packs them and device
+    1 unpacks them, each beside its rounds: 100 / 55 + 100 / 50 s (links at half peak)."""
+    lf = uint8_leaf(100, (0,), (), (1,), ())
+    floor = costmodel.executor_floor([lf], topo(), profile())
+    assert floor.seconds == pytest.approx(100 / 55 + 100 / 50)
+    assert floor.binding.startswith("device ")
+
+
 def test_baselines_by_hand():
     """A 128-byte array split in halves over devices 0, 1 (domain 0); devices 4, 5 (domain 1)
     each need all of it. Links at peak, no latency, NIC and NVLink at once.
@@ -620,9 +662,12 @@ def test_the_summary_reads_each_scenarios_record():
     (line,) = sim.summary([r.record("small")]).splitlines()[1:]
     ag = r.baselines["all-gather + broadcast"] / r.modeled.seconds
     one_lane = r.one_lane.seconds / r.bound.seconds
+    floor = r.executor_floor.seconds / r.bound.seconds
     for figure in (sim._ms(r.modeled.seconds), sim._ms(r.bound.seconds), f"{r.ratio:.2f}",
-                   f"{one_lane:.2f}", f"{ag:.2f}x"):  # fmt: skip
+                   f"{floor:.2f}", f"{one_lane:.2f}", f"{ag:.2f}x"):  # fmt: skip
         assert f" {figure} " in f" {line} "
+    ratio, floor_column = line.split()[6:8]  # after the scenario, placement, two times
+    assert (ratio, floor_column) == (f"{r.ratio:.2f}", f"{floor:.2f}")
     assert line.startswith("small ")
 
 
@@ -702,6 +747,8 @@ def test_every_scenario_respects_the_physical_bound(name):
     assert r.stats.bytes_sent == r.stats.bytes_lower_bound
     assert r.stats.bytes_cross_domain >= r.bound.bytes_cross_needed
     assert r.modeled.seconds >= r.bound.seconds > 0
+    assert r.executor_floor is not None and r.bound_at_efficiency is not None
+    assert r.modeled.seconds >= r.executor_floor.seconds >= r.bound_at_efficiency.seconds
     for baseline, seconds in r.baselines.items():
         assert seconds >= r.bound.seconds, baseline
 

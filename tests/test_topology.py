@@ -7,6 +7,7 @@ the NumPy model of the executor, and for real on the 8 CPU devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -26,7 +27,7 @@ from jaxreshard.planning.route import Piece, _min_max_quotas
 from jaxreshard.planning.route import route as topology_assign
 from jaxreshard.planning.schedule import build_schedule, plan_rounds, plan_stats
 from jaxreshard.planning.topology import PROFILES, Topology
-from jaxreshard.tools.costmodel import physical_bound
+from jaxreshard.tools.costmodel import executor_floor, modeled_time, physical_bound
 
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
 
@@ -569,8 +570,16 @@ def test_random_layouts_and_domains_on_virtual_devices(
     )
     topology = Topology.from_groups(groups)
     leaves = [leaf_spec(shape, src, dst, dtype=dtype, path=p) for p in ("x", "y")]
-    stats, _, _ = check_virtual(
+    stats, assignment, schedule = check_virtual(
         leaves, topology, bucket, min_share_bytes=min_share, pool_bytes=pool, chain=chain
     )
     # Each domain takes in each byte it lacks exactly once, however shares are cut.
     assert stats.bytes_cross_domain == physical_bound(leaves, topology).bytes_cross_needed
+    # No plan priced as the executor runs it beats the executor's floor, on GPUs or on CPU,
+    # even with no latency, launch or host cost (the floor counts bandwidth alone).
+    fixed = ("round_latency", "copy_overhead", "run_overhead", "launch_overhead",
+             "bucket_overhead", "argument_overhead")  # fmt: skip
+    for p in (PROFILES["h100"], PROFILES["cpu"]):
+        profile = dataclasses.replace(p, **dict.fromkeys(fixed, 0.0))
+        modeled = modeled_time(schedule, topology, profile, leaves=leaves, local=assignment.local)
+        assert modeled.seconds >= executor_floor(leaves, topology, profile).seconds * (1 - 1e-12)

@@ -24,6 +24,18 @@ Pure arithmetic on integer device ids (no devices). Bandwidths and costs come fr
   needs, and ``N(g)`` every device of ``g`` in the cluster (trainer GPUs' NICs may import too).
   `round_model_bound` is a bound only for schedules whose receivers are the destination devices
   and take one message at a time: it is kept, under that name, for the planner's tests.
+- **Executor floor** (`executor_floor`) holds for any plan *this executor* runs, links at the
+  profile's efficiency ``e`` and copies at ``C`` bytes/s per device. Pack and unpack are
+  programs of their own on a device's one stream, so a device's copies add to its rounds:
+
+  ``max( (max(need(d), only(d)) / (e B_nvl + e B_nic) + (need(d) + only(d)) / C)`` over
+  devices ``d``, ``max(import(g), export(g)) / (N(g) e B_nic) + (export(g) + sum of need(d)
+  over d in g) / (N(g) C)`` over domains ``g`` ``)``
+
+  (every byte a device lacks is unpacked by it, every byte it sends was packed by it, and the
+  busiest device of a domain does at least its average). Above `physical_bound` by the
+  links' efficiency and the copies; below `modeled_time`, which adds latency, launches, host
+  work and the plan's own unevenness.
 - **Baselines**, each the best its own scheme can do in the same model (links at the same
   efficiency; no pack or per-bucket costs unless said), so the ratios against them are
   conservative: `allgather_broadcast` (every trainer NIC a root, pipelined chunks),
@@ -161,42 +173,100 @@ def physical_bound(
     ``profile``, the same bound with every link at that profile's efficiency (what no
     schedule beats once links run at the speed the profile says they reach).
     """
-    return physical_bounds(leaves, topology, [profile])[0]
+    return _physical(_profile(leaves, topology), topology, profile)
 
 
-def physical_bounds(
-    leaves: Sequence[LeafSpec], topology: Topology, profiles: Sequence[Profile | None]
-) -> list[LowerBound]:
-    """`physical_bound` for each of ``profiles`` (None: at peak), counting the bytes once."""
+def executor_floor(leaves: Sequence[LeafSpec], topology: Topology, profile: Profile) -> LowerBound:
+    """A floor under any plan *this executor* can run, with links at ``profile``'s
+    efficiencies and copies at its bandwidth (formula in the module docstring).
+
+    The executor's pack and unpack are programs of their own, and a device runs its programs
+    one after the other (one stream), so a device's copies never overlap its rounds: every
+    byte a device sends was packed by it into staging, every byte it lacks is unpacked by it
+    out of staging, and its rounds take at least its bytes over its links. A domain's NICs
+    share its imports and exports, so its average device does at least the average of that
+    work, and the busiest at least as much. Latency, launches and host work are left out, and
+    copies are priced at the profile's fastest rate in one run, so it bounds `modeled_time`
+    from below whatever the plan. Between it and `physical_bound` lie the links' efficiency
+    and the copies: what running copies beside the rounds (inside the transfer program) could
+    win back, and no plan can.
+    """
+    return _floor(_profile(leaves, topology), topology, profile)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowerBounds:
+    """The bounds of one set of leaves on one cluster (`lower_bounds`)."""
+
+    physical: LowerBound  # `physical_bound` at peak
+    at_efficiency: LowerBound  # `physical_bound` with links at the profile's efficiency
+    executor: LowerBound  # `executor_floor`
+
+
+def lower_bounds(leaves: Sequence[LeafSpec], topology: Topology, profile: Profile) -> LowerBounds:
+    """`physical_bound` at peak and at ``profile``'s efficiency, and `executor_floor`,
+    counting the leaves' bytes once (at 4,096 GPUs the count takes about a second)."""
     p = _profile(leaves, topology)
-    out = []
-    for profile in profiles:
-        bi, bx = topology.intra_bandwidth, topology.inter_bandwidth
-        if profile is not None:
-            bi, bx = bi * profile.intra_efficiency, bx * profile.inter_efficiency
-        terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
-        terms += [
-            (n / (bi + bx), f"device {d} receives {n / 1e9:.2f} GB over NVLink + NIC")
-            for d, n in p.need.items()
-        ]
-        terms += [
-            (n / (bi + bx), f"device {s} sends {n / 1e9:.2f} GB only it holds")
-            for s, n in p.sole_out.items()
-        ]
-        for g, n in p.cross_in.items():
-            nics = len(topology.members[g])
-            terms.append(
-                (n / (nics * bx), f"domain {g} imports {n / 1e9:.2f} GB over its {nics} NICs")
-            )
-        for g, n in p.cross_out.items():
-            nics = len(topology.members[g])
-            terms.append((
-                n / (nics * bx),
-                f"domain {g} exports {n / 1e9:.2f} GB only it holds over its {nics} NICs",
-            ))  # fmt: skip
-        seconds, binding = max(terms)
-        out.append(LowerBound(seconds, binding, sum(p.cross_in.values())))
-    return out
+    return LowerBounds(
+        _physical(p, topology, None), _physical(p, topology, profile), _floor(p, topology, profile)
+    )
+
+
+def _physical(p: _Profile, topology: Topology, profile: Profile | None) -> LowerBound:
+    bi, bx = topology.intra_bandwidth, topology.inter_bandwidth
+    if profile is not None:
+        bi, bx = bi * profile.intra_efficiency, bx * profile.inter_efficiency
+    terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
+    terms += [
+        (n / (bi + bx), f"device {d} receives {n / 1e9:.2f} GB over NVLink + NIC")
+        for d, n in p.need.items()
+    ]
+    terms += [
+        (n / (bi + bx), f"device {s} sends {n / 1e9:.2f} GB only it holds")
+        for s, n in p.sole_out.items()
+    ]
+    for g, n in p.cross_in.items():
+        nics = len(topology.members[g])
+        terms.append((n / (nics * bx), f"domain {g} imports {n / 1e9:.2f} GB over its {nics} NICs"))
+    for g, n in p.cross_out.items():
+        nics = len(topology.members[g])
+        terms.append((
+            n / (nics * bx),
+            f"domain {g} exports {n / 1e9:.2f} GB only it holds over its {nics} NICs",
+        ))  # fmt: skip
+    seconds, binding = max(terms)
+    return LowerBound(seconds, binding, sum(p.cross_in.values()))
+
+
+def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
+    bi = topology.intra_bandwidth * profile.intra_efficiency
+    bx = topology.inter_bandwidth * profile.inter_efficiency
+    # A device's copies at the fastest rate the profile gives any of them: its host's where
+    # a host's devices share one (then one device alone may have it all).
+    copy = profile.host_copy_bandwidth or profile.copy_bandwidth
+    copy = max(copy, profile.narrow_copy_bandwidth or 0.0)
+    terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
+    for d in p.need.keys() | p.sole_out.keys():
+        need, only = p.need.get(d, 0), p.sole_out.get(d, 0)
+        terms.append((
+            max(need, only) / (bi + bx) + (need + only) / copy,
+            f"device {d} takes {need / 1e9:.2f} GB in and sends {only / 1e9:.2f} GB only it "
+            "holds, copying both",
+        ))  # fmt: skip
+    for g, members in topology.members.items():
+        nics = len(members)
+        imports, exports = p.cross_in.get(g, 0), p.cross_out.get(g, 0)
+        needs = sum(p.need.get(d, 0) for d in members)
+        seconds, copies = _domain_floor(imports, exports, needs, nics * bx, nics * copy)
+        if not seconds:
+            continue
+        terms.append((
+            seconds,
+            f"domain {g} takes {imports / 1e9:.2f} GB in and sends {exports / 1e9:.2f} GB "
+            f"out over its {nics} NICs, packing and unpacking {copies / 1e9:.2f} GB",
+        ))  # fmt: skip
+    seconds, binding = max(terms)
+    return LowerBound(seconds, binding, sum(p.cross_in.values()))
 
 
 # ----------------------------------------------------------------------------- modeled time
@@ -680,6 +750,26 @@ class _Slots:
         keys, wide, boxes = self._summed(ids, by_host)
         seconds = wide / bandwidth + boxes * profile.copy_overhead
         return dict(zip(keys, seconds.tolist(), strict=True))
+
+
+def _domain_floor(
+    imports: int, exports: int, needs: int, nic_rate: float, copy_rate: float
+) -> tuple[float, int]:
+    """`executor_floor`'s term of one domain, with its NICs' and its copies' combined rates:
+    ``(seconds, bytes copied)``.
+
+    Its NICs carry some ``moved`` bytes in (at least its imports) and its exports out. What
+    its devices lack beyond what their NICs brought came from each other, every message
+    packed by its sender, so its devices unpack ``needs`` and pack ``needs - moved`` (at
+    least nothing) and the exports. The time is piecewise linear in ``moved``, so its least
+    is at a breakpoint: the imports, the exports or the needs.
+    """
+
+    def priced(moved: int) -> tuple[float, int]:
+        copies = needs + max(0, needs - moved) + exports
+        return max(moved, exports) / nic_rate + copies / copy_rate, copies
+
+    return min(priced(m) for m in (imports, exports, needs) if m >= imports)
 
 
 # -------------------------------------------------------------------------------- baselines

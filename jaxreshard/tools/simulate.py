@@ -617,6 +617,8 @@ class Result:
     note: str
     units: tuple[Unit, ...] = ()
     bound_at_efficiency: costmodel.LowerBound | None = None
+    # What no plan beats with copies as programs of their own (`costmodel.executor_floor`).
+    executor_floor: costmodel.LowerBound | None = None
     one_lane: costmodel.ModeledTime | None = None  # rounds one at a time (see `simulate`)
     without: dict[str, float] = dataclasses.field(default_factory=dict)  # (`WITHOUT`)
 
@@ -682,6 +684,9 @@ class Result:
             "rounds_only_s": self.rounds_only.seconds,
             "lower_bound_s": self.bound.seconds,
             "lower_bound_binding": self.bound.binding,
+            # No plan of this executor beats it (copies never overlap a device's rounds).
+            "executor_floor_s": self.executor_floor.seconds if self.executor_floor else None,
+            "executor_floor_binding": self.executor_floor.binding if self.executor_floor else None,
             "gap_to_bound_s": self.gap(),
             "round_model_bound_s": self.round_model_bound.seconds,
             "modeled_over_bound": self.ratio,
@@ -898,7 +903,7 @@ def simulate(
         "M2N-like (stages in order)": costmodel.m2n_like(leaves, m2n, topo, profile),
         "rank-0 broadcast": costmodel.rank0_broadcast(leaves, topo),
     }
-    bound, bound_at_efficiency = costmodel.physical_bounds(leaves, topo, [None, profile])
+    bounds = costmodel.lower_bounds(leaves, topo, profile)
     # What each overhead costs is the same plan re-priced without it (`WITHOUT`). The lanes'
     # overlap is an assumption about XLA GPU, unverified: the plan is priced without it too,
     # so a reader sees what rests on it. One pass over the schedule counts it for all.
@@ -925,8 +930,9 @@ def simulate(
         one_lane=one_lane,
         without=without,
         rounds_only=costmodel.schedule_cost(rounds, topo),
-        bound=bound,
-        bound_at_efficiency=bound_at_efficiency,
+        bound=bounds.physical,
+        bound_at_efficiency=bounds.at_efficiency,
+        executor_floor=bounds.executor,
         round_model_bound=costmodel.round_model_bound(leaves, topo),
         baselines=baselines,
         planning_seconds=planning,
@@ -1019,6 +1025,14 @@ def format_result(r: Result) -> str:
         ),
         ("physical bound", f"{_ms(b.seconds)}  (modeled / bound = {r.ratio:.3f}; binding: "
                            f"{b.binding})" if b.seconds else _ms(0)),
+        *(
+            [("executor floor", f"{_ms(r.executor_floor.seconds)}  "
+                                f"({r.executor_floor.seconds / b.seconds:.3f}x the bound: no plan "
+                                f"beats it while each GPU's copies run beside its rounds, never "
+                                f"during them, and links at their efficiency; binding: "
+                                f"{r.executor_floor.binding})")]
+            if r.executor_floor and b.seconds else []
+        ),
         ("gap to the bound", gap),
         ("round-model bound", f"{_ms(r.round_model_bound.seconds)} (destination NICs only, "
                               f"one message at a time; rounds alone at peak: "
@@ -1057,11 +1071,13 @@ def _speedup(baseline: float, ours: float) -> str:
 
 def summary(records: Sequence[Mapping[str, Any]]) -> str:
     """One line per scenario, from its `Result.record`: modeled (overheads included),
-    physical bound, their ratio, the ratio with a bucket's rounds one at a time (``1 lane``),
-    and the baselines as multiples of the modeled time. Every figure is modeled."""
+    physical bound, their ratio, the executor floor over the bound (``floor``: what no plan
+    beats with copies beside the rounds), the ratio with a bucket's rounds one at a time
+    (``1 lane``), and the baselines as multiples of the modeled time. Every figure is
+    modeled."""
     head = (
         f"{'scenario':<22} {'placement':<12} {'modeled':>11} {'bound':>11} {'ratio':>6} "
-        f"{'1 lane':>6} {'AG+bcast':>9} {'direct':>7} {'M2N-like':>9} {'plan s':>7}"
+        f"{'floor':>6} {'1 lane':>6} {'AG+bcast':>9} {'direct':>7} {'M2N-like':>9} {'plan s':>7}"
     )
     lines = [head]
     for r in records:
@@ -1077,9 +1093,11 @@ def summary(records: Sequence[Mapping[str, Any]]) -> str:
         )
         one_lane = r["modeled_one_lane_s"]
         one = one_lane / bound if one_lane is not None and bound else r["modeled_over_bound"]
+        floor = r.get("executor_floor_s")
+        floor_ratio = f"{floor / bound:>6.2f}" if floor is not None and bound else f"{'-':>6}"
         lines.append(
             f"{r['title'].split(':')[0]:<22} {r['placement']:<12} {_ms(modeled):>11} "
-            f"{_ms(bound):>11} {r['modeled_over_bound']:>6.2f} {one:>6.2f} "
+            f"{_ms(bound):>11} {r['modeled_over_bound']:>6.2f} {floor_ratio} {one:>6.2f} "
             f"{ag:>8.2f}x {dp:>6.2f}x {m2n:>8.2f}x {r['planning_s']:>7.2f}"
         )
     return "\n".join(lines)
