@@ -28,12 +28,15 @@ Pure arithmetic on integer device ids (no devices). Bandwidths and costs come fr
   profile's efficiency ``e`` and copies at ``C`` bytes/s per device. Pack and unpack are
   programs of their own on a device's one stream, so a device's copies add to its rounds:
 
-  ``max( (max(need(d), only(d)) / (e B_nvl + e B_nic) + (need(d) + only(d)) / C)`` over
-  devices ``d``, ``max(import(g), export(g)) / (N(g) e B_nic) + (export(g) + sum of need(d)
-  over d in g) / (N(g) C)`` over domains ``g`` ``)``
+  ``max( max(need(d), only(d)) / (e B_nvl + e B_nic) + (need(d) + only(d)) / C`` over
+  devices ``d``, and over domains ``g`` the least over ``m >= import(g)`` of
+  ``max(m, export(g)) / (N(g) e B_nic) + (needs(g) + max(0, needs(g) - m) + export(g)) /
+  (N(g) C)`` ``)``
 
-  (every byte a device lacks is unpacked by it, every byte it sends was packed by it, and the
-  busiest device of a domain does at least its average). Above `physical_bound` by the
+  where ``m`` is what the domain's NICs bring in and ``needs(g)`` the sum of ``need(d)`` over
+  its devices: every byte a device lacks is unpacked by it, what the NICs did not bring came
+  from the domain's own devices (each message packed by its sender), exports are packed, and
+  the busiest device of a domain does at least the average. Above `physical_bound` by the
   links' efficiency and the copies; below `modeled_time`, which adds latency, launches, host
   work and the plan's own unevenness.
 - **Baselines**, each the best its own scheme can do in the same model (links at the same
@@ -267,6 +270,26 @@ def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
         ))  # fmt: skip
     seconds, binding = max(terms)
     return LowerBound(seconds, binding, sum(p.cross_in.values()))
+
+
+def _domain_floor(
+    imports: int, exports: int, needs: int, nic_rate: float, copy_rate: float
+) -> tuple[float, int]:
+    """`executor_floor`'s term of one domain, with its NICs' and its copies' combined rates:
+    ``(seconds, bytes copied)``.
+
+    Its NICs carry some ``moved`` bytes in (at least its imports) and its exports out. What
+    its devices lack beyond what their NICs brought came from each other, every message
+    packed by its sender, so its devices unpack ``needs`` and pack ``needs - moved`` (at
+    least nothing) and the exports. The time is piecewise linear in ``moved``, so its least
+    is at a breakpoint: the imports, the exports or the needs.
+    """
+
+    def priced(moved: int) -> tuple[float, int]:
+        copies = needs + max(0, needs - moved) + exports
+        return max(moved, exports) / nic_rate + copies / copy_rate, copies
+
+    return min(priced(m) for m in (imports, exports, needs) if m >= imports)
 
 
 # ----------------------------------------------------------------------------- modeled time
@@ -750,26 +773,6 @@ class _Slots:
         keys, wide, boxes = self._summed(ids, by_host)
         seconds = wide / bandwidth + boxes * profile.copy_overhead
         return dict(zip(keys, seconds.tolist(), strict=True))
-
-
-def _domain_floor(
-    imports: int, exports: int, needs: int, nic_rate: float, copy_rate: float
-) -> tuple[float, int]:
-    """`executor_floor`'s term of one domain, with its NICs' and its copies' combined rates:
-    ``(seconds, bytes copied)``.
-
-    Its NICs carry some ``moved`` bytes in (at least its imports) and its exports out. What
-    its devices lack beyond what their NICs brought came from each other, every message
-    packed by its sender, so its devices unpack ``needs`` and pack ``needs - moved`` (at
-    least nothing) and the exports. The time is piecewise linear in ``moved``, so its least
-    is at a breakpoint: the imports, the exports or the needs.
-    """
-
-    def priced(moved: int) -> tuple[float, int]:
-        copies = needs + max(0, needs - moved) + exports
-        return max(moved, exports) / nic_rate + copies / copy_rate, copies
-
-    return min(priced(m) for m in (imports, exports, needs) if m >= imports)
 
 
 # -------------------------------------------------------------------------------- baselines
