@@ -588,14 +588,17 @@ class Plan:
         a ``jax.ShapeDtypeStruct`` (multi-controller JAX: this process holds none of it).
         ``fallbacks``: a source tree's fallback leaves are checked against the planned ones
         (not a result tree's: they are what `jax.device_put` gave)."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        # Plain leaves: a tree of the plan's structure has the plan's paths (`self.paths`),
+        # which only a problem needs; flattening with paths costs ~1 us a leaf on every call.
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
             raise _structure_error(
                 name, tree, self.paths, planned=True, reference=_shaped(self.treedef)
             )
+        flat = list(zip(self.paths, leaves, strict=True))
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
         source_buffers: set[tuple[int, int]] | None = None  # read where a plan may alias
-        first_at: dict[int, str] = {}  # donation: one array at two leaves would be donated twice
+        first_at: dict[int, int] = {}  # donation: one array at two leaves would be donated twice
         problems = []
         for i, (shape, dtype, sharding) in zip(self.moved, expected, strict=True):
             path, x = flat[i]
@@ -604,9 +607,11 @@ class Plan:
             if problem is None and id(x) in source_ids:
                 problem = _DONATES_A_SOURCE
             if problem is None and sources is not None and isinstance(x, jax.Array):
-                seen = first_at.setdefault(id(x), keystr(path))
-                if seen != keystr(path):
-                    problem = f"is the same array as {seen}; each leaf needs its own buffers"
+                seen = first_at.setdefault(id(x), i)
+                if seen != i:
+                    problem = (
+                        f"is the same array as {self.paths[seen]}; each leaf needs its own buffers"
+                    )
             if problem is None and sources is None and _DONATED.holds(x):
                 problem = (
                     "is donated to a call in flight (or a Plan.start), which overwrites it: "
@@ -628,30 +633,30 @@ class Plan:
                     "it: wait for that refit's result() first"
                 )
             if problem:
-                problems.append((keystr(path), problem))
+                problems.append((path, problem))
         if sources is not None and not problems:  # donation: leaves sharing buffers
             problems = self._shared_buffers([flat[i] for i in self.moved])
         if sources is None and fallbacks:  # a source tree: its fallback leaves as planned too
             for i, (shape, dtype, _) in self._fallback_avals.items():
                 path, x = flat[i]
                 if isinstance(x, jax.Array) and x.is_deleted():
-                    problems.append((keystr(path), "is deleted"))
+                    problems.append((path, "is deleted"))
                     continue
                 got = (tuple(np.shape(x)), _host_dtype(x))
                 if got != (shape, dtype):
                     problems.append(
-                        (keystr(path), f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
+                        (path, f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
                     )
         if sources is not None:  # donation: a fallback leaf is deleted after its copy is made
             for i, _ in self.fallback:
                 path, x = flat[i]
                 if isinstance(x, jax.Array) and id(x) in source_ids:
-                    problems.append((keystr(path), _DONATES_A_SOURCE))
+                    problems.append((path, _DONATES_A_SOURCE))
         if problems:
             raise leaf_error(summary, problems, fix)
-        return [x for _, x in flat]
+        return leaves
 
-    def _shared_buffers(self, moved: Sequence[tuple[Any, Any]]) -> list[tuple[str, str]]:
+    def _shared_buffers(self, moved: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
         """Donated leaves over one another's buffers, each named with the first holding
         them; none to look for where every leaf is a result the runtime made."""
         arrays = [x for _, x in moved]
@@ -659,10 +664,9 @@ class Plan:
             return []
         owner: dict[tuple[int, int], str] = {}
         problems = []
-        for path, x in moved:
+        for name, x in moved:
             if not isinstance(x, jax.Array):
                 continue
-            name = keystr(path)
             for address in _buffer_addresses([x]):
                 first = owner.setdefault(address, name)
                 if first != name:

@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -499,6 +500,76 @@ def test_calls_crossed_between_plans_over_different_groups_raise_within_seconds(
     for out in run.outputs:
         seconds = float(re.search(r"CROSSED_GROUPS raised after ([\d.]+) s", out).group(1))
         assert seconds < 20, seconds
+
+
+class _Recording(FakeClient):
+    """A `FakeClient` that logs every key it sets, in order; ``on_get`` runs before each
+    blocking read of the key it names (a peer acting while this process waits)."""
+
+    def __init__(self, on_get: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.sets: list[str] = []
+        self.on_get = on_get or {}
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        super().key_value_set(key, value, allow_overwrite=True)
+        self.sets.append(key)
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        if key in self.on_get:
+            self.on_get.pop(key)()
+        return self.blocking_key_value_get_bytes(key, timeout_in_ms)
+
+
+def _as_process(monkeypatch, client, me, group):
+    """Make `multihost` see this process as ``me`` of ``group``, with fresh call counters."""
+    monkeypatch.setattr(multihost, "_STATE", multihost._State())
+    monkeypatch.setattr(multihost, "_involvement", lambda plan, c: (client, me, group))
+
+
+def test_a_crossing_gives_this_call_up_before_the_peers(devices, monkeypatch):
+    """Regression (seen under load, jax 0.11.2 on 16 cores): process 1, in call B over
+    {0, 1, 2}, finds process 0 waiting in call A over {0, 1}. It gave A up, then B; process 0,
+    released by A's give-up, made B and read process 1's B record before it said "given up",
+    and entered B's transfer without process 1. B must be given up first."""
+    client = _Recording()
+    _as_process(monkeypatch, client, 1, (0, 1, 2))
+    waiting = multihost._Waiting(client, 1, (0, 1, 2), "B", 0, "the plan of B")
+    client.key_value_set(
+        f"{multihost._ORDER_PREFIX}/waiting/0",
+        '{"group": [0, 1], "key": "A", "n": 0, "plan": "the plan of A"}',
+    )
+    with pytest.raises(jr.ReshardError, match="waiting for each other in crossed calls"):
+        waiting.check(0)
+    order = [k for k in client.sets if "/waiting/" not in k]
+    prefix = multihost._ORDER_PREFIX
+    assert order == [f"{prefix}/B/0/0/1", f"{prefix}/A/0/0/1"], order
+    assert "abandoned" in client.store[f"{prefix}/B/0/0/1"]
+
+
+def test_a_call_whose_earlier_peer_gave_it_up_while_a_later_one_arrived_raises(
+    devices, monkeypatch
+):
+    """Regression: process 2 read process 0's record of call #1, then waited for process 1's;
+    meanwhile process 0 gave the call up (a crossing it found). A call that took under a
+    second did not read the records again and entered the transfer alone."""
+    prefix = multihost._ORDER_PREFIX
+    plan = _plans(devices)[0]
+    identity = plan.identity
+    fp = identity.fingerprint[:16]
+    key = multihost.digest((0, 1, 2))[:16]
+    record = f'{{"fp": "{fp}", "plan": "the plan"}}'
+
+    def process_0_gives_up_then_process_1_arrives():
+        gave_up = '{"fp": "", "plan": "the plan", "abandoned": "a crossing"}'
+        client.key_value_set(f"{prefix}/{key}/0/0/0", gave_up, allow_overwrite=True)
+        client.key_value_set(f"{prefix}/{key}/0/0/1", record)
+
+    client = _Recording(on_get={f"{prefix}/{key}/0/0/1": process_0_gives_up_then_process_1_arrives})
+    client.key_value_set(f"{prefix}/{key}/0/0/0", record)
+    _as_process(monkeypatch, client, 2, (0, 1, 2))
+    with pytest.raises(jr.ReshardError, match="process 0 gave up call #1"):
+        multihost.check_order(identity, "the plan", timeout_s=5)
 
 
 @pytest.mark.multiprocess

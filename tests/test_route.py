@@ -722,7 +722,9 @@ def test_gc_paused_ages_what_it_made_and_keeps_frozen_objects_frozen():
     """On the way out, the objects made inside join the oldest generation and the young
     generation's count restarts (no catch-up pass over them at the next allocation); a
     cycle made inside is still collected by a full collection; objects the process froze
-    itself stay frozen (then nothing is moved)."""
+    itself stay frozen (then nothing is moved: CPython 3.12 starts every process with a few
+    hundred frozen objects, so there the young generation's count is left as it is)."""
+    ages = not gc.get_freeze_count()
 
     class Node:
         pass
@@ -743,7 +745,8 @@ def test_gc_paused_ages_what_it_made_and_keeps_frozen_objects_frozen():
             del cycle
         assert gc.isenabled()
         scratch = [[i] for i in range(100)]  # fewer than the threshold: no pass
-        assert starts == [] and ref() is not None and gc.is_tracked(made[0]), starts
+        assert ref() is not None and gc.is_tracked(made[0])
+        assert starts == [] or not ages, starts
         del scratch
     finally:
         gc.callbacks.remove(record)

@@ -20,7 +20,7 @@ from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import LeafSpec, LocalCopy
 from jaxreshard.planning.route import route as topology_assign
 from jaxreshard.planning.schedule import PlannedBucket, RoundPlan, build_schedule
-from jaxreshard.planning.topology import PROFILES, Profile, Topology
+from jaxreshard.planning.topology import GB, PROFILES, Profile, Topology
 from jaxreshard.tools import costmodel
 from jaxreshard.tools import simulate as sim
 
@@ -699,7 +699,9 @@ def test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback(capsys, argv, s
     assert says in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("fixed", [["--scenario", "qwen3-4b"], ["--all"], ["--calibrate"]])
+@pytest.mark.parametrize(
+    "fixed", [["--scenario", "qwen3-4b"], ["--all"], ["--calibrate"], ["--calibrate-device"]]
+)
 def test_cli_refuses_setup_arguments_a_scenario_would_ignore(capsys, fixed):
     with pytest.raises(SystemExit) as exited:
         sim.main([*fixed, "--topology", "gb200-nvl72", "--colocated"])
@@ -781,3 +783,28 @@ def test_calibration_prices_a_real_plans_schedule(devices):
     assert m.seconds == pytest.approx(m.transfer + m.pack + m.unpack + m.local + m.overhead)
     cast = jr.plan(tree, {"w": dst}, bucket_bytes=64 << 10, dtype=jnp.bfloat16)
     assert calibrate.modeled(cast, slow).pack > 10 * calibrate.modeled(cast, PROFILES["cpu"]).pack
+
+
+def test_device_calibration_measures_every_figure_a_gpu_profile_assumes(devices, capsys):
+    """`--calibrate-device` (here on one CPU device, small): every copy and launch figure
+    measured, finite and of the right sign, and each set beside the GPU profiles'
+    assumption."""
+    from jaxreshard.tools import calibrate
+
+    copies = calibrate.measure_device(devices[0], nbytes=1 << 20, reps=2, boxes=(2, 6))
+    assert copies.nbytes == 1 << 20  # half the columns of a 2 MiB matrix
+    for rate in (copies.flat_copy, copies.box_copy, copies.narrow_copy):
+        assert 0 < rate < float("inf")
+    times = (copies.per_row, copies.per_box, copies.per_argument, copies.per_program)
+    assert all(0 <= t < 1 for t in times) and copies.compile_per_box >= 0
+    fields = [f for f, _, _ in calibrate.device_profiles_against(copies)]
+    assert fields == [
+        "copy_bandwidth",
+        "narrow_copy_bandwidth",
+        "run_overhead",
+        "copy_overhead",
+        "argument_overhead",
+        "launch_overhead",
+    ]
+    h200 = dataclasses.replace(copies, device="NVIDIA H200", box_copy=1200 * GB)
+    assert calibrate.device_profiles_against(h200)[0][2] == "50% of HBM peak / 2"

@@ -633,7 +633,9 @@ def gc_paused() -> Iterator[None]:
     after re-enabling runs a young-generation pass over all of them at once (about 1 s after
     each of `route` and `plan_unit_rounds` at 4,096 GPUs). A full collection, whenever it
     comes, still visits them. `gc.freeze` then `gc.unfreeze` is that move, in constant time;
-    skipped where the process holds frozen objects of its own (unfreezing would thaw them)."""
+    skipped where the process holds frozen objects of its own (unfreezing would thaw them),
+    which on CPython 3.12 is every process (it starts with a few hundred frozen objects):
+    there the young pass comes after each planning phase."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -448,11 +448,14 @@ def check_order(
         raise
     finally:
         waiting.done()
-    if time.monotonic() - start > _ORDER_POLL_S:
-        # A slow call: a peer read early may have given the call up since (above); read
-        # everyone again, so that this process does not enter a transfer it would be alone in.
-        # (A peer giving up within this re-read is the remaining window, milliseconds wide.)
-        records = {q: _try_get(client, f"{base}/{n}/{q}") or v for q, v in records.items()}
+    if len(records) > 1:
+        # A peer read before another arrived may have given the call up since (above): the
+        # crossing that the later peer was held in ends with exactly that. Read every record
+        # again, in one request, so that this process does not enter a transfer it would be
+        # alone in. (A peer giving up after this read is still waiting for a record that is
+        # already published, which only its timeout does.)
+        again = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{base}/{n}/")}
+        records = {q: again.get(q, v) for q, v in records.items()}
     for q, theirs in records.items():
         theirs = json.loads(theirs)
         if "abandoned" in theirs:
@@ -598,6 +601,12 @@ class _Waiting:
                 # alike. (Taking the number silently instead left that call waiting for
                 # peers that had given it up.)
                 _STATE.given_up[crossing] = reason
+        # Give this call up before the peer's: a peer that reads the give-up below moves on
+        # to this call (the orders are crossed), and must find it given up here, not pass it
+        # on this process's earlier record and enter the transfer without this process.
+        own = {"fp": "", "plan": self.label, "abandoned": reason}
+        key = f"{_ORDER_PREFIX}/{self.key}/{self.n // _ORDER_BLOCK}/{self.n}/{self.me}"
+        self.client.key_value_set(key, json.dumps(own), allow_overwrite=True)
         if made == other["n"]:
             n = other["n"]
             record = {"fp": "", "plan": other["plan"], "abandoned": reason}

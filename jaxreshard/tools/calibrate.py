@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -495,3 +496,220 @@ def run(
             for c in checks
         ],
     }
+
+
+# ------------------------------------------------------------------------ one device's copies
+
+
+DEVICE_BYTES = 1 << 30
+"""Bytes each copy of `measure_device` moves by default: far above a GPU's L2 cache (60 MB
+on an H200), so the copies run at HBM speed, not the cache's."""
+
+DEVICE_BOXES = (64, 512)
+"""Box counts of the pack-like programs whose difference gives a box's cost and a box's
+compile time (16 KiB boxes at offsets read from a table, as the executor's packs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCopies:
+    """What one device's pack and unpack programs cost: the copy and launch fields of a
+    `Profile`, measured (`measure_device`). On a GPU these are the figures the GPU profiles
+    take from datasheets and assumptions; rounds and links need several devices.
+
+    Attributes:
+      device: the device's kind, as JAX names it.
+      nbytes: bytes each copy moved.
+      flat_copy: bytes/s of one flat copy into a donated buffer (`bench.Memcpy`, the CPU
+        benchmarks' reference; on an H200 slower than a box copy).
+      box_copy: bytes/s of half the columns of a float32 matrix (rows of 16 KiB) copied into a
+        donated flat buffer: `Profile.copy_bandwidth`.
+      narrow_copy: bytes/s of a casting bf16 pack and a bf16 unpack, averaged:
+        `Profile.narrow_copy_bandwidth`.
+      per_row: seconds per row of 256 bytes beyond its bytes: `Profile.run_overhead`.
+      per_box: seconds per 16 KiB box of a pack-like program beyond its bytes:
+        `Profile.copy_overhead`.
+      per_argument: seconds per array a program takes: `Profile.argument_overhead`.
+      per_program: seconds per program of a chain dispatched without waiting (the longer of
+        the host's dispatch and the device's launch): `Profile.launch_overhead` where the
+        device is the slower.
+      compile_per_box: seconds of compiling per box of a pack-like program.
+    """
+
+    device: str
+    nbytes: int
+    flat_copy: float
+    box_copy: float
+    narrow_copy: float
+    per_row: float
+    per_box: float
+    per_argument: float
+    per_program: float
+    compile_per_box: float
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The figures as ``(what, value)`` lines."""
+        return [
+            ("flat copy into a donated buffer", f"{self.flat_copy / GB:.1f} GB/s"),
+            ("box copy (16 KiB rows)", f"{self.box_copy / GB:.1f} GB/s"),
+            ("bf16 / cast copy", f"{self.narrow_copy / GB:.1f} GB/s"),
+            ("per row of 256 bytes", f"{self.per_row * 1e9:.2f} ns"),
+            ("per box of 16 KiB", f"{self.per_box * 1e6:.2f} us"),
+            ("per array a program takes", f"{self.per_argument * 1e6:.2f} us"),
+            ("per program of a chain", f"{self.per_program * 1e6:.2f} us"),
+            ("compile, per box", f"{self.compile_per_box * 1e3:.2f} ms"),
+        ]
+
+
+class _Chain:
+    """``k`` one-element in-place programs dispatched one after another with no wait between
+    them, as the executor dispatches a bucket's pack, transfer and unpack."""
+
+    def __init__(self, device: jax.Device, k: int):
+        self.k = k
+        self.x = jax.device_put(np.zeros((256,), np.uint32), device)
+        self.fn = jax.jit(lambda x: x.at[0].add(1), donate_argnums=0)
+
+    def __call__(self) -> jax.Array:
+        for _ in range(self.k):
+            self.x = self.fn(self.x)
+        return self.x
+
+
+def _compile_seconds(devices: Sequence[jax.Device], boxes: int) -> float:
+    """Seconds to lower and compile a pack-like program of ``boxes`` boxes (`_ManyCopies`)."""
+    program = _ManyCopies(devices, boxes, 16 << 10, one=False)
+    t0 = time.perf_counter()
+    program.fn.lower(program.x, program.y, program.starts).compile()
+    seconds = time.perf_counter() - t0
+    for a in (program.x, program.y, program.starts):
+        a.delete()
+    return seconds
+
+
+def measure_device(
+    device: jax.Device,
+    *,
+    nbytes: int = DEVICE_BYTES,
+    reps: int = 10,
+    boxes: tuple[int, int] = DEVICE_BOXES,
+) -> DeviceCopies:
+    """Measure `DeviceCopies` on ``device`` alone (see the class); each figure is the fastest
+    of `PROFILE_PASSES` medians of ``reps`` calls, ``boxes`` the two box counts of the
+    pack-like programs. The programs are freed as they finish, so about 5x ``nbytes`` of
+    device memory is enough."""
+    devices = [device]
+
+    def timed(make: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
+        program = make(devices, *args, **kwargs)
+        seconds = _median(program, reps, PROFILE_PASSES)
+        jax.block_until_ready(program())
+        return seconds, program
+
+    def free(program: Any) -> None:
+        for name in ("x", "y", "a", "b", "starts"):
+            if isinstance(getattr(program, name, None), jax.Array):
+                getattr(program, name).delete()
+        for x in getattr(program, "xs", []):
+            x.delete()
+
+    flat = bench.Memcpy(devices, nbytes)
+    flat_copy = flat.nbytes / bench._median_time(flat._step, reps)
+    flat.a.delete()
+    flat.b.delete()
+    t_box, box = timed(_BoxCopy, nbytes)
+    free(box)
+    t_rows, rows = timed(_BoxCopy, nbytes, run_bytes=SHORT_RUN_BYTES)
+    free(rows)
+    t_cast, packs = timed(_NarrowCopy, nbytes, cast=True)
+    free(packs)
+    t_bf16, unpacks = timed(_NarrowCopy, nbytes, cast=False)
+    free(unpacks)
+    few, many = boxes
+    t_few, p = timed(_ManyCopies, few, 16 << 10, one=False)
+    free(p)
+    t_many, p = timed(_ManyCopies, many, 16 << 10, one=False)
+    free(p)
+    t_args1, p = timed(_ManyArguments, 1)
+    free(p)
+    t_args, p = timed(_ManyArguments, 128)
+    free(p)
+    chains = 64
+    t_chain = _median(_Chain(device, chains), reps, PROFILE_PASSES)
+    t_single = _median(_Chain(device, 1), reps, PROFILE_PASSES)
+    # One compile of each: a GPU compile of hundreds of boxes takes seconds.
+    compile_few, compile_many = (_compile_seconds(devices, k) for k in boxes)
+    return DeviceCopies(
+        device=str(device.device_kind),
+        nbytes=box.nbytes,
+        flat_copy=flat_copy,
+        box_copy=box.nbytes / t_box,
+        narrow_copy=2 * packs.nbytes / (t_cast + t_bf16),
+        per_row=max(0.0, (t_rows - t_box) / (rows.runs - box.runs)),
+        per_box=max(0.0, (t_many - t_few) / (many - few)),
+        per_argument=max(0.0, (t_args - t_args1) / 127),
+        per_program=max(0.0, (t_chain - t_single) / (chains - 1)),
+        compile_per_box=max(0.0, (compile_many - compile_few) / (many - few)),
+    )
+
+
+HBM_PEAKS: dict[str, float] = {
+    "NVIDIA H200": 4800 * GB,
+    "NVIDIA H100 80GB HBM3": 3350 * GB,
+    "NVIDIA B200": 8000 * GB,
+    "NVIDIA GB200": 8000 * GB,
+}
+"""Datasheet HBM bandwidth (read and write together) of the GPUs `run_device` knows, by the
+device kind JAX reports: NVIDIA's H200 SXM, H100 SXM5, B200 and GB200 NVL72 datasheets."""
+
+
+def device_profiles_against(copies: DeviceCopies) -> list[tuple[str, str, str]]:
+    """``(field, what a GPU profile assumes, what was measured)`` for the copy and launch
+    fields of `PROFILES`' GPU profiles. Copy speeds are compared as fractions of HBM peak
+    over two (a copy reads and writes each byte), the profiles' own basis, where the device's
+    peak is known (`HBM_PEAKS`); else in bytes/s."""
+    h100 = PROFILES["h100"]
+    basis = 3350 * GB / 2  # the h100 profile's: HBM3 3.35 TB/s, read and write
+    peak = HBM_PEAKS.get(copies.device)
+
+    def measured(rate: float) -> str:
+        if peak is None:
+            return f"{rate / GB:.0f} GB/s (this device's HBM peak is not known here)"
+        return f"{rate / (peak / 2):.0%} of HBM peak / 2"
+
+    return [
+        (
+            "copy_bandwidth",
+            f"{h100.copy_bandwidth / basis:.0%} of HBM peak / 2",
+            measured(copies.box_copy),
+        ),
+        (
+            "narrow_copy_bandwidth",
+            f"{(h100.narrow_copy_bandwidth or h100.copy_bandwidth) / basis:.0%} of HBM peak / 2",
+            measured(copies.narrow_copy),
+        ),
+        ("run_overhead", f"{h100.run_overhead * 1e9:.1f} ns", f"{copies.per_row * 1e9:.2f} ns"),
+        ("copy_overhead", f"{h100.copy_overhead * 1e6:.1f} us", f"{copies.per_box * 1e6:.2f} us"),
+        (
+            "argument_overhead",
+            f"{h100.argument_overhead * 1e6:.1f} us",
+            f"{copies.per_argument * 1e6:.2f} us",
+        ),
+        (
+            "launch_overhead",
+            f"{h100.launch_overhead * 1e6:.1f} us",
+            f"{copies.per_program * 1e6:.2f} us (dispatch-bound where larger)",
+        ),
+    ]
+
+
+def run_device(*, nbytes: int = DEVICE_BYTES, reps: int = 10) -> dict[str, Any]:
+    """Measure `DeviceCopies` on the first device, print them (on a GPU, beside what the GPU
+    profiles assume); returns them as a JSON record."""
+    device = jax.devices()[0]
+    copies = measure_device(device, nbytes=nbytes, reps=reps)
+    print(f"one {device.platform} device ({copies.device}), copies of {copies.nbytes / GB:.2f} GB:")
+    print("\n".join(f"  {k:<32} {v}" for k, v in copies.rows()))
+    print("\nthe GPU profiles' assumptions (h100, gb200-nvl72) against this device:")
+    for field, assumed, measured in device_profiles_against(copies):
+        print(f"  {field:<24} assumed {assumed:<28} measured {measured}")
+    return {"platform": device.platform, **dataclasses.asdict(copies)}

@@ -6,8 +6,9 @@
         --topology h100 --placement contiguous
     python -m jaxreshard.simulate --scenario deepseek-v3 --materialize  # + cutting the segments
     python -m jaxreshard.simulate --calibrate  # the model against this machine's executor
+    python -m jaxreshard.simulate --calibrate-device  # one GPU's copies against the profiles
 
-Nothing runs on a device (importing the package still loads JAX; ``--calibrate`` aside):
+Nothing runs on a device (importing the package still loads JAX; the calibrations aside):
 layouts are built on integer device ids, the planner and scheduler run as `jaxreshard.plan`
 runs them, and `jaxreshard.tools.costmodel` prices the schedule (overheads included), the
 physical bound and the baselines. Every time it prints is modeled.
@@ -1145,6 +1146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure a CPU profile here and check the model against the executor on the bench "
         "scenarios (8 simulated CPU devices; about 2 minutes)",
     )
+    parser.add_argument(
+        "--calibrate-device",
+        action="store_true",
+        help="measure one device's copies, launches and compiles (on a GPU: the figures the GPU "
+        "profiles assume), with copies of 1 GiB",
+    )
     args = parser.parse_args(argv)
     setup = {  # what --scenario, --all and --calibrate fix themselves
         "--model": args.model,
@@ -1155,8 +1162,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dst-devices": args.dst_devices,
         "--colocated": args.colocated or None,
     }
-    fixed = "--calibrate" if args.calibrate else "--all" if args.all else "--scenario"
-    if args.calibrate or args.all or args.scenario:
+    fixed = (
+        "--calibrate-device"
+        if args.calibrate_device
+        else "--calibrate"
+        if args.calibrate
+        else "--all"
+        if args.all
+        else "--scenario"
+    )
+    if args.calibrate_device or args.calibrate or args.all or args.scenario:
         given = [name for name, value in setup.items() if value is not None]
         if given:
             parser.error(
@@ -1166,6 +1181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bucket_bytes = args.bucket_mib * MiB
     if not (math.isfinite(bucket_bytes) and ALIGN <= int(bucket_bytes) <= 1 << 48):
         parser.error(f"--bucket-mib: {args.bucket_mib} MiB is not {ALIGN} bytes to 256 TiB")
+    if args.calibrate_device:
+        return _calibrate_device(args.json)
     if args.calibrate:
         return _calibrate(args.json)
     try:
@@ -1252,6 +1269,17 @@ def _calibrate(json_path: str | None) -> int:
         with open(json_path, "w") as f:
             json.dump(record, f, indent=1)
     return 0 if all(c["within"] for c in record["checks"]) else 1
+
+
+def _calibrate_device(json_path: str | None) -> int:
+    """``--calibrate-device``: `jaxreshard.tools.calibrate.run_device` on the first device."""
+    from jaxreshard.tools import calibrate
+
+    record = calibrate.run_device()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
