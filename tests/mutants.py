@@ -270,6 +270,17 @@ PLANNER_MUTANTS = [
         (f"{T_ROUTE}::test_oracle_boxes_and_from_mesh_agree_with_jax",),
         "Layout.from_mesh boxes reach one row into the next shard",
     ),
+    Mutant(
+        "units-local-copies-uncounted",
+        "jaxreshard/planning/schedule.py",
+        (("    return out, into, sends, recvs + copies", "    return out, into, sends, recvs"),),
+        (
+            "tests/test_compiled.py::"
+            "test_a_plan_of_local_copies_only_keeps_its_programs_small_and_flat_in_the_layers",
+        ),
+        "a unit's local copies do not count towards its copies: a plan of local copies is "
+        "one program of every leaf, whose compile grows faster than its leaves",
+    ),
 ]
 
 MULTIHOST_MUTANTS = [
@@ -330,6 +341,30 @@ MULTIHOST_MUTANTS = [
         ),
         "a process that found a crossing and gave the peer's call up makes that call as if "
         "nothing happened: it waits out the timeout for peers that gave it up",
+    ),
+    Mutant(
+        "order-crossing-gives-the-peers-call-up-first",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "        self.client.key_value_set(key, json.dumps(own), allow_overwrite=True)\n",
+                "",
+            ),
+        ),
+        ("tests/test_multihost.py::test_a_crossing_gives_this_call_up_before_the_peers",),
+        "the finder of a crossing gives the peer's call up before its own: the released peer "
+        "can read the finder's record of its call before it says given up, and enter alone",
+    ),
+    Mutant(
+        "order-records-not-read-again",
+        "jaxreshard/run/multihost.py",
+        (("    if len(records) > 1:\n", "    if False:\n"),),
+        (
+            "tests/test_multihost.py::"
+            "test_a_call_whose_earlier_peer_gave_it_up_while_a_later_one_arrived_raises",
+        ),
+        "a call enters its transfer on peers' records read before another peer arrived, "
+        "though one of them gave the call up meanwhile",
     ),
 ]
 
@@ -725,8 +760,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "            _load(leaf, self.columns[i], n, gathered(leaf, gather_bytes))",
-                "            _load(leaf, self.columns[i], n, False)",
+                "_load(leaf, self.columns[i], n, gathered(leaf, gather_bytes), self.local_of",
+                "_load(leaf, self.columns[i], n, False, self.local_of",
             ),
         ),
         (f"{T_LOWER}::test_small_leaves_move_by_one_gather_per_program_not_a_copy_per_piece",),

@@ -807,7 +807,7 @@ class PreparedPlan:
                 size = np.concatenate([size, np.repeat(np.array(nbytes, np.int64), times)])
             self.columns.append((code, size))
         self.loads = [
-            _load(leaf, self.columns[i], n, gathered(leaf, gather_bytes))
+            _load(leaf, self.columns[i], n, gathered(leaf, gather_bytes), self.local_of.get(i, ()))
             for i, leaf in enumerate(leaves)
         ]
         ids: dict[tuple[object, ...], int] = {}
@@ -1002,18 +1002,28 @@ Load = tuple[dict[int, int], dict[int, int], Counter[int], Counter[int]]
 
 
 def _load(
-    leaf: LeafSpec, columns: tuple[np.ndarray, np.ndarray], n: int, by_gather: bool = False
+    leaf: LeafSpec,
+    columns: tuple[np.ndarray, np.ndarray],
+    n: int,
+    by_gather: bool = False,
+    local: Sequence[LocalCopy] = (),
 ) -> Load:
     """Bytes a leaf has each device send and receive, and how many copies that takes: one
     per piece, or one per device for a leaf that moves by gathers (``by_gather``), from the
-    leaf's stream columns (`PreparedPlan`) over ``n`` device ids."""
+    leaf's stream columns (`PreparedPlan`) over ``n`` device ids. The ``local`` copies are
+    copies of the device's unpack program too (no bytes through staging): counted, a plan
+    that copies many leaves locally (source and destination on the same devices) gets units
+    of a bounded size, which repeat (a model's layers), instead of one program holding every
+    leaf's copies, whose compile time grows faster than its copies (12 s for 290 leaves on an
+    H200, against 1 s for 74)."""
     codes, sizes = columns
     pair = codes % (n * n)
     out, sends = _per_device(pair // n, sizes)
     into, recvs = _per_device(pair % n, sizes)
+    copies = Counter(c.device for c in local)
     if by_gather:
-        return out, into, Counter(out.keys()), Counter(into.keys())
-    return out, into, sends, recvs
+        return out, into, Counter(out.keys()), Counter(into.keys()) | Counter(copies.keys())
+    return out, into, sends, recvs + copies
 
 
 def _per_device(devices: np.ndarray, sizes: np.ndarray) -> tuple[dict[int, int], Counter[int]]:

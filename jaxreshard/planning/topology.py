@@ -104,25 +104,47 @@ _NCCL_EFFICIENCY = (
     "large messages (NVLink {intra}, InfiniBand/RoCE 400 Gb/s {inter})"
 )
 _LAUNCH = "assumption: CUDA kernel launch latency, ~5 us per program"
+_H200 = (
+    "measured on one H200 (jax 0.11.2, `python -m jaxreshard.simulate --calibrate-device`, two "
+    "runs)"
+)
 _BUCKET = (
-    "assumption: ~9 program dispatches per host per bucket plus wrapping the per-device "
-    "buffers, 100-300 us; 150 us taken. The executor never waits between buckets on GPUs, "
-    "so this overlaps the devices' work"
+    f"{_H200}: dispatching a jitted program takes 25-29 us of the host; ~9 dispatches per host "
+    "per bucket, 260 us taken. The executor never waits between buckets on GPUs, so this "
+    "overlaps the devices' work"
 )
 
+COPY_EFFICIENCY = 0.61
+"""The fraction of HBM peak over two (a copy reads and writes each byte) that a pack's or
+unpack's box copy reaches: 1,455 and 1,481 GB/s on an H200 (4.8 TB/s), float32 rows of 16 KiB
+copied into a donated buffer (`jaxreshard.tools.calibrate.measure_device`)."""
+
+NARROW_COPY_EFFICIENCY = 0.44
+"""The same for a casting bf16 pack and a bf16 unpack (bf16 bytes counted): 1,049 and
+1,082 GB/s on the same H200."""
 
 _GPU_OVERHEADS: dict[str, float] = {
     "intra_efficiency": 0.85,
     "inter_efficiency": 0.90,
+    "copy_overhead": 1.2e-6,
     "launch_overhead": 5e-6,
-    "bucket_overhead": 150e-6,
-    "argument_overhead": 2e-6,
+    "bucket_overhead": 260e-6,
+    "argument_overhead": 3.4e-6,
 }
 """The overheads every GPU profile shares (their sources: `_gpu_sources`)."""
 
 
-def _gpu_sources(copy_bandwidth: str) -> tuple[tuple[str, str], ...]:
-    """The sources of a GPU profile's figures; only the HBM speed differs between them."""
+def _gpu_copies(hbm: float) -> dict[str, float]:
+    """The copy speeds of a GPU of ``hbm`` bytes/s of HBM peak: the H200's measured fractions
+    (`COPY_EFFICIENCY`, `NARROW_COPY_EFFICIENCY`)."""
+    return {
+        "copy_bandwidth": COPY_EFFICIENCY * hbm / 2,
+        "narrow_copy_bandwidth": NARROW_COPY_EFFICIENCY * hbm / 2,
+    }
+
+
+def _gpu_sources(hbm: str) -> tuple[tuple[str, str], ...]:
+    """The sources of a GPU profile's figures; only the HBM datasheet differs between them."""
     efficiency = _NCCL_EFFICIENCY.format(
         intra=f"{_GPU_OVERHEADS['intra_efficiency']:.0%}",
         inter=f"{_GPU_OVERHEADS['inter_efficiency']:.0%}",
@@ -131,19 +153,30 @@ def _gpu_sources(copy_bandwidth: str) -> tuple[tuple[str, str], ...]:
         ("round_latency", "assumption: nccl-tests small-message latency is ~10-20 us"),
         ("intra_efficiency", efficiency),
         ("inter_efficiency", efficiency),
-        ("copy_bandwidth", copy_bandwidth),
+        (
+            "copy_bandwidth",
+            f"{hbm}; a copy reads and writes each byte, at {COPY_EFFICIENCY:.0%} of peak / 2: "
+            f"{_H200}, float32 rows of 16 KiB into a donated buffer (the same fraction assumed "
+            "here)",
+        ),
         ("host_copy_bandwidth", "GPUs copy with their own HBM: no shared limit"),
-        ("narrow_copy_bandwidth", "assumption: bf16 and fp8 copy at HBM speed on GPUs"),
-        ("copy_overhead", "assumption: a box copy is a loop inside a fused pack program"),
+        (
+            "narrow_copy_bandwidth",
+            f"{NARROW_COPY_EFFICIENCY:.0%} of HBM peak / 2: {_H200}, a casting bf16 pack and a "
+            "bf16 unpack (the same fraction assumed here)",
+        ),
+        (
+            "copy_overhead",
+            f"{_H200}: 1.1-1.3 us per box of a pack-like program (512 boxes against 64)",
+        ),
         (
             "run_overhead",
-            "assumption: a fused copy kernel reads and writes strided rows of a few KiB at HBM "
-            "speed on GPUs",
+            f"{_H200}: rows of 256 bytes copy as fast as rows of 16 KiB (0.00-0.01 ns a row)",
         ),
         ("host_link_bandwidth", "GPUs send through their own links: no shared limit"),
         ("launch_overhead", _LAUNCH),
         ("bucket_overhead", _BUCKET),
-        ("argument_overhead", "assumption: ~2 us per array argument of a dispatch"),
+        ("argument_overhead", f"{_H200}: 3.0-3.8 us per array a program takes"),
         ("host_runs_ahead", "jaxreshard.run.runtime: no host sync between steps on GPUs"),
         (
             "overlap_links",
@@ -167,12 +200,9 @@ PROFILES: dict[str, Profile] = {
             "(450 GB/s each way), 8 GPUs per NVSwitch domain (DGX/HGX H100). DGX H100 user "
             "guide: 8 ConnectX-7 NICs at 400 Gb/s, one per GPU (50 GB/s each way per GPU)."
         ),
-        copy_bandwidth=0.85 * 3350 * GB / 2,
+        **_gpu_copies(3350 * GB),
         **_GPU_OVERHEADS,  # type: ignore[arg-type]
-        sources=_gpu_sources(
-            "H100 SXM5 datasheet: HBM3 3.35 TB/s; a copy reads and writes each byte (half of "
-            "it), at 85% of peak (assumption)"
-        ),
+        sources=_gpu_sources("H100 SXM5 datasheet: HBM3 3.35 TB/s"),
     ),
     "cpu": Profile(
         name="cpu",
@@ -239,12 +269,9 @@ PROFILES: dict[str, Profile] = {
             "of 4 GPUs (one host each), one ConnectX-7 400 Gb/s NIC per GPU for the scale-out "
             "network (50 GB/s each way per GPU)."
         ),
-        copy_bandwidth=0.85 * 8000 * GB / 2,
+        **_gpu_copies(8000 * GB),
         **_GPU_OVERHEADS,  # type: ignore[arg-type]
-        sources=_gpu_sources(
-            "GB200 NVL72 specifications: HBM3e 8 TB/s per GPU; a copy reads and writes each "
-            "byte, at 85% of peak (assumption)"
-        ),
+        sources=_gpu_sources("GB200 NVL72 specifications: HBM3e 8 TB/s per GPU"),
     ),
 }
 """Named cluster profiles. The fabric figures are datasheet peaks; the efficiencies, copy
