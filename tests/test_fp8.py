@@ -127,6 +127,26 @@ def test_a_nan_block_and_a_tiny_block_straddling_source_shards_quantize_as_the_r
     assert np.asarray(q.scales).tobytes() == scales.tobytes()
 
 
+@pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_block_holding_an_infinity_dequantizes_to_nan_as_the_formula_says(fmt):
+    """The README's formula, followed: an infinity makes its block's scale inf, every value of
+    the block x * (1 / inf) = 0 (the infinity itself inf * 0 = NaN), so the whole block
+    dequantizes to NaN; the other blocks are untouched (the reference's bits)."""
+    host = weights((256, 1024), seed=5)
+    host[3, 200] = np.inf  # block (0, 1)
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, None, "tp")
+    q = jr.plan(src, dst, dtype=jr.Fp8Blockwise(fmt=fmt))(src)
+    values, scales = reference(host, (128, 128), fmt)
+    assert np.isinf(scales[0, 1]) and np.isfinite(np.delete(scales.reshape(-1), 1)).all()
+    assert np.asarray(q.values).view(np.uint8).tobytes() == values.view(np.uint8).tobytes()
+    assert np.asarray(q.scales).tobytes() == scales.tobytes()
+    deq = np.asarray(q.dequantize())
+    assert np.isnan(deq[:128, 128:256]).all()
+    assert not np.isnan(np.delete(deq[:128], np.s_[128:256], axis=1)).any()
+    assert not np.isnan(deq[128:]).any()
+
+
 def test_a_zero_size_leaf_scaled_per_tensor_moves_with_scale_one():
     """Regression: its one block has no element, and the max over it failed inside JAX in
     the call, after planning had accepted it."""
