@@ -916,6 +916,19 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "first (the parts reported on the critical path change)",
     ),
     Mutant(
+        "costmodel-contiguous-at-box-speed",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "        flat_bw = profile.contiguous_copy_bandwidth or wide_bw",
+                "        flat_bw = wide_bw",
+            ),
+        ),
+        ("tests/test_simulate.py::test_boxes_of_one_contiguous_run_copy_at_the_contiguous_speed",),
+        "boxes of one contiguous run copy at the box copy's speed: the CPU calibration "
+        "over-prices whole-row packs and unpacks by about 2x",
+    ),
+    Mutant(
         "costmodel-floor-without-copies",
         "jaxreshard/tools/costmodel.py",
         (
@@ -931,7 +944,12 @@ EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
         "costmodel-floor-copies-on-one-device",
         "jaxreshard/tools/costmodel.py",
-        (("copy = max(copy, profile.narrow_copy_bandwidth or 0.0)", "copy = copy / 64"),),
+        (
+            (
+                "copy = max(copy, profile.narrow_copy_bandwidth or 0.0, profile.contiguous_copy_",
+                "copy = copy / 64 if 1 else (copy, profile.contiguous_copy_",
+            ),
+        ),
         (
             "tests/test_topology.py::test_random_layouts_and_domains_on_virtual_devices",
             "tests/test_simulate.py::test_executor_floor_charges_a_sole_holders_packs",

@@ -808,3 +808,52 @@ def test_device_calibration_measures_every_figure_a_gpu_profile_assumes(devices,
     ]
     h200 = dataclasses.replace(copies, device="NVIDIA H200", box_copy=1200 * GB)
     assert calibrate.device_profiles_against(h200)[0][2] == "50% of HBM peak / 2"
+
+
+def test_boxes_of_one_contiguous_run_copy_at_the_contiguous_speed(devices):
+    """`Profile.contiguous_copy_bandwidth` prices a box that is one run of the shard it reads
+    or writes; a box of many rows keeps the box copy's speed. By hand, one bucket on one host
+    of 8 CPU devices, no per-box or per-row cost: rows -> rows, every box is whole rows of
+    both shards (pack and unpack at 4 GB/s); columns over 4 -> columns over 2, each box is
+    half the columns of its destination shard (unpack at 1 GB/s: 256 rows of each)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxreshard as jr
+    from jaxreshard.tools import calibrate
+
+    profile = dataclasses.replace(
+        PROFILES["cpu"],
+        copy_bandwidth=1e9,
+        host_copy_bandwidth=1e9,
+        contiguous_copy_bandwidth=4e9,
+        copy_overhead=0.0,
+        run_overhead=0.0,
+    )
+    first = Mesh(np.array(devices[:4]), ("x",))
+    nbytes = 256 * 512 * 4
+    for src_spec, dst_mesh, dst_spec, unpack_bw in (
+        (P("x"), Mesh(np.array(devices[4:]), ("x",)), P("x"), 4e9),
+        (P(None, "x"), Mesh(np.array(devices[4:6]), ("x",)), P(None, "x"), 1e9),
+    ):
+        src = NamedSharding(first, src_spec)
+        tree = {"w": jax.jit(lambda: jnp.ones((256, 512), jnp.float32), out_shardings=src)()}
+        plan = jr.plan(tree, {"w": NamedSharding(dst_mesh, dst_spec)}, bucket_bytes=8 << 20)
+        assert plan.stats.buckets == 1 and plan.stats.bytes_sent == nbytes
+        m = calibrate.modeled(plan, profile)
+        assert m.pack == pytest.approx(nbytes / 4e9)  # every source shard whole
+        assert m.unpack == pytest.approx(nbytes / unpack_bw)
+        without = calibrate.modeled(
+            plan, dataclasses.replace(profile, contiguous_copy_bandwidth=None)
+        )
+        assert without.pack == pytest.approx(nbytes / 1e9)
+        # the floor takes the fastest copy speed the profile gives: still under the plan
+        topology = dataclasses.replace(
+            plan.topology,
+            intra_bandwidth=profile.intra_bandwidth,
+            inter_bandwidth=profile.inter_bandwidth,
+        )
+        floor = costmodel.executor_floor(plan.leaves, topology, profile)
+        assert 0 < floor.seconds <= m.seconds

@@ -6,7 +6,8 @@ Two steps, both on JAX's CPU backend:
 
 1. **Measure a CPU profile** with microbenchmarks that know nothing of the planner: a jitted copy
    into a donated buffer (one device alone, and all devices at once: the host's copy speed;
-   with rows of 256 bytes instead of 16 KiB: a row's cost), compiled with the executor's own
+   with rows of 256 bytes instead of 16 KiB: a row's cost; whole rows, one contiguous run:
+   the speed of such boxes), compiled with the executor's own
    options for its copy programs (`runtime.copy_options`), collective-permute rounds over
    the union mesh (a round's latency: what 16 rounds of 4 KiB in one program take over one;
    the host's aggregate message bandwidth with 4 pairs of 16 MiB, one pair alone for a single
@@ -214,6 +215,27 @@ class _BoxCopy(_InPlace):
         self.runs = n * rows
 
 
+class _RowsCopy(_InPlace):
+    """Whole rows of a float32 matrix written into a donated flat buffer, on every device of
+    ``devices`` at once: a box that is one contiguous run of its shard (a pack of whole rows,
+    an unpack into a shard split over its rows only); ``nbytes`` per device."""
+
+    def __init__(self, devices: Sequence[jax.Device], nbytes: int):
+        n = len(devices)
+        rows, cols = 1024, max(1, nbytes // 4 // 1024)
+        mesh = Mesh(np.array(list(devices)), ("g",))
+        s2, s1 = NamedSharding(mesh, P("g", None)), NamedSharding(mesh, P("g"))
+        self.x = jax.jit(lambda: jnp.ones((n * rows, cols), jnp.float32), out_shardings=s2)()
+        self.y = jax.jit(lambda: jnp.zeros((n * rows * cols,), jnp.float32), out_shardings=s1)()
+
+        def body(x: jax.Array, y: jax.Array) -> jax.Array:
+            return lax.dynamic_update_slice(y, x.reshape(-1), (np.int32(0),))
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("g", None), P("g")), out_specs=P("g"))
+        self.fn = _copy_program(mapped, devices, donate_argnums=1)
+        self.nbytes = n * rows * cols * 4
+
+
 class _NarrowCopy(_InPlace):
     """Narrow elements on every device at once, the two ways a bf16 refit copies them:
     ``cast``: half the columns of a float32 matrix, cast to bfloat16 and written as 16-bit
@@ -290,6 +312,8 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
     # in two) take longer than boxes of 16 KiB rows; the difference, per extra row.
     rows = _BoxCopy(devices, big, run_bytes=SHORT_RUN_BYTES)
     per_run = max(0.0, (timed(rows) - t_together) / (rows.runs - together.runs))
+    whole = _RowsCopy(devices, big)
+    contiguous = whole.nbytes / timed(whole)
     half = n // 2
     pairs = [(i, half + i) for i in range(half)]
     # A round's latency is what one more round adds to a program (4 KiB: the bytes are
@@ -325,6 +349,7 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
         host_copy_bandwidth=copy_all,
         host_link_bandwidth=host_link,
         narrow_copy_bandwidth=narrow,
+        contiguous_copy_bandwidth=max(contiguous, copy_all),
         copy_overhead=per_copy,
         run_overhead=per_run,
         argument_overhead=per_argument,
@@ -350,6 +375,11 @@ def measure_profile(devices: Sequence[jax.Device], *, reps: int = 25) -> Profile
                 "narrow_copy_bandwidth",
                 "measured: a f32 -> bf16 cast and a bf16 copy of 16 MiB "
                 "per device, all devices at once",
+            ),
+            (
+                "contiguous_copy_bandwidth",
+                f"measured: 16 MiB of whole rows of a matrix into a donated buffer on all {n} "
+                "devices at once (never below the box copy)",
             ),
             (
                 "copy_overhead",
@@ -433,6 +463,10 @@ def format_profile(p: Profile) -> str:
         ("messages on the host, together", f"{(p.host_link_bandwidth or math.inf) / GB:.2f} GB/s"),
         ("copy, one device", f"{p.copy_bandwidth / GB:.2f} GB/s"),
         ("copy, every device together", f"{(p.host_copy_bandwidth or math.inf) / GB:.2f} GB/s"),
+        (
+            "whole rows, every device together",
+            f"{(p.contiguous_copy_bandwidth or math.inf) / GB:.2f} GB/s",
+        ),
         ("bf16 / cast copy, together", f"{(p.narrow_copy_bandwidth or math.inf) / GB:.2f} GB/s"),
         ("per box copied", f"{p.copy_overhead * 1e6:.2f} us"),
         ("per row copied", f"{p.run_overhead * 1e9:.1f} ns"),

@@ -247,7 +247,7 @@ def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
     # A device's copies at the fastest rate the profile gives any of them: its host's where
     # a host's devices share one (then one device alone may have it all).
     copy = profile.host_copy_bandwidth or profile.copy_bandwidth
-    copy = max(copy, profile.narrow_copy_bandwidth or 0.0)
+    copy = max(copy, profile.narrow_copy_bandwidth or 0.0, profile.contiguous_copy_bandwidth or 0.0)
     terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
     for d in p.need.keys() | p.sole_out.keys():
         need, only = p.need.get(d, 0), p.sole_out.get(d, 0)
@@ -404,7 +404,7 @@ def modeled_times(
     for c in local:
         leaf = leaves[c.leaf] if leaves is not None else None
         if leaf is None:
-            copies.add(c.device, box_size(c.box), narrow=False)
+            copies.add(c.device, box_size(c.box), narrow=False, known=False)
             continue
         runs = max(  # a local copy reads rows of its source shard into rows of its destination
             contiguous_runs(c.box, _shard_shape(leaf, from_dst=False)),
@@ -695,17 +695,29 @@ def _narrow(leaf: LeafSpec) -> bool:
 
 
 class _Copies:
-    """What each device copies in one step: wide bytes, narrow bytes, boxes and the
-    contiguous runs (rows) of its boxes in the shards it reads or writes."""
+    """What each device copies in one step: wide bytes (those of boxes that are one
+    contiguous run apart, ``flat``), narrow bytes, boxes and the contiguous runs (rows) of its
+    boxes in the shards it reads or writes. A box added without its runs counts as one run
+    (`add`'s default)."""
 
     def __init__(self) -> None:
         self.wide: dict[int, int] = defaultdict(int)
+        self.flat: dict[int, int] = defaultdict(int)
         self.narrow: dict[int, int] = defaultdict(int)
         self.boxes: dict[int, int] = defaultdict(int)
         self.runs: dict[int, int] = defaultdict(int)
 
-    def add(self, device: int, nbytes: int, *, narrow: bool, runs: int = 1) -> None:
-        (self.narrow if narrow else self.wide)[device] += nbytes
+    def add(
+        self, device: int, nbytes: int, *, narrow: bool, runs: int = 1, known: bool = True
+    ) -> None:
+        """One box of ``nbytes`` on ``device``, of ``runs`` contiguous runs (``known``: the
+        runs were counted, so a box of one run copies at the contiguous speed)."""
+        if narrow:
+            self.narrow[device] += nbytes
+        elif runs == 1 and known:
+            self.flat[device] += nbytes
+        else:
+            self.wide[device] += nbytes
         self.boxes[device] += 1
         self.runs[device] += runs
 
@@ -718,17 +730,22 @@ class _Copies:
         """Seconds of copies per device, or per host where a host's devices share it."""
         if not self.boxes:
             return {}
-        wide, narrow, boxes, runs = self.wide, self.narrow, self.boxes, self.runs
+        wide, flat, narrow = self.wide, self.flat, self.narrow
+        boxes, runs = self.boxes, self.runs
         wide_bw = profile.copy_bandwidth
         if profile.host_copy_bandwidth is not None:  # sum each host's devices
             wide_bw = profile.host_copy_bandwidth
-            wide, narrow, boxes, runs = (_by_host(x, host) for x in (wide, narrow, boxes, runs))
+            wide, flat, narrow, boxes, runs = (
+                _by_host(x, host) for x in (wide, flat, narrow, boxes, runs)
+            )
         narrow_bw = (
             wide_bw if profile.narrow_copy_bandwidth is None else profile.narrow_copy_bandwidth
         )
+        flat_bw = profile.contiguous_copy_bandwidth or wide_bw
         per, per_run = profile.copy_overhead, profile.run_overhead
         return {
             k: wide.get(k, 0) / wide_bw
+            + flat.get(k, 0) / flat_bw
             + narrow.get(k, 0) / narrow_bw
             + n * per
             + runs.get(k, 0) * per_run

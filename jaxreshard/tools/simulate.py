@@ -781,7 +781,7 @@ def _without(profile: Profile, costs: Sequence[str]) -> Profile:
     if "copies" in costs:
         inf = float("inf")
         free.update(copy_bandwidth=inf, copy_overhead=0.0, run_overhead=0.0)
-        for name in ("host_copy_bandwidth", "narrow_copy_bandwidth"):
+        for name in ("host_copy_bandwidth", "narrow_copy_bandwidth", "contiguous_copy_bandwidth"):
             if getattr(profile, name) is not None:
                 free[name] = inf
     if "round_latency" in costs:
