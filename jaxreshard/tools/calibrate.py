@@ -547,8 +547,9 @@ compile time (16 KiB boxes at offsets read from a table, as the executor's packs
 @dataclasses.dataclass(frozen=True)
 class DeviceCopies:
     """What one device's pack and unpack programs cost: the copy and launch fields of a
-    `Profile`, measured (`measure_device`). On a GPU these are the figures the GPU profiles
-    take from datasheets and assumptions; rounds and links need several devices.
+    `Profile`, measured (`measure_device`). The GPU profiles' copy and host figures come from
+    two such runs on an H200 (`topology.COPY_EFFICIENCY`); rounds and links need several
+    devices.
 
     Attributes:
       device: the device's kind, as JAX names it.
