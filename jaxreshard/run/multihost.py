@@ -520,6 +520,12 @@ def _publish_call(
     return client, me, group, group_key, n, base, crossed
 
 
+def _call_key(group_key: str, n: int, process: int) -> str:
+    """The key of ``process``'s record of call ``n`` over the group ``group_key`` (as
+    `_publish_call` lays them out: ``{base}/{n}/{process}``)."""
+    return f"{_ORDER_PREFIX}/{group_key}/{n // _ORDER_BLOCK}/{n}/{process}"
+
+
 def _ignore_missing(fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
@@ -605,12 +611,12 @@ class _Waiting:
         # to this call (the orders are crossed), and must find it given up here, not pass it
         # on this process's earlier record and enter the transfer without this process.
         own = {"fp": "", "plan": self.label, "abandoned": reason}
-        key = f"{_ORDER_PREFIX}/{self.key}/{self.n // _ORDER_BLOCK}/{self.n}/{self.me}"
+        key = _call_key(self.key, self.n, self.me)
         self.client.key_value_set(key, json.dumps(own), allow_overwrite=True)
         if made == other["n"]:
             n = other["n"]
             record = {"fp": "", "plan": other["plan"], "abandoned": reason}
-            key = f"{_ORDER_PREFIX}/{other['key']}/{n // _ORDER_BLOCK}/{n}/{self.me}"
+            key = _call_key(other["key"], n, self.me)
             self.client.key_value_set(key, json.dumps(record))
         raise error
 

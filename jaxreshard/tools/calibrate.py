@@ -641,7 +641,7 @@ def measure_device(
         return seconds, program
 
     def free(program: Any) -> None:
-        for name in ("x", "y", "a", "b", "starts"):
+        for name in ("x", "y", "starts"):
             if isinstance(getattr(program, name, None), jax.Array):
                 getattr(program, name).delete()
         for x in getattr(program, "xs", []):

@@ -404,7 +404,7 @@ def modeled_times(
     for c in local:
         leaf = leaves[c.leaf] if leaves is not None else None
         if leaf is None:
-            copies.add(c.device, box_size(c.box), narrow=False, known=False)
+            copies.add(c.device, box_size(c.box), narrow=False)
             continue
         runs = max(  # a local copy reads rows of its source shard into rows of its destination
             contiguous_runs(c.box, _shard_shape(leaf, from_dst=False)),
@@ -697,8 +697,8 @@ def _narrow(leaf: LeafSpec) -> bool:
 class _Copies:
     """What each device copies in one step: wide bytes (those of boxes that are one
     contiguous run apart, ``flat``), narrow bytes, boxes and the contiguous runs (rows) of its
-    boxes in the shards it reads or writes. A box added without its runs counts as one run
-    (`add`'s default)."""
+    boxes in the shards it reads or writes. A box added without its runs counts as one run,
+    at the wide speed."""
 
     def __init__(self) -> None:
         self.wide: dict[int, int] = defaultdict(int)
@@ -707,19 +707,17 @@ class _Copies:
         self.boxes: dict[int, int] = defaultdict(int)
         self.runs: dict[int, int] = defaultdict(int)
 
-    def add(
-        self, device: int, nbytes: int, *, narrow: bool, runs: int = 1, known: bool = True
-    ) -> None:
-        """One box of ``nbytes`` on ``device``, of ``runs`` contiguous runs (``known``: the
-        runs were counted, so a box of one run copies at the contiguous speed)."""
+    def add(self, device: int, nbytes: int, *, narrow: bool, runs: int | None = None) -> None:
+        """One box of ``nbytes`` on ``device``, of ``runs`` contiguous runs (None: not
+        counted); a box counted as one run copies at the contiguous speed."""
         if narrow:
             self.narrow[device] += nbytes
-        elif runs == 1 and known:
+        elif runs == 1:
             self.flat[device] += nbytes
         else:
             self.wide[device] += nbytes
         self.boxes[device] += 1
-        self.runs[device] += runs
+        self.runs[device] += 1 if runs is None else runs
 
     def time(self, host: Mapping[int, int], profile: Profile) -> float:
         """Seconds for every device's copies at once: the slowest device, or where a host's

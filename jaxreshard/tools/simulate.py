@@ -1162,16 +1162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dst-devices": args.dst_devices,
         "--colocated": args.colocated or None,
     }
-    fixed = (
-        "--calibrate-device"
-        if args.calibrate_device
-        else "--calibrate"
-        if args.calibrate
-        else "--all"
-        if args.all
-        else "--scenario"
+    modes = (
+        ("--calibrate-device", args.calibrate_device),
+        ("--calibrate", args.calibrate),
+        ("--all", args.all),
+        ("--scenario", args.scenario),
     )
-    if args.calibrate_device or args.calibrate or args.all or args.scenario:
+    fixed = next((flag for flag, on in modes if on), None)
+    if fixed is not None:
         given = [name for name, value in setup.items() if value is not None]
         if given:
             parser.error(
@@ -1192,8 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(records) > 1:
         print(summary(records))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        _write_json(args.json, records)
     return 0
 
 
@@ -1266,8 +1263,7 @@ def _calibrate(json_path: str | None) -> int:
 
     record = calibrate.run()
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_json(json_path, record)
     return 0 if all(c["within"] for c in record["checks"]) else 1
 
 
@@ -1277,9 +1273,13 @@ def _calibrate_device(json_path: str | None) -> int:
 
     record = calibrate.run_device()
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_json(json_path, record)
     return 0
+
+
+def _write_json(path: str, record: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
