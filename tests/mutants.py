@@ -1168,6 +1168,33 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a NaN in a block split by source shards is left to XLA's cross-device max, which drops it",
     ),
+    Mutant(
+        "quick-check-ignores-refits-in-flight",
+        "jaxreshard/api.py",
+        (
+            (
+                "            if not _IN_FLIGHT.isdisjoint(ids):\n                return False\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_a_source_of_a_refit_in_flight_cannot_be_donated_and_a_deleted_one_is_named",
+        ),
+        "the quick pass over a donate= tree lets a source of a refit in flight through",
+    ),
+    Mutant(
+        "quick-check-reads-no-deletion",
+        "jaxreshard/api.py",
+        (
+            (
+                "            if not isinstance(x, jax.Array) or x.is_deleted():",
+                "            if not isinstance(x, jax.Array):",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_call_with_a_deleted_source_or_donate_leaf_names_it",),
+        "the quick pass over a tree takes a deleted array for a live one",
+    ),
 ]
 
 MUTANTS: list[Mutant] = PLANNER_MUTANTS + MULTIHOST_MUTANTS + EXECUTOR_MUTANTS + SURFACE_MUTANTS

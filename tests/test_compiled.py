@@ -80,6 +80,30 @@ def test_a_refit_loop_plans_and_compiles_only_on_its_first_call():
     assert_exact(out["w0"], host["w0"].astype(jnp.bfloat16), dst)
 
 
+def test_a_refit_loops_trees_are_checked_in_one_quick_pass(monkeypatch):
+    """A call checks its source and donate= trees leaf by leaf only where the quick pass has
+    doubts: a refit loop's calls (the source, the previous result) never pay for the
+    per-leaf checks, and a tree the quick pass doubts still gets them (the error names it)."""
+    _, src = tree(4)
+    plan = jr.plan(src, sharding(*DST))
+    out = plan(src)
+    problems = []
+    original = jr.Plan._fit_quickly
+
+    def spy(self, *args):
+        problems.append(not original(self, *args))
+        return problems[-1] is False
+
+    monkeypatch.setattr(jr.Plan, "_fit_quickly", spy)
+    for _ in range(2):
+        out = plan(src, donate=out)
+    assert problems == [False] * 4  # source, then donate=, per call
+    with pytest.raises(jr.ReshardError, match=r"\['w1'\]: expected sharding"):
+        plan(src, donate={**out, "w1": src["w1"]})
+    assert problems[-1] is True
+    assert not out["w0"].is_deleted()  # refused before any data moved
+
+
 def test_the_second_call_compiles_nothing_though_it_starts_from_the_pool_the_first_left():
     """Regression: a call starts from the staging pool the call before left, so the second
     call (the first to start from a kept pool) could lack buffers on other groups of devices

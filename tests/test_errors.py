@@ -174,6 +174,20 @@ def test_a_donate_tree_that_does_not_match_the_destination(src):
     assert not out["a"].is_deleted()  # nothing was donated by the refused call
 
 
+def test_a_call_with_a_deleted_source_or_donate_leaf_names_it(src):
+    plan = jr.plan(src, dst_tree())
+    out = plan(src)
+    gone = jax.device_put(np.asarray(src["a"]), src["a"].sharding)
+    gone.delete()
+    with pytest.raises(jr.ReshardError, match=r"\['a'\]: the array has been deleted"):
+        plan({**src, "a": gone})
+    gone = jax.device_put(np.asarray(out["a"]), out["a"].sharding)
+    gone.delete()
+    with pytest.raises(jr.ReshardError, match=r"\['a'\]: the array has been deleted"):
+        plan(src, donate={**out, "a": gone})
+    assert not out["b"]["c"].is_deleted()  # nothing was donated by the refused call
+
+
 def test_donating_the_source_is_refused(src):
     same = {"a": sharding(*SRC), "b": {"c": sharding(*SRC)}}
     plan = jr.plan(src, same)
