@@ -595,7 +595,6 @@ class Plan:
             raise _structure_error(
                 name, tree, self.paths, planned=True, reference=_shaped(self.treedef)
             )
-        flat = list(zip(self.paths, leaves, strict=True))
         source_ids = {id(x) for x in sources or () if isinstance(x, jax.Array)}
         source_buffers: set[tuple[int, int]] | None = None  # read where a plan may alias
         first_at: dict[int, int] = {}  # donation: one array at two leaves would be donated twice
@@ -605,7 +604,7 @@ class Plan:
         quick = self._fit_quickly(leaves, expected, sources, source_ids)
         checked = () if quick else zip(self.moved, expected, strict=True)
         for i, (shape, dtype, sharding) in checked:
-            path, x = flat[i]
+            path, x = self.paths[i], leaves[i]
             placeholder_ok = allow_placeholders and not sharding.addressable_devices
             problem = _array_problem(x, shape, dtype, sharding, placeholder_ok)
             if problem is None and id(x) in source_ids:
@@ -639,10 +638,10 @@ class Plan:
             if problem:
                 problems.append((path, problem))
         if sources is not None and not problems:  # donation: leaves sharing buffers
-            problems = self._shared_buffers([flat[i] for i in self.moved])
+            problems = self._shared_buffers([(self.paths[i], leaves[i]) for i in self.moved])
         if sources is None and fallbacks:  # a source tree: its fallback leaves as planned too
             for i, (shape, dtype, _) in self._fallback_avals.items():
-                path, x = flat[i]
+                path, x = self.paths[i], leaves[i]
                 if isinstance(x, jax.Array) and x.is_deleted():
                     problems.append((path, "is deleted"))
                     continue
@@ -653,7 +652,7 @@ class Plan:
                     )
         if sources is not None:  # donation: a fallback leaf is deleted after its copy is made
             for i, _ in self.fallback:
-                path, x = flat[i]
+                path, x = self.paths[i], leaves[i]
                 if isinstance(x, jax.Array) and id(x) in source_ids:
                     problems.append((path, _DONATES_A_SOURCE))
         if problems:
