@@ -44,7 +44,7 @@ from jaxreshard.run.multihost import (
     order_check_enabled,
     refuse_call,
 )
-from jaxreshard.run.runtime import Runtime, host_syncs_per_call
+from jaxreshard.run.runtime import Runtime, host_syncs_per_call, lane_options
 from jaxreshard.run.verify import Verifier
 
 MiB = 1 << 20
@@ -201,6 +201,7 @@ class Plan:
         self.compiler_options = dict(compiler_options or {})
         self.topology = topology
         platforms = [d.platform for s in dst_shardings for d in s.device_set]
+        self._platform = platforms[0] if platforms else "cpu"  # (as `plan` chose its options)
         self.stats: PlanStats = with_lowered(
             plan_stats(self.leaves, assignment, schedule, crosses=topology.crosses),
             lowered,
@@ -221,8 +222,16 @@ class Plan:
                     [b.src for b in self.boundaries],
                     [b.dst for b in self.boundaries],
                     transfer_options=self.compiler_options,
+                    default_transfer_options=lane_options(self._platform, self._two_lanes),
                 )
             return self._runtime
+
+    @functools.cached_property
+    def _two_lanes(self) -> bool:
+        """Whether some bucket holds rounds across the topology's domains and rounds inside
+        one (two lanes that the plan counts on running at once off CPU)."""
+        link = self.topology.link_class
+        return any(len({link(m.src, m.dst) for m in b.messages}) > 1 for b in self.schedule.buckets)
 
     @_own_meshes
     def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:

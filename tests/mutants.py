@@ -1195,6 +1195,21 @@ SURFACE_MUTANTS: list[Mutant] = [
         ("tests/test_errors.py::test_a_call_with_a_deleted_source_or_donate_leaf_names_it",),
         "the quick pass over a tree takes a deleted array for a live one",
     ),
+    Mutant(
+        "lanes-one-collective-in-flight",
+        "jaxreshard/api.py",
+        (
+            (
+                "len({link(m.src, m.dst) for m in b.messages}) > 1",
+                "len({link(m.src, m.dst) for m in b.messages}) > 2",
+            ),
+        ),
+        (
+            "tests/test_topology.py::"
+            "test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight",
+        ),
+        "a plan whose buckets hold both lanes does not ask XLA GPU for two collectives in flight",
+    ),
 ]
 
 MUTANTS: list[Mutant] = PLANNER_MUTANTS + MULTIHOST_MUTANTS + EXECUTOR_MUTANTS + SURFACE_MUTANTS

@@ -22,11 +22,13 @@ from jax.sharding import PartitionSpec as P
 from reference import assert_reference_exact, leaf_spec
 
 import jaxreshard as jr
+import jaxreshard.api
 from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import Piece, _min_max_quotas
 from jaxreshard.planning.route import route as topology_assign
 from jaxreshard.planning.schedule import build_schedule, plan_rounds, plan_stats
 from jaxreshard.planning.topology import PROFILES, Topology
+from jaxreshard.run import runtime as runtime_module
 from jaxreshard.tools.costmodel import executor_floor, modeled_time, physical_bound
 
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -455,6 +457,50 @@ def test_chained_plan_runs_bit_exact_under_the_transfer_guard(devices):
     assert {p.stage for p in plan.assignment.pieces} == {0, 1, 2}
     assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
     _runs_bit_exact_under_the_guard(plan, x, tree)
+
+
+def test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight(
+    devices, monkeypatch, caplog
+):
+    """Where a bucket holds rounds across domains beside rounds inside one, the planner counts
+    on the two running at once off CPU, and XLA GPU keeps one collective in flight unless
+    told otherwise: such a plan's transfer programs ask for two on GPUs, under the caller's
+    own options; an XLA that refuses the option compiles without it."""
+    assert runtime_module.lane_options("gpu", True) == {
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 2
+    }
+    assert runtime_module.lane_options("gpu", False) == {}
+    assert runtime_module.lane_options("cpu", True) == {}
+    topo = Topology.from_groups([devices[i : i + 2] for i in range(0, 8, 2)])
+    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (6,), ("dp",)), P())
+    rng = np.random.default_rng(2)
+    tree = {f"w{i}": rng.standard_normal((48, 32)).astype(np.float32) for i in range(3)}
+    x = {k: jax.device_put(v, src) for k, v in tree.items()}
+    chained = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
+    plain = jr.plan(x, {k: dst for k in tree}, bucket_bytes=4096)  # one domain: one lane
+    assert chained._two_lanes and not plain._two_lanes
+    assert chained.runtime.default_transfer_options == {}  # on CPU the lanes take turns
+    # An option this XLA does not know, asked for by jaxreshard itself: dropped, with a warning.
+    monkeypatch.setattr(
+        jaxreshard.api, "lane_options", lambda platform, two: {"no_such_option": two}
+    )
+    refused = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
+    with caplog.at_level("WARNING", logger="jaxreshard"):
+        _runs_bit_exact_under_the_guard(refused, x, tree)
+    assert "no_such_option" in caplog.text and refused.runtime.default_transfer_options == {}
+    # The caller's own value of an option wins over jaxreshard's.
+    monkeypatch.setattr(
+        jaxreshard.api, "lane_options", lambda platform, two: {"xla_cpu_enable_fast_math": True}
+    )
+    mine = jr.plan(
+        x,
+        {k: dst for k in tree},
+        topology=topo,
+        bucket_bytes=4096,
+        compiler_options={"xla_cpu_enable_fast_math": False},
+    )
+    assert mine.runtime.default_transfer_options == {}
 
 
 def _runs_bit_exact_under_the_guard(plan, x, tree) -> None:

@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -92,6 +93,8 @@ ONE_OFF_OPTIONS = {"xla_backend_optimization_level": 0}
 """XLA options of the programs a plan runs once (tables of box starts, staging buffers): their
 code speed hardly matters, their compile time adds to the first call."""
 
+log = logging.getLogger("jaxreshard")
+
 CPU_COPY_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 """XLA options of the pack and unpack programs on the CPU backend. XLA's CPU compiler builds
 every fusion of a program as a module of its own, and a pack or unpack program is mostly
@@ -100,6 +103,22 @@ about 13 ms to compile here, with the older ones about 6 ms, for the same copies
 speed (measured: 160 copies of one element, 2.5 -> 1.0 s to compile; 4 copies of 4 MiB, 11.6
 and 8.9 ms a run). Used where the backend knows the option (`copy_options`), by programs
 that do not cast (`program_options`)."""
+
+
+GPU_LANE_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+"""XLA options of a GPU plan's transfer programs where a bucket holds rounds across fast
+domains beside rounds inside them (two lanes: NICs and NVLink). XLA GPU keeps one
+asynchronous collective in flight at a time unless told otherwise (this option's default is
+1), while the planner (`schedule.platform_options`' ``lanes_overlap``) and the cluster model
+count on a bucket's two lanes running at once. A caller's own ``compiler_options`` take
+precedence; an XLA that does not know the option compiles without it (with a warning).
+Unverified: no transfer between GPUs has run (see the README)."""
+
+
+def lane_options(platform: str, two_lanes: bool) -> dict[str, Any]:
+    """The transfer programs' default XLA options: `GPU_LANE_OPTIONS` for a plan on GPUs
+    whose buckets hold two lanes (``two_lanes``), else none."""
+    return dict(GPU_LANE_OPTIONS) if platform == "gpu" and two_lanes else {}
 
 
 class Runtime:
@@ -117,9 +136,17 @@ class Runtime:
         src_shardings: Sequence[Sharding],
         dst_shardings: Sequence[NamedSharding],
         transfer_options: Mapping[str, Any] | None = None,
+        default_transfer_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.leaves = tuple(leaves)
         self.transfer_options = dict(transfer_options or {})
+        # Options jaxreshard asks for itself (`lane_options`), under the caller's, and
+        # dropped if this XLA refuses them.
+        self.default_transfer_options = {
+            k: v
+            for k, v in (default_transfer_options or {}).items()
+            if k not in self.transfer_options
+        }
         self.lowered = lowered
         self.src_shardings = tuple(src_shardings)
         self.dst_shardings = tuple(dst_shardings)
@@ -541,17 +568,33 @@ class Runtime:
         if fn is None:
             mesh = self.mesh(MeshSpec.line(program.devices, GROUP_AXIS))
             avals = _transfer_avals(program, self._union_sharding(program))
-            try:  # (building too: JAX hashes the options, which may not be hashable)
-                jitted = _build_transfer(program, mesh, self.transfer_options)
-                fn = jitted.lower(*avals).compile()
-            except Exception as e:
-                if not self.transfer_options:
-                    raise
-                raise ReshardError(
-                    f"XLA refused the transfer programs' compiler_options "
-                    f"{self.transfer_options}: {str(e).splitlines()[0]}\nHow to fix: pass "
-                    "options this backend knows (as jax.jit's compiler_options), or none"
-                ) from None
+
+            def compiled(options: Mapping[str, Any]) -> Callable[..., Any]:
+                # (building too: JAX hashes the options, which may not be hashable)
+                return _build_transfer(program, mesh, options).lower(*avals).compile()
+
+            if self.default_transfer_options:
+                try:
+                    fn = compiled({**self.default_transfer_options, **self.transfer_options})
+                except Exception as e:
+                    log.warning(
+                        "XLA refused jaxreshard's own transfer options %s (%s); the transfer "
+                        "programs compile without them",
+                        self.default_transfer_options,
+                        str(e).splitlines()[0],
+                    )
+                    self.default_transfer_options = {}
+            if fn is None:
+                try:
+                    fn = compiled(self.transfer_options)
+                except Exception as e:
+                    if not self.transfer_options:
+                        raise
+                    raise ReshardError(
+                        f"XLA refused the transfer programs' compiler_options "
+                        f"{self.transfer_options}: {str(e).splitlines()[0]}\nHow to fix: pass "
+                        "options this backend knows (as jax.jit's compiler_options), or none"
+                    ) from None
             self._transfers[program] = fn
         return fn
 
