@@ -729,17 +729,19 @@ class Plan:
         object (`jax.make_array_from_single_device_arrays` over the source's shards): some
         destination and source of one dtype and shard shape share a device. Only such plans
         pay for reading buffer addresses on each call."""
+
+        def kind(dtype: Any) -> Any:  # (a typed key's dtype is no NumPy dtype)
+            return str(dtype) if boundary.is_key(dtype) else jnp.dtype(dtype)
+
         sources = {
-            (jnp.dtype(dtype), s.shard_shape(shape), d.id)
+            (kind(dtype), s.shard_shape(shape), d.id)
             for shape, dtype, s in self.src_avals
-            if not boundary.is_key(dtype)
             for d in s.device_set
         }
         return any(
-            (jnp.dtype(leaf.dst_dtype), b.user_dst.shard_shape(leaf.shape), d.id) in sources
-            for leaf, b in zip(self.leaves, self.boundaries, strict=True)
-            if b.key_impl is None
-            for d in b.user_dst.device_set
+            (kind(dtype), s.shard_shape(shape), d.id) in sources
+            for shape, dtype, s in self._dst_avals
+            for d in s.device_set
         )
 
     # ---------------------------------------------------------------------------- reports

@@ -226,6 +226,25 @@ def test_donating_another_array_over_the_sources_own_buffers_is_refused(src):
     assert np.asarray(out["a"]).tobytes() == want["a"].tobytes()
 
 
+def test_donating_a_key_array_over_a_source_keys_own_buffers_is_refused():
+    """Regression: typed PRNG keys were left out of the buffer check, so in a plan of keys a
+    key array made over a source key's data (``wrap_key_data(key_data(k))``) was donated and
+    the process crashed (SIGSEGV)."""
+    sh = sharding(*SRC)
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8).reshape(4, 2), sh)
+    src = {"k": keys}
+    plan = jr.plan(src, {"k": sh})
+    out = plan(src)
+    before = np.asarray(jax.random.key_data(keys)).copy()
+    alias = jax.random.wrap_key_data(jax.random.key_data(keys))
+    with pytest.raises(jr.ReshardError, match=r"\['k'\]: holds a source array's own buffers"):
+        plan(src, donate={"k": alias})
+    assert not alias.is_deleted() and not out["k"].is_deleted()
+    assert np.asarray(jax.random.key_data(keys)).tobytes() == before.tobytes()
+    out = plan(src, donate=out)  # its own result: its own buffers
+    assert np.asarray(jax.random.key_data(out["k"])).tobytes() == before.tobytes()
+
+
 def test_a_bad_dtype(src):
     with pytest.raises(jr.ReshardError, match="dtype"):
         jr.plan(src, dst_tree(), dtype={"a": "not-a-dtype", "b": None})
