@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -166,6 +167,10 @@ class Runtime:
         self._unpacks: dict[Any, Callable[..., Any]] = {}
         self._transfers: dict[TransferProgram, Callable[..., Any]] = {}
         self._allocs: dict[Any, Callable[..., Any]] = {}
+        self._alloc_fns: dict[tuple[int, ...], Callable[[], tuple[jax.Array, ...]]] = {}
+        # Per leaf, read on every call that makes fresh destinations: a shard here, no elements.
+        self.holds_shard = [bool(s.addressable_devices) for s in self.dst_shardings]
+        self._empty = [not math.prod(leaf.shape) for leaf in self.leaves]
         self._zeros: dict[tuple[Slot, tuple[int, ...]], Callable[..., Any]] = {}
         self._steps: list[_StepRun] | None = None
         self._tables: dict[tuple[MeshSpec, Any], jax.Array] = {}
@@ -365,9 +370,7 @@ class Runtime:
     def _allocates(self, leaf: int) -> bool:
         """Whether `alloc` makes leaf ``leaf``'s array with `_alloc` (it has a shard here and
         elements)."""
-        return bool(self.dst_shardings[leaf].addressable_devices) and bool(
-            np.prod(self.leaves[leaf].shape)
-        )
+        return self.holds_shard[leaf] and not self._empty[leaf]
 
     def _allocate(self, slot: Slot, devices: tuple[int, ...]) -> Buffers:
         """One zeroed buffer of ``slot`` on each of ``devices`` (this process's), made on
@@ -508,7 +511,7 @@ class Runtime:
     def alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
         """Fresh (zero) destination arrays of ``leaves`` that have a shard on this process."""
         full = [i for i in leaves if self._allocates(i)]
-        empty = [i for i in leaves if not np.prod(self.leaves[i].shape)]
+        empty = [i for i in leaves if self._empty[i]]
         made = dict(zip(full, self._alloc(full), strict=True)) if full else {}
         made.update({i: self._alloc_empty(i) for i in empty})
         return [made[i] for i in leaves]
@@ -534,6 +537,9 @@ class Runtime:
 
     def _alloc_fn(self, leaves: Sequence[int]) -> Callable[[], tuple[jax.Array, ...]]:
         """The jitted program making zero arrays of ``leaves`` (one per distinct list)."""
+        fn = self._alloc_fns.get(tuple(leaves))
+        if fn is not None:
+            return fn
         shardings = tuple(self.dst_shardings[i] for i in leaves)
         avals = tuple((self.leaves[i].shape, self.leaves[i].dst_dtype) for i in leaves)
         key = (avals, shardings)
@@ -544,6 +550,7 @@ class Runtime:
                 return tuple(jnp.zeros(shape, jnp.dtype(dtype)) for shape, dtype in avals)
 
             fn = self._allocs[key] = jax.jit(zeros, out_shardings=shardings)
+        self._alloc_fns[tuple(leaves)] = fn
         return fn
 
     # --------------------------------------------------------------------------- inspection
@@ -940,9 +947,7 @@ class _Destinations:
         mine = [
             i
             for i in leaves
-            if self._arrays[i] is None
-            and self._buffers[i] is None
-            and self.runtime.dst_shardings[i].addressable_devices
+            if self._arrays[i] is None and self._buffers[i] is None and self.runtime.holds_shard[i]
         ]
         if mine:
             for i, x in zip(mine, self.runtime.alloc(mine), strict=True):
