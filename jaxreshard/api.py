@@ -799,8 +799,12 @@ class Plan:
             f"dispatches and {s.host_syncs} host sync(s) per call",
             f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "
             f"{_b(s.max_device_recv_bytes)}",
-            f"  {'device':>8} {'sends':>12} {'receives':>12} {'local':>12}",
         ]
+        own = lane_options(self._platform, self._two_lanes)
+        if own or self.compiler_options:  # (jaxreshard's own, under the caller's)
+            options = {**own, **self.compiler_options}
+            lines.append(f"  xla     transfer programs ask for {options}")
+        lines.append(f"  {'device':>8} {'sends':>12} {'receives':>12} {'local':>12}")
         for d in devices:
             lines.append(f"  {d:>8} {_b(send[d]):>12} {_b(recv[d]):>12} {_b(local[d]):>12}")
         crossing = [

@@ -481,6 +481,7 @@ def test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight(
     plain = jr.plan(x, {k: dst for k in tree}, bucket_bytes=4096)  # one domain: one lane
     assert chained._two_lanes and not plain._two_lanes
     assert chained.runtime.default_transfer_options == {}  # on CPU the lanes take turns
+    assert "ask for" not in chained.describe()
     # An option this XLA does not know, asked for by jaxreshard itself: dropped, with a warning.
     monkeypatch.setattr(
         jaxreshard.api, "lane_options", lambda platform, two: {"no_such_option": two}
@@ -501,6 +502,7 @@ def test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight(
         compiler_options={"xla_cpu_enable_fast_math": False},
     )
     assert mine.runtime.default_transfer_options == {}
+    assert "ask for {'xla_cpu_enable_fast_math': False}" in mine.describe()
 
 
 def _runs_bit_exact_under_the_guard(plan, x, tree) -> None:
