@@ -442,17 +442,24 @@ def test_hierarchical_plan_runs_bit_exact_on_cpu_devices(devices):
     _check_real(again, value)
 
 
+def _three_domains_from_one(devices, seed):
+    """Four domains of two devices; three float32 (48, 32) leaves split over the first
+    domain, to be replicated over the other three (chained: they forward to each other).
+    Returns the topology, the destination sharding, the host values and the source arrays."""
+    topo = Topology.from_groups([devices[i : i + 2] for i in range(0, 8, 2)])
+    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
+    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (6,), ("dp",)), P())
+    rng = np.random.default_rng(seed)
+    tree = {f"w{i}": rng.standard_normal((48, 32)).astype(np.float32) for i in range(3)}
+    return topo, dst, tree, {k: jax.device_put(v, src) for k, v in tree.items()}
+
+
 def test_chained_plan_runs_bit_exact_under_the_transfer_guard(devices):
     """`jaxreshard.plan` chains destination domains (three domains, one source domain of two
     devices): relays of stage 2 forward what a stage-1 relay brought from another domain,
     pipelined unit after unit. Exact on real buffers, donated ones too, with no host
     transfer."""
-    topo = Topology.from_groups([devices[i : i + 2] for i in range(0, 8, 2)])
-    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
-    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (6,), ("dp",)), P())
-    rng = np.random.default_rng(1)
-    tree = {f"w{i}": rng.standard_normal((48, 32)).astype(np.float32) for i in range(3)}
-    x = {k: jax.device_put(v, src) for k, v in tree.items()}
+    topo, dst, tree, x = _three_domains_from_one(devices, seed=1)
     plan = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
     assert {p.stage for p in plan.assignment.pieces} == {0, 1, 2}
     assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
@@ -471,12 +478,7 @@ def test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight(
     }
     assert runtime_module.lane_options("gpu", False) == {}
     assert runtime_module.lane_options("cpu", True) == {}
-    topo = Topology.from_groups([devices[i : i + 2] for i in range(0, 8, 2)])
-    src = NamedSharding(_mesh(devices, (0, 1), (2,), ("x",)), P("x"))
-    dst = NamedSharding(_mesh(devices, (2, 3, 4, 5, 6, 7), (6,), ("dp",)), P())
-    rng = np.random.default_rng(2)
-    tree = {f"w{i}": rng.standard_normal((48, 32)).astype(np.float32) for i in range(3)}
-    x = {k: jax.device_put(v, src) for k, v in tree.items()}
+    topo, dst, tree, x = _three_domains_from_one(devices, seed=2)
     chained = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
     plain = jr.plan(x, {k: dst for k in tree}, bucket_bytes=4096)  # one domain: one lane
     assert chained._two_lanes and not plain._two_lanes
