@@ -745,7 +745,9 @@ def test_gc_paused_ages_what_it_made_and_keeps_frozen_objects_frozen():
             del cycle
         assert gc.isenabled()
         scratch = [[i] for i in range(100)]  # fewer than the threshold: no pass
-        assert ref() is not None and gc.is_tracked(made[0])
+        # Aged, the cycle is in the oldest generation; not aged (frozen objects), the first
+        # allocation's young pass may already have collected it.
+        assert (ref() is not None or not ages) and gc.is_tracked(made[0])
         assert starts == [] or not ages, starts
         del scratch
     finally:
