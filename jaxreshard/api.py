@@ -44,8 +44,8 @@ from jaxreshard.run.multihost import (
     order_check_enabled,
     refuse_call,
 )
-from jaxreshard.run.runtime import Runtime, host_syncs_per_call, lane_options
-from jaxreshard.run.verify import Verifier
+from jaxreshard.run.runtime import Runtime, host_syncs_per_call
+from jaxreshard.run.verify import Verifier, differing_shards
 
 MiB = 1 << 20
 log = logging.getLogger("jaxreshard")
@@ -93,23 +93,27 @@ def _compiled_programs() -> contextlib.AbstractContextManager[Any]:
     A plan moves bits: a leaf holding NaN or inf is data, and under ``jax.debug_nans`` /
     ``jax.debug_infs`` JAX would re-run a program whose result holds one, op by op, on
     buffers the program had already consumed (donated), losing the caller's ``donate=`` tree
-    mid-call. Under ``jax.disable_jit`` the compiled transfer programs cannot run at all. So
-    these settings are off while a plan runs (on the calling thread: the caller's own code
-    keeps them)."""
-    on = [
-        setting
-        for setting, value in (
-            (jax.debug_nans, jax.config.jax_debug_nans),
-            (jax.debug_infs, jax.config.jax_debug_infs),
-            (jax.disable_jit, jax.config.jax_disable_jit),
+    mid-call. Under ``jax.disable_jit`` the compiled transfer programs cannot run at all. A
+    plan's programs are its own code, traced once: ``jax.numpy_rank_promotion("raise")`` (or
+    ``"warn"``), a check meant for the caller's code, would refuse (or warn about) their
+    broadcasts. So these settings are at their defaults while a plan runs (on the calling
+    thread: the caller's own code keeps them), which also keeps the programs' cache keys
+    the same whatever the caller's settings."""
+    changed = [
+        (setting, neutral)
+        for setting, value, neutral in (
+            (jax.debug_nans, jax.config.jax_debug_nans, False),
+            (jax.debug_infs, jax.config.jax_debug_infs, False),
+            (jax.disable_jit, jax.config.jax_disable_jit, False),
+            (jax.numpy_rank_promotion, jax.config.jax_numpy_rank_promotion, "allow"),
         )
-        if value
+        if value != neutral
     ]
-    if not on:
+    if not changed:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    for setting in on:
-        stack.enter_context(setting(False))
+    for setting, neutral in changed:
+        stack.enter_context(setting(neutral))
     return stack
 
 
@@ -201,7 +205,6 @@ class Plan:
         self.compiler_options = dict(compiler_options or {})
         self.topology = topology
         platforms = [d.platform for s in dst_shardings for d in s.device_set]
-        self._platform = platforms[0] if platforms else "cpu"  # (as `plan` chose its options)
         self.stats: PlanStats = with_lowered(
             plan_stats(self.leaves, assignment, schedule, crosses=topology.crosses),
             lowered,
@@ -222,16 +225,8 @@ class Plan:
                     [b.src for b in self.boundaries],
                     [b.dst for b in self.boundaries],
                     transfer_options=self.compiler_options,
-                    default_transfer_options=lane_options(self._platform, self._two_lanes),
                 )
             return self._runtime
-
-    @functools.cached_property
-    def _two_lanes(self) -> bool:
-        """Whether some bucket holds rounds across the topology's domains and rounds inside
-        one (two lanes that the plan counts on running at once off CPU)."""
-        link = self.topology.link_class
-        return any(len({link(m.src, m.dst) for m in b.messages}) > 1 for b in self.schedule.buckets)
 
     @_own_meshes
     def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
@@ -286,7 +281,7 @@ class Plan:
         )
         src = self._crossing.sources([flat[i] for i in self.moved])
         results = self._crossing.inner([out[i] for i in self.moved])
-        self._verifier.check(src, results)
+        self._verifier.check(src, results, also=self._fallback_problems(flat, out))
 
     @functools.cached_property
     def _verifier(self) -> Verifier:
@@ -337,7 +332,9 @@ class Plan:
           - The sources must stay alive until ``result()`` returns: do not delete them or
             donate them (to ``jax.jit`` or elsewhere) while the refit is in flight. The refit
             keeps references to them; this library refuses to donate them, and a source
-            deleted elsewhere makes ``result()`` raise `ReshardError` naming it.
+            deleted before the worker reaches it makes ``result()`` raise `ReshardError`
+            naming it. One deleted while the refit's programs are dispatched on it can crash
+            the process (JAX segfaults so with plain ``jax.jit`` calls too).
           - ``donate=`` is consumed: do not use that tree after ``start``. Until the refit is
             done, a call that donates it again or reads it as a source raises `ReshardError`.
           - Refits are issued in the order they are started, one at a time, on one worker
@@ -348,7 +345,8 @@ class Plan:
           - The programs queue on the devices behind work already enqueued there: a sampler
             that dispatches its next generation step after reading the previous one's tokens
             leaves room between steps; one that enqueues many steps ahead delays the refit
-            until they have run.
+            until they have run. On CPU, one that enqueues collectives on the same devices
+            and never waits can deadlock with the refit (XLA aborts after 40 s).
         """
         flat, old = self._prepare(src_tree, donate)
         sources = [x for x in flat if isinstance(x, jax.Array)]
@@ -478,12 +476,7 @@ class Plan:
         # Fallback leaves first (named in a log line when the plan was made): checked like the
         # others, they should not fail, but if one does nothing has been donated yet.
         for i, dst in self.fallback:
-            # A copy even where the sharding is already the destination's (device_put would
-            # return the source itself, and donating that result would delete the source).
-            out[i] = jax.device_put(flat[i], dst, may_alias=False)
-            cast = self._fallback_avals[i][2] if i in self._fallback_avals else None
-            if cast is not None:
-                out[i] = out[i].astype(cast)
+            out[i] = self._fallback_copy(i, flat[i], dst)
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:
@@ -499,6 +492,36 @@ class Plan:
             if old is not None and isinstance(old[i], jax.Array) and not old[i].is_deleted():
                 old[i].delete()
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def _fallback_copy(self, i: int, value: Any, dst: Sharding) -> jax.Array:
+        """Leaf ``i``'s result through ``jax.device_put`` (``fallback="device_put"``), cast as
+        planned: a copy even where the sharding is already the destination's (device_put
+        would return the source itself, and donating that result would delete the
+        source)."""
+        out = jax.device_put(value, dst, may_alias=False)
+        cast = self._fallback_avals[i][2] if i in self._fallback_avals else None
+        return out if cast is None else out.astype(cast)
+
+    def _fallback_problems(self, flat: Sequence[Any], out: Sequence[Any]) -> list[tuple[str, str]]:
+        """`verify` of the fallback leaves: each result against a fresh `_fallback_copy` of
+        its source, shard by shard, bit for bit (on device; a flag per shard reaches the
+        host)."""
+        problems = []
+        for i, dst in self.fallback:
+            want, got = self._fallback_copy(i, flat[i], dst), out[i]
+            if (
+                not isinstance(got, jax.Array)
+                or got.is_deleted()
+                or (got.shape, got.dtype) != (want.shape, want.dtype)
+                or not got.sharding.is_equivalent_to(want.sharding, got.ndim)
+            ):
+                problems.append((self.paths[i], f"is not an array like {want.aval.str_short()}"))
+                continue
+            problems += [
+                (self.paths[i], f"device {d}: the shard differs from the source (fallback)")
+                for d in differing_shards(got, want)
+            ]
+        return problems
 
     @functools.cached_property
     def identity(self) -> PlanIdentity:
@@ -802,10 +825,8 @@ class Plan:
             f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "
             f"{_b(s.max_device_recv_bytes)}",
         ]
-        own = lane_options(self._platform, self._two_lanes)
-        if own or self.compiler_options:  # (jaxreshard's own, under the caller's)
-            options = {**own, **self.compiler_options}
-            lines.append(f"  xla     transfer programs ask for {options}")
+        if self.compiler_options:
+            lines.append(f"  xla     transfer programs ask for {self.compiler_options}")
         lines.append(f"  {'device':>8} {'sends':>12} {'receives':>12} {'local':>12}")
         for d in devices:
             lines.append(f"  {d:>8} {_b(send[d]):>12} {_b(recv[d]):>12} {_b(local[d]):>12}")
@@ -1782,8 +1803,21 @@ def _array_problem(
         want, got = _dtype_name(dtype), _dtype_name(x.dtype)
         return f"expected {want}{list(shape)}, got {got}{list(x.shape)}"
     if x.sharding != sharding and not x.sharding.is_equivalent_to(sharding, len(shape)):
-        return f"expected sharding {sharding}, got {x.sharding}"
+        want, got = str(sharding), str(x.sharding)
+        if want == got:  # the same text: the meshes differ in their devices' order
+            want += f" on devices {_device_ids(sharding)}"
+            got += f" on devices {_device_ids(x.sharding)}"
+        return f"expected sharding {want}, got {got}"
     return None
+
+
+def _device_ids(sharding: Sharding) -> list[int]:
+    """A sharding's devices in its mesh's order (where it has one), as ids."""
+    mesh = getattr(sharding, "mesh", None)
+    devices = getattr(mesh, "devices", None)
+    if devices is not None:
+        return [int(d.id) for d in np.asarray(devices).flat]
+    return sorted(d.id for d in sharding.device_set)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -1812,11 +1846,13 @@ def _prefix_entries(
     except (ValueError, TypeError):
         expected = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
         got = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(prefix, is_leaf)[0]]
-        if got == expected:
+        if sorted(got) == sorted(expected) and len(set(got)) == len(got):
             # The same leaves at the same paths, in nodes of other metadata (a sampler's
-            # nnx.State beside the trainer's, whose Params carry other sharding annotations):
-            # each entry stands for the leaf at its path.
-            return [(value, True) for value in prefix_leaves]
+            # nnx.State beside the trainer's, whose Params carry other sharding annotations;
+            # a dict beside an OrderedDict of another key order): each entry stands for the
+            # leaf at its path.
+            at = dict(zip(got, prefix_leaves, strict=True))
+            return [(at[path], True) for path in expected]
         raise _structure_error(
             name, prefix, expected, is_leaf, reference=full, none_ok=is_leaf(None)
         ) from None
@@ -1862,6 +1898,16 @@ def _structure_error(
     missing = [p for p in expected_paths if entries.isdisjoint(_ancestors(p))]
     extra = [g for g in got if g not in covering]
     problems += [(p, "missing here") for p in missing] + [(p, f"not in {what}") for p in extra]
+    if is_leaf is None:  # not a prefix tree: a leaf standing where a subtree should be
+        wanted = set(expected_paths)
+        for path, x in ((keystr(p), x) for p, x in flat if x is not None):
+            if path not in wanted and covering[path]:
+                n = covering[path]
+                problems.append((
+                    path or "<root>",
+                    f"a leaf ({type(x).__name__}) here, where {what} has "
+                    + ("a leaf below" if n == 1 else f"{n} leaves below"),
+                ))  # fmt: skip
     if not problems:
         where = None if reference is None else _first_difference(tree, reference, is_leaf)
         if where is None:

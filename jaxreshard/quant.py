@@ -104,7 +104,7 @@ class Fp8Blockwise:
         return tuple(n // b for n, b in zip(shape, self.blocks(shape), strict=True))
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class QuantizedArray:
     """A leaf moved as `Fp8Blockwise`: fp8 ``values`` and float32 ``scales`` (a pytree).
 
@@ -120,6 +120,11 @@ class QuantizedArray:
 
     def tree_flatten(self) -> tuple[tuple[Any, Any], Fp8Blockwise]:
         return (self.values, self.scales), self.format
+
+    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], Fp8Blockwise]:
+        # Keyed, so that a path names the part: ``['w'].values``, ``['w'].scales``.
+        keys = jax.tree_util.GetAttrKey("values"), jax.tree_util.GetAttrKey("scales")
+        return tuple(zip(keys, (self.values, self.scales), strict=True)), self.format
 
     @classmethod
     def tree_unflatten(cls, fmt: Fp8Blockwise, children: Sequence[Any]) -> QuantizedArray:

@@ -933,8 +933,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/tools/costmodel.py",
         (
             (
-                "return max(moved, exports) / nic_rate + copies / copy_rate, copies",
-                "return max(moved, exports) / nic_rate, copies",
+                "        return wire + copies / copy_rate, copies",
+                "        return wire, copies",
             ),
         ),
         ("tests/test_simulate.py::test_executor_floor_by_hand",),
@@ -973,17 +973,130 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "copies slower than the NICs make bringing more the cheaper plan: no floor then",
     ),
     Mutant(
-        "simulate-summary-one-lane-is-the-ratio",
+        "simulate-summary-two-lanes-is-the-ratio",
         "jaxreshard/tools/simulate.py",
         (
             (
-                "one = one_lane / bound if one_lane is not None and bound else "
+                "two = two_lanes / bound if two_lanes is not None and bound else "
                 'r["modeled_over_bound"]',
-                'one = r["modeled_over_bound"]',
+                'two = r["modeled_over_bound"]',
             ),
         ),
         ("tests/test_simulate.py::test_the_summary_reads_each_scenarios_record",),
-        "the summary's one-lane column repeats the two-lane ratio (read from the record)",
+        "the summary's two-lane column repeats the modeled ratio (read from the record)",
+    ),
+    Mutant(
+        "verify-checksum-rank-promotion",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "    col_weight = col_weight.reshape((1,) * len(lead) + col_weight.shape)",
+                "    col_weight = col_weight",
+            ),
+        ),
+        ("tests/test_verify.py::test_verify_and_a_verified_refit_run_under_rank_promotion_raise",),
+        "the checksum broadcasts a row of weights by rank promotion, which "
+        "jax.numpy_rank_promotion('raise') refuses",
+    ),
+    Mutant(
+        "verify-skips-fallback-leaves",
+        "jaxreshard/api.py",
+        (
+            (
+                "self._verifier.check(src, results, also=self._fallback_problems(flat, out))",
+                "self._verifier.check(src, results)",
+            ),
+        ),
+        ("tests/test_verify.py::test_fallback_leaves_are_verified_too",),
+        "verify leaves fallback='device_put' leaves unchecked: a wrong one passes",
+    ),
+    Mutant(
+        "verify-traces-weak-types",
+        "jaxreshard/run/verify.py",
+        (('    if not getattr(x, "weak_type", False):', "    if True:"),),
+        (
+            "tests/test_verify.py::"
+            "test_a_later_verify_compiles_nothing_whatever_the_sources_weak_type",
+        ),
+        "verify's programs are traced for the call's weak types: a later verify compiles again",
+    ),
+    Mutant(
+        "await-raises-on-a-freed-result",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "            except Exception:\n                if not x.is_deleted():\n"
+                "                    raise",
+                "            except Exception:\n                raise",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_a_result_freed_by_another_thread_while_a_call_waits_for_it_is_left_out",
+        ),
+        "a result deleted by another thread while a call waits for it fails the call",
+    ),
+    Mutant(
+        "cpu-calls-interleave",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "        with self._lock, _CPU_CALLS if self.host_syncs else "
+                "contextlib.nullcontext():",
+                "        with self._lock, contextlib.nullcontext():",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_calls_of_two_plans_made_at_once_on_two_threads_run_one_after_the_other",
+        ),
+        "on CPU two plans' calls made at once on two threads interleave their steps",
+    ),
+    Mutant(
+        "destinations-by-path-in-order-only",
+        "jaxreshard/api.py",
+        (
+            (
+                "        if sorted(got) == sorted(expected) and len(set(got)) == len(got):",
+                "        if got == expected:",
+            ),
+        ),
+        (
+            "tests/test_errors.py::"
+            "test_a_destination_dict_beside_an_ordered_dict_of_another_order_is_taken_by_path",
+        ),
+        "a destination tree with the source's paths in another order is refused",
+    ),
+    Mutant(
+        "costmodel-permutes-always-overlap",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "    return profile.overlap_links and profile.permutes_overlap",
+                "    return profile.overlap_links",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::"
+            "test_a_buckets_rounds_overlap_only_where_links_and_the_backend_both_allow",
+            "tests/test_simulate.py::test_executor_floor_by_hand",
+        ),
+        "a bucket's NIC and NVLink rounds are priced at once though XLA GPU compiles them one "
+        "after another (the modeled time and the floor of the two-lane world)",
+    ),
+    Mutant(
+        "costmodel-floor-serial-lanes-free",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "        wire = max(moved, exports) / nic_rate + (inside / nvl_rate if nvl_rate "
+                "else 0.0)",
+                "        wire = max(moved, exports) / nic_rate",
+            ),
+        ),
+        ("tests/test_simulate.py::test_executor_floor_by_hand",),
+        "the executor floor lets a domain's messages inside it hide under its NICs' share "
+        "though a device takes one message at a time",
     ),
 ]
 API = "jaxreshard/api.py"
@@ -1086,8 +1199,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "            out[i] = jax.device_put(flat[i], dst, may_alias=False)",
-                "            out[i] = jax.device_put(flat[i], dst)",
+                "        out = jax.device_put(value, dst, may_alias=False)",
+                "        out = jax.device_put(value, dst)",
             ),
         ),
         (
@@ -1102,7 +1215,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "    if not on:\n        return contextlib.nullcontext()",
+                "    if not changed:\n        return contextlib.nullcontext()",
                 "    return contextlib.nullcontext()",
             ),
         ),
@@ -1194,21 +1307,6 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         ("tests/test_errors.py::test_a_call_with_a_deleted_source_or_donate_leaf_names_it",),
         "the quick pass over a tree takes a deleted array for a live one",
-    ),
-    Mutant(
-        "lanes-one-collective-in-flight",
-        "jaxreshard/api.py",
-        (
-            (
-                "len({link(m.src, m.dst) for m in b.messages}) > 1",
-                "len({link(m.src, m.dst) for m in b.messages}) > 2",
-            ),
-        ),
-        (
-            "tests/test_topology.py::"
-            "test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight",
-        ),
-        "a plan whose buckets hold both lanes does not ask XLA GPU for two collectives in flight",
     ),
 ]
 

@@ -228,3 +228,69 @@ def test_repr():
     refit = jr.plan(src, DST_SHARDING).start(src)
     refit.result()
     assert repr(refit) == "Refit(done=True)"
+
+
+def test_a_result_freed_by_another_thread_while_a_call_waits_for_it_is_left_out(monkeypatch):
+    """Regression (an adversarial probe): on CPU a call's first transfer waits for the last
+    call's last step, leaving out what was deleted; an array deleted by another thread
+    between that check and the wait (the caller freeing its previous result while a
+    `Plan.start` runs) made the refit fail with JAX's "called on deleted or donated buffer".
+    The wait now leaves it out whenever it goes."""
+    from jaxreshard.run import runtime
+
+    a, b = (jax.device_put(np.ones(4, np.float32), jax.devices()[i]) for i in (0, 1))
+    real = jax.block_until_ready
+
+    def deleting_first(xs):
+        b.delete()  # after the filter, before the wait
+        return real(xs)
+
+    monkeypatch.setattr(jax, "block_until_ready", deleting_first)
+    runtime._await([a, b])  # no error: b is left out
+    monkeypatch.setattr(jax, "block_until_ready", real)
+    with pytest.raises(Exception, match="deleted"):
+        real([a, b])  # (what the wait raised before)
+
+
+def test_calls_of_two_plans_made_at_once_on_two_threads_run_one_after_the_other(monkeypatch):
+    """On CPU a call's steps wait for each other and XLA's collectives need every device's
+    thread: two calls of different plans made at once on two threads run one after the
+    other (an adversarial probe saw their steps interleave), and each is exact."""
+    from jaxreshard.run import runtime
+
+    steps = []
+    real = runtime.Runtime._run_step
+
+    def recording(self, *args, **kwargs):
+        steps.append(id(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.Runtime, "_run_step", recording)
+    host, src = trees(2)
+    plans = [jr.plan(src, DST_SHARDING, bucket_bytes=b) for b in (32 << 10, 48 << 10)]
+    outs, errors = {}, []
+
+    def calls(i):
+        try:
+            for _ in range(12):
+                outs[i] = plans[i](src)
+        except Exception as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    per_call = {id(p.runtime): len(p.lowered.steps) for p in plans}
+    assert min(per_call.values()) > 1
+    runs = []  # consecutive steps of one runtime
+    for r in steps:
+        if runs and runs[-1][0] == r:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    assert all(n % per_call[r] == 0 for r, n in runs), runs
+    for out in outs.values():
+        check(out, host, jnp.float32)

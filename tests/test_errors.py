@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -366,3 +368,33 @@ def test_donating_two_leaves_over_the_same_buffers_is_refused(src):
     assert not any(x.is_deleted() for x in jax.tree.leaves(donate))
     out = plan(tree, donate=out)  # its own results: their own buffers
     assert_exact(out["b"]["c"], np.asarray(src["a"]), sharding(*DST))
+
+
+def test_a_mesh_of_the_same_text_in_another_device_order_names_both_orders(src):
+    """Two meshes that print alike but order their devices differently lay an array out
+    differently: the refusal shows each one's device order (it showed the same text twice)."""
+    plan = jr.plan(src, dst_tree())
+    reordered = dict(src, a=jax.device_put(np.asarray(src["a"]), sharding((0, 2, 1, 3), *SRC[1:])))
+    assert str(reordered["a"].sharding) == str(src["a"].sharding)
+    with pytest.raises(
+        jr.ReshardError, match=r"on devices \[0, 1, 2, 3\], got .* on devices \[0, 2, 1, 3\]"
+    ):
+        plan(reordered)
+
+
+def test_a_leaf_where_the_plans_tree_has_a_subtree_is_named(src):
+    plan = jr.plan(src, dst_tree())
+    out = plan(src)
+    with pytest.raises(jr.ReshardError, match=r"<root>: a leaf \(int\) here, .* 2 leaves below"):
+        plan(src, donate=3)
+    assert not out["a"].is_deleted()
+
+
+def test_a_destination_dict_beside_an_ordered_dict_of_another_order_is_taken_by_path(src):
+    """The same paths in another order (an OrderedDict source, a dict of shardings): each
+    destination entry stands for the leaf at its own path."""
+    ordered = collections.OrderedDict([("b", src["b"]), ("a", src["a"])])
+    dst = {"a": sharding(*DST), "b": {"c": sharding(DST[0], DST[1], DST[2], "tp", None)}}
+    out = jr.plan(ordered, dst)(ordered)
+    assert_exact(out["a"], np.asarray(src["a"]), dst["a"])
+    assert_exact(out["b"]["c"], np.asarray(src["b"]["c"]), dst["b"]["c"])

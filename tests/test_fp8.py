@@ -278,6 +278,15 @@ def test_start_verify_and_reshard_take_the_callers_tree():
     again = jr.reshard(src, dst, dtype=fmt)
     assert_matches_reference(again["w"], host, (128, 128), fmt.fmt, dst)
     assert jr.cached_plan(src, dst, dtype=fmt) is jr.cached_plan(src, dst, dtype=fmt)
+    # A wrong scale is named by its path, ``['w'].scales`` (was ``['w'][<flat index 1>]``).
+    wrong = jax.device_put(np.asarray(out["w"].scales) * 2, out["w"].scales.sharding)
+    bad = jr.QuantizedArray(out["w"].values, wrong, out["w"].format)
+    assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(bad)] == [
+        ".values",
+        ".scales",
+    ]
+    with pytest.raises(jr.ReshardError, match=r"\['w'\]\.scales: device \d: the shard"):
+        plan.verify(src, {"w": bad})
 
 
 @pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])

@@ -178,18 +178,26 @@ def test_the_gpu_timeline_equals_a_clock_per_device_to_the_bit():
             assert ours.critical_path() == oracle.critical_path(), i
 
 
-def test_a_buckets_rounds_across_and_inside_domains_overlap_where_links_do():
+def test_a_buckets_rounds_overlap_only_where_links_and_the_backend_both_allow():
     """One bucket, two rounds (independent collective-permutes): 50 B from 0 to 4 across
-    (5 B/s: 10 s) and 100 B from 1 to 2 inside (50 B/s: 2 s), 1 s latency each. With NIC
-    and NVLink at once the bucket's transfer is the longer lane (11 s), else both (14 s)."""
+    (5 B/s: 10 s) and 100 B from 1 to 2 inside (50 B/s: 2 s), 1 s latency each. Where the
+    NIC and NVLink run at once and the backend keeps both collective-permutes in flight, the
+    bucket's transfer is the longer lane (11 s); else both (14 s): XLA GPU compiles them one
+    after the other (the GPU profiles' default), and separate permutes cannot share a link
+    the hardware runs one way at a time."""
     both = RoundPlan(
         chunk_bytes=100,
         class_chunk_bytes=(),
         buckets=(PlannedBucket(0, ((50, (((0, 4), 0),)), (100, (((1, 2), 0),))), (0, 1)),),
     )
-    at_once = costmodel.modeled_time(both, topo(), profile(round_latency=1.0))
-    in_turn = costmodel.modeled_time(both, topo(), profile(round_latency=1.0, overlap_links=False))
-    assert (at_once.transfer, in_turn.transfer) == pytest.approx((11, 14))
+
+    def transfer(**kwargs):
+        return costmodel.modeled_time(both, topo(), profile(round_latency=1.0, **kwargs)).transfer
+
+    assert transfer(permutes_overlap=True) == pytest.approx(11)
+    assert transfer() == pytest.approx(14)  # permutes in turn (XLA GPU)
+    assert transfer(permutes_overlap=True, overlap_links=False) == pytest.approx(14)
+    assert not PROFILES["h100"].permutes_overlap and not PROFILES["gb200-nvl72"].permutes_overlap
 
 
 def test_modeled_time_on_a_shared_host_adds_its_devices_copies_and_messages():
@@ -299,30 +307,39 @@ def test_executor_floor_by_hand():
     """The same 128 B from domain 0 to each device of domain 1, links at half their peak
     (NVLink 50 B/s, NIC 5 B/s), copies at 50 B/s. Domain 1's NICs take the 128 B in
     (128 / (4 x 5) = 6.4 s); its devices lack 4 x 128 B, which they unpack, and of which their
-    NICs brought 128 B: the other 384 B came from each other, packed by their senders. Copies
-    never run beside a device's rounds, so on average (512 + 384) / (4 x 50) = 4.48 s more:
-    10.88 s. Domain 0 exports the 128 B and packs them (6.4 + 128 / 200 = 7.04 s); a device of
-    domain 1 takes 128 B over both links and unpacks it (128 / 55 + 128 / 50 = 4.89 s). The
-    plan's own modeled time lies above it, and it above the bound at the links' efficiency."""
+    NICs brought 128 B: the other 384 B came from each other, packed by their senders. A
+    device takes one message at a time (the permutes in turn, as XLA GPU runs them), so those
+    384 B add 384 / (4 x 50) = 1.92 s to the NICs' time, and copies never run beside a
+    device's rounds: (512 + 384) / (4 x 50) = 4.48 s more, 12.8 s. Domain 0 exports the 128 B
+    and packs them (6.4 + 128 / 200 = 7.04 s); a device of domain 1 takes 128 B over its
+    faster link and unpacks it (128 / 50 + 128 / 50 = 5.12 s). Where the backend kept both
+    lanes in flight the 1.92 s would hide under the NICs' 6.4 s: 10.88 s. The plan's own
+    modeled time lies above the floor, and the floor above the bound at the links'
+    efficiency."""
     lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
     p = profile(bucket_overhead=0.0)
     floor = costmodel.executor_floor([lf], topo(), p)
-    assert floor.seconds == pytest.approx(6.4 + 4.48)
+    assert floor.seconds == pytest.approx(6.4 + 1.92 + 4.48)
     assert floor.binding.startswith("domain 1 takes")
     assert floor.seconds > costmodel.physical_bound([lf], topo(), p).seconds == pytest.approx(6.4)
     bounds = costmodel.lower_bounds([lf], topo(), p)
-    assert (bounds.physical.seconds, bounds.executor.seconds) == pytest.approx((3.2, 10.88))
+    assert (bounds.physical.seconds, bounds.executor.seconds) == pytest.approx((3.2, 12.8))
+    two_lanes = dataclasses.replace(p, permutes_overlap=True)
+    assert costmodel.executor_floor([lf], topo(), two_lanes).seconds == pytest.approx(10.88)
     schedule = build_schedule(
         [lf], topology_assign([lf], topo()).pieces, bucket_bytes=1 << 20,
         link_class=topo().link_class, class_latency_bytes=topo().class_latency_bytes(),
     )  # fmt: skip
-    assert costmodel.modeled_time(schedule, topo(), p, leaves=[lf]).seconds >= floor.seconds
+    for prof in (p, two_lanes):
+        modeled = costmodel.modeled_time(schedule, topo(), prof, leaves=[lf]).seconds
+        assert modeled >= costmodel.executor_floor([lf], topo(), prof).seconds
 
 
 def test_executor_floor_lets_the_nics_carry_more_where_copies_are_slower():
     """The same case with copies at 1 B/s, slower than a NIC: domain 1's devices do better to
     take everything over their own NICs (512 / (4 x 5) + 512 / (4 x 1) = 153.6 s) than to
-    pass 384 B to each other (128 / 20 + 896 / 4 = 230.4 s); the floor takes the lesser."""
+    pass 384 B to each other (128 / 20 + 384 / 200 + 896 / 4 = 232.32 s); the floor takes the
+    lesser."""
     lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
     floor = costmodel.executor_floor([lf], topo(), profile(copy_bandwidth=1))
     assert floor.seconds == pytest.approx(25.6 + 128)
@@ -330,11 +347,14 @@ def test_executor_floor_lets_the_nics_carry_more_where_copies_are_slower():
 
 def test_executor_floor_charges_a_sole_holders_packs():
     """Device 0 alone holds 100 B that device 1 (same domain) needs: it packs them and device
-    1 unpacks them, each beside its rounds: 100 / 55 + 100 / 50 s (links at half peak)."""
+    1 unpacks them, each beside its rounds: 100 / 50 + 100 / 50 s over the faster link (links
+    at half peak), or 100 / 55 + 100 / 50 s where both links could carry it at once."""
     lf = uint8_leaf(100, (0,), (), (1,), ())
     floor = costmodel.executor_floor([lf], topo(), profile())
-    assert floor.seconds == pytest.approx(100 / 55 + 100 / 50)
+    assert floor.seconds == pytest.approx(100 / 50 + 100 / 50)
     assert floor.binding.startswith("device ")
+    floor = costmodel.executor_floor([lf], topo(), profile(permutes_overlap=True))
+    assert floor.seconds == pytest.approx(100 / 55 + 100 / 50)
 
 
 def test_baselines_by_hand():
@@ -492,34 +512,38 @@ def test_fan_out_scenario_on_a_small_virtual_cluster():
     assert s.bytes_cross_domain == full == r.bound.bytes_cross_needed
     assert s.bytes_relayed == s.bytes_lower_bound - full
     assert s.bytes_sent == s.bytes_lower_bound  # 2 replicas (norms are held by every TP rank)
-    # Each unit's relays run beside the next unit's imports (two lanes), so the rounds take
-    # about the import over the NICs at their 90% efficiency, not imports then relays.
-    assert r.modeled.transfer <= 1.35 * r.bound.seconds < r.round_model_bound.seconds * 1.25
+    # Were each unit's relays to run beside the next unit's imports (two lanes at once), the
+    # rounds would take about the import over the NICs at their 90% efficiency; run in turn,
+    # as XLA GPU runs them, the relays add.
+    assert r.two_lanes.transfer <= 1.35 * r.bound.seconds < r.round_model_bound.seconds * 1.25
+    assert r.modeled.transfer > r.two_lanes.transfer
 
 
-def test_the_plan_is_also_priced_with_one_lane_at_a_time():
-    """The two lanes at once are an assumption about XLA GPU: the same plan priced with a
-    bucket's rounds in turn is reported beside it, and is that profile's modeled time."""
+def test_the_plan_is_also_priced_with_two_lanes_at_once():
+    """XLA GPU runs a bucket's rounds in turn (the modeled time); the same plan priced as if
+    a bucket's rounds across and inside domains ran at once is reported beside it, and is
+    that profile's modeled time."""
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100")
-    assert r.profile.overlap_links and r.one_lane is not None
-    serial = dataclasses.replace(r.profile, overlap_links=False)
-    rounds_in_turn = costmodel.modeled_time(r.rounds, r.topology, serial)
-    assert r.one_lane.seconds > r.modeled.seconds  # relays and imports no longer overlap
-    assert r.one_lane.transfer == pytest.approx(rounds_in_turn.transfer)
-    assert r.record()["modeled_one_lane_s"] == r.one_lane.seconds
+    assert r.profile.overlap_links and not r.profile.permutes_overlap
+    assert r.two_lanes is not None
+    overlapped = dataclasses.replace(r.profile, permutes_overlap=True)
+    at_once = costmodel.modeled_time(r.rounds, r.topology, overlapped)
+    assert r.two_lanes.seconds < r.modeled.seconds  # relays hide under the imports
+    assert r.two_lanes.transfer == pytest.approx(at_once.transfer)
+    assert r.record()["modeled_two_lanes_s"] == r.two_lanes.seconds
     # Priced in one pass over the schedule (counted once), each is its profile's own modeled
     # time, to the bit, whatever else the profiles change.
     others = [
-        dataclasses.replace(serial, round_latency=0.0),
+        dataclasses.replace(overlapped, round_latency=0.0),
         dataclasses.replace(r.profile, copy_bandwidth=1e9, copy_overhead=1e-3),
         sim.PROFILES["cpu"],
     ]
-    profiles = [r.profile, serial, *others]
+    profiles = [r.profile, overlapped, *others]
     each = [costmodel.modeled_time(r.rounds, r.topology, p) for p in profiles]
     assert costmodel.modeled_times(r.rounds, r.topology, profiles) == each
     assert len(set(each)) == len(each)
     cpu = sim.simulate("qwen3-4b", "FSDP8", "TP8", "cpu", colocated=True)
-    assert cpu.one_lane is None and cpu.record()["modeled_one_lane_s"] is None  # one lane there
+    assert cpu.two_lanes is None and cpu.record()["modeled_two_lanes_s"] is None  # one lane there
 
 
 def test_the_plan_is_also_priced_without_each_overhead():
@@ -590,11 +614,11 @@ def _lanes_per_bucket(r: sim.Result) -> list[set[bool]]:
 
 @pytest.mark.parametrize("bucket_mib", [32, 64, 128])
 def test_where_lanes_overlap_a_bucket_holds_a_round_of_each(bucket_mib, monkeypatch):
-    """On GPUs a bucket's rounds across domains run beside those inside domains. Where a
-    whole-bucket chunk of the faster links and one of the slowest's would not fit one bucket
-    together (Qwen3-4B FSDP8 -> TP4 DP2 on H100: 90 + 45 MiB chunks in 128 MiB buckets), the
-    faster chunks shrink to fit beside the slowest's, and buckets hold both lanes; where the
-    lanes take turns (CPU), they stay as large as they come."""
+    """On GPUs, where a whole-bucket chunk of the faster links and one of the slowest's would
+    not fit one bucket together (Qwen3-4B FSDP8 -> TP4 DP2 on H100: 90 + 45 MiB chunks in
+    128 MiB buckets), the faster chunks shrink to fit beside the slowest's, and buckets hold
+    both lanes (fewer buckets; two lanes at once, were XLA to run them so); without
+    ``lanes_overlap`` (CPU), they stay as large as they come."""
     bucket = bucket_mib * sim.MiB
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100", bucket_bytes=bucket)
     chunk = dict(r.rounds.class_chunk_bytes)
@@ -661,10 +685,10 @@ def test_the_summary_reads_each_scenarios_record():
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "gb200-nvl72", title="small: x")
     (line,) = sim.summary([r.record("small")]).splitlines()[1:]
     ag = r.baselines["all-gather + broadcast"] / r.modeled.seconds
-    one_lane = r.one_lane.seconds / r.bound.seconds
+    two_lanes = r.two_lanes.seconds / r.bound.seconds
     floor = r.executor_floor.seconds / r.bound.seconds
     for figure in (sim._ms(r.modeled.seconds), sim._ms(r.bound.seconds), f"{r.ratio:.2f}",
-                   f"{floor:.2f}", f"{one_lane:.2f}", f"{ag:.2f}x"):  # fmt: skip
+                   f"{floor:.2f}", f"{two_lanes:.2f}", f"{ag:.2f}x"):  # fmt: skip
         assert f" {figure} " in f" {line} "
     ratio, floor_column = line.split()[6:8]  # after the scenario, placement, two times
     assert (ratio, floor_column) == (f"{r.ratio:.2f}", f"{floor:.2f}")

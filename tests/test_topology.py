@@ -22,13 +22,11 @@ from jax.sharding import PartitionSpec as P
 from reference import assert_reference_exact, leaf_spec
 
 import jaxreshard as jr
-import jaxreshard.api
 from jaxreshard.planning.layout import box_size
 from jaxreshard.planning.route import Piece, _min_max_quotas
 from jaxreshard.planning.route import route as topology_assign
 from jaxreshard.planning.schedule import build_schedule, plan_rounds, plan_stats
 from jaxreshard.planning.topology import PROFILES, Topology
-from jaxreshard.run import runtime as runtime_module
 from jaxreshard.tools.costmodel import executor_floor, modeled_time, physical_bound
 
 TWO_BY_FOUR = Topology.from_groups([[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -466,36 +464,14 @@ def test_chained_plan_runs_bit_exact_under_the_transfer_guard(devices):
     _runs_bit_exact_under_the_guard(plan, x, tree)
 
 
-def test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight(
-    devices, monkeypatch, caplog
-):
-    """Where a bucket holds rounds across domains beside rounds inside one, the planner counts
-    on the two running at once off CPU, and XLA GPU keeps one collective in flight unless
-    told otherwise: such a plan's transfer programs ask for two on GPUs, under the caller's
-    own options; an XLA that refuses the option compiles without it."""
-    assert runtime_module.lane_options("gpu", True) == {
-        "xla_gpu_experimental_parallel_collective_overlap_limit": 2
-    }
-    assert runtime_module.lane_options("gpu", False) == {}
-    assert runtime_module.lane_options("cpu", True) == {}
+def test_transfer_programs_take_the_callers_xla_options_and_none_of_their_own(devices):
+    """jaxreshard asks XLA for no option of its own for the transfer programs, on any backend
+    (XLA GPU compiles their collective-permutes one after another whatever
+    ``xla_gpu_experimental_parallel_collective_overlap_limit`` says: README, "GPUs"). A
+    caller's ``compiler_options`` reach them, and ``describe()`` names them."""
     topo, dst, tree, x = _three_domains_from_one(devices, seed=2)
-    chained = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
-    plain = jr.plan(x, {k: dst for k in tree}, bucket_bytes=4096)  # one domain: one lane
-    assert chained._two_lanes and not plain._two_lanes
-    assert chained.runtime.default_transfer_options == {}  # on CPU the lanes take turns
-    assert "ask for" not in chained.describe()
-    # An option this XLA does not know, asked for by jaxreshard itself: dropped, with a warning.
-    monkeypatch.setattr(
-        jaxreshard.api, "lane_options", lambda platform, two: {"no_such_option": two}
-    )
-    refused = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
-    with caplog.at_level("WARNING", logger="jaxreshard"):
-        _runs_bit_exact_under_the_guard(refused, x, tree)
-    assert "no_such_option" in caplog.text and refused.runtime.default_transfer_options == {}
-    # The caller's own value of an option wins over jaxreshard's.
-    monkeypatch.setattr(
-        jaxreshard.api, "lane_options", lambda platform, two: {"xla_cpu_enable_fast_math": True}
-    )
+    plain = jr.plan(x, {k: dst for k in tree}, topology=topo, bucket_bytes=4096)
+    assert plain.runtime.transfer_options == {} and "ask for" not in plain.describe()
     mine = jr.plan(
         x,
         {k: dst for k in tree},
@@ -503,8 +479,8 @@ def test_a_plan_with_two_lanes_asks_xla_gpu_for_two_collectives_in_flight(
         bucket_bytes=4096,
         compiler_options={"xla_cpu_enable_fast_math": False},
     )
-    assert mine.runtime.default_transfer_options == {}
     assert "ask for {'xla_cpu_enable_fast_math': False}" in mine.describe()
+    _runs_bit_exact_under_the_guard(mine, x, tree)
 
 
 def _runs_bit_exact_under_the_guard(plan, x, tree) -> None:

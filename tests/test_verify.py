@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from arrays import random_array, sharding
+from compiles import COMPILES
 
 import jaxreshard as jr
 from jaxreshard.run import views
@@ -222,3 +223,49 @@ def test_a_result_tree_that_is_not_the_plans_result_is_refused_naming_the_leaf()
         with pytest.raises(jr.ReshardError, match=rf"\['w'\]: {says}"):
             plan.verify(src, {**out, "w": leaf})
     plan.verify(src, out)
+
+
+def test_verify_and_a_verified_refit_run_under_rank_promotion_raise():
+    """Regression (an adversarial probe): the checksums broadcast a row of weights over a
+    shard, which ``jax.numpy_rank_promotion("raise")``, a check meant for the caller's code,
+    refused with a plain ValueError, after the refit had consumed its ``donate=`` tree: the
+    previous result and the new one were both lost."""
+    host, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    with jax.numpy_rank_promotion("raise"):
+        again = plan(src, donate=out, verify=True)
+        plan.verify(src, again)
+    np.testing.assert_array_equal(np.asarray(again["w"]), host["w"])
+    with jax.numpy_rank_promotion("raise"):  # (a public function: callers use it themselves)
+        box_checksum(jnp.ones((4, 3), jnp.float32), (0, 0), (4, 3))
+
+
+def test_fallback_leaves_are_verified_too():
+    """Regression (an adversarial probe): ``fallback="device_put"`` leaves went unchecked, so a
+    wrong one passed. They are compared, shard by shard and bit for bit, with a fresh
+    ``device_put`` of their source, and named like the others."""
+    _, src, dst = tree()
+    host = random_array((8, 4), "float32", 9)
+    src["n"], dst["n"] = host, sharding(*DST, "dp")
+    plan = jr.plan(src, dst, fallback="device_put")
+    out = plan(src, verify=True)
+    bad = dict(out, n=jax.device_put(host + 1, dst["n"]))
+    with pytest.raises(jr.ReshardError, match=r"\['n'\]: device \d: the shard differs"):
+        plan.verify(src, bad)
+    with pytest.raises(jr.ReshardError, match=r"\['n'\]: is not an array like float32\[8,4\]"):
+        plan.verify(src, dict(out, n=np.asarray(out["n"])))
+
+
+def test_a_later_verify_compiles_nothing_whatever_the_sources_weak_type():
+    """Regression (an adversarial probe): verify's programs were traced for the call's
+    arrays, so a weakly typed source where the plan's was strongly typed (or the other way)
+    compiled them again."""
+    x = jax.device_put(jnp.asarray(1.5), sharding(*SRC))  # weakly typed
+    plan = jr.plan({"x": x}, {"x": sharding(*DST)})
+    plan.verify({"x": x}, plan({"x": x}))
+    strong = jax.device_put(jnp.asarray(1.5, jnp.float32), sharding(*SRC))
+    out = plan({"x": strong})
+    with COMPILES:
+        plan.verify({"x": strong}, out)
+    assert COMPILES.events == []

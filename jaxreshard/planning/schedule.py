@@ -560,9 +560,13 @@ def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
     reuse device memory), and ``ladder_rungs``, the tails' ladder (`CPU_LADDER_RUNGS`,
     `ACCELERATOR_LADDER_RUNGS`), and ``lone_stretch_as_run`` (`split_units`), on CPU only,
     where each step costs a host sync (the cluster model priced it 3% slower on the 8-GPU
-    qwen3-4b scenario), and ``lanes_overlap`` (`_class_chunks`) off CPU, where a device's
-    NIC and its links inside a domain are separate engines (on CPU one process's cores carry
-    both). `jaxreshard.plan` and the cluster model both take them from here."""
+    qwen3-4b scenario), and ``lanes_overlap`` (`_class_chunks`) off CPU. Its criterion
+    counts on a bucket's NIC and NVLink rounds running at once, which XLA GPU does not do
+    (`Profile.permutes_overlap`); the plans it makes, priced with the rounds in turn, were as
+    fast or faster at every bucket size tried (32 MiB-512 MiB, DeepSeek-V3 and Qwen3-235B on
+    GB200; 1,821 against 2,520 ms at 32 MiB), since lanes that share buckets make fewer
+    buckets (host work, launches). `jaxreshard.plan` and the cluster model both take them
+    from here."""
     cpu = platform == "cpu"
     return {
         "unit_bytes": bucket_bytes if cpu else GPU_UNIT_BUCKETS * bucket_bytes,
@@ -1233,9 +1237,9 @@ def plan_unit_rounds(
     span several buckets. ``fault_cost`` is what a fresh staging byte costs the chunk choice
     (`choose_chunk_bytes`). ``gather_bytes`` (`split_units`): which leaves move by gathers.
     ``ladder_rungs``: rungs per halving of the tails' ladder (`tail_ladder`).
-    ``lone_stretch_as_run``: see `split_units`. ``lanes_overlap``: the rounds across domains
-    and those inside them can run at once (accelerators), so the faster links' chunks may
-    shrink to fit a bucket beside the slowest's (`_class_chunks`).
+    ``lone_stretch_as_run``: see `split_units`. ``lanes_overlap``: the faster links' chunks
+    may shrink to fit a bucket beside the slowest's (`_class_chunks`), where a model of the
+    two lanes at once says so (accelerators; see `platform_options`).
     """
     prepared = PreparedPlan(leaves, assignment, gather_bytes)  # both cuts below slab alike
     units = split_units(

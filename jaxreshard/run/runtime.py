@@ -36,7 +36,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import os
 import threading
@@ -94,8 +93,6 @@ ONE_OFF_OPTIONS = {"xla_backend_optimization_level": 0}
 """XLA options of the programs a plan runs once (tables of box starts, staging buffers): their
 code speed hardly matters, their compile time adds to the first call."""
 
-log = logging.getLogger("jaxreshard")
-
 CPU_COPY_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 """XLA options of the pack and unpack programs on the CPU backend. XLA's CPU compiler builds
 every fusion of a program as a module of its own, and a pack or unpack program is mostly
@@ -104,22 +101,6 @@ about 13 ms to compile here, with the older ones about 6 ms, for the same copies
 speed (measured: 160 copies of one element, 2.5 -> 1.0 s to compile; 4 copies of 4 MiB, 11.6
 and 8.9 ms a run). Used where the backend knows the option (`copy_options`), by programs
 that do not cast (`program_options`)."""
-
-
-GPU_LANE_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
-"""XLA options of a GPU plan's transfer programs where a bucket holds rounds across fast
-domains beside rounds inside them (two lanes: NICs and NVLink). XLA GPU keeps one
-asynchronous collective in flight at a time unless told otherwise (this option's default is
-1), while the planner (`schedule.platform_options`' ``lanes_overlap``) and the cluster model
-count on a bucket's two lanes running at once. A caller's own ``compiler_options`` take
-precedence; an XLA that does not know the option compiles without it (with a warning).
-Unverified: no transfer between GPUs has run (see the README)."""
-
-
-def lane_options(platform: str, two_lanes: bool) -> dict[str, Any]:
-    """The transfer programs' default XLA options: `GPU_LANE_OPTIONS` for a plan on GPUs
-    whose buckets hold two lanes (``two_lanes``), else none."""
-    return dict(GPU_LANE_OPTIONS) if platform == "gpu" and two_lanes else {}
 
 
 class Runtime:
@@ -137,17 +118,9 @@ class Runtime:
         src_shardings: Sequence[Sharding],
         dst_shardings: Sequence[NamedSharding],
         transfer_options: Mapping[str, Any] | None = None,
-        default_transfer_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.leaves = tuple(leaves)
         self.transfer_options = dict(transfer_options or {})
-        # Options jaxreshard asks for itself (`lane_options`), under the caller's, and
-        # dropped if this XLA refuses them.
-        self.default_transfer_options = {
-            k: v
-            for k, v in (default_transfer_options or {}).items()
-            if k not in self.transfer_options
-        }
         self.lowered = lowered
         self.src_shardings = tuple(src_shardings)
         self.dst_shardings = tuple(dst_shardings)
@@ -199,7 +172,7 @@ class Runtime:
         host, such as the multi-process order check, overlaps the first packs). If it raises,
         nothing but staging buffers has been written and the call stops there.
         """
-        with self._lock:
+        with self._lock, _CPU_CALLS if self.host_syncs else contextlib.nullcontext():
             srcs = _Sources(self, src)
             if self._steps is None:
                 self._tables = self._build_tables()
@@ -235,8 +208,7 @@ class Runtime:
         """Dispatch one step; returns what it wrote (for the next step's host sync). Runs and
         drops the pending ``hook`` before the step's transfer and unpacks."""
         if self.host_syncs and previous and step.transfer is not None:
-            # (see `waits_between_steps`; what the caller deleted or donated since is left out)
-            jax.block_until_ready([x for x in previous if not x.is_deleted()])
+            _await(previous)  # (see `waits_between_steps`)
         if step.fresh and not dst.donated_all:
             dst.allocate(step.fresh)
             clock.mark("alloc", dst.pending())
@@ -576,32 +548,17 @@ class Runtime:
             mesh = self.mesh(MeshSpec.line(program.devices, GROUP_AXIS))
             avals = _transfer_avals(program, self._union_sharding(program))
 
-            def compiled(options: Mapping[str, Any]) -> Callable[..., Any]:
-                # (building too: JAX hashes the options, which may not be hashable)
-                return _build_transfer(program, mesh, options).lower(*avals).compile()
-
-            if self.default_transfer_options:
-                try:
-                    fn = compiled({**self.default_transfer_options, **self.transfer_options})
-                except Exception as e:
-                    log.warning(
-                        "XLA refused jaxreshard's own transfer options %s (%s); the transfer "
-                        "programs compile without them",
-                        self.default_transfer_options,
-                        str(e).splitlines()[0],
-                    )
-                    self.default_transfer_options = {}
-            if fn is None:
-                try:
-                    fn = compiled(self.transfer_options)
-                except Exception as e:
-                    if not self.transfer_options:
-                        raise
-                    raise ReshardError(
-                        f"XLA refused the transfer programs' compiler_options "
-                        f"{self.transfer_options}: {str(e).splitlines()[0]}\nHow to fix: pass "
-                        "options this backend knows (as jax.jit's compiler_options), or none"
-                    ) from None
+            try:  # (building too: JAX hashes the options, which may not be hashable)
+                jitted = _build_transfer(program, mesh, self.transfer_options)
+                fn = jitted.lower(*avals).compile()
+            except Exception as e:
+                if not self.transfer_options:
+                    raise
+                raise ReshardError(
+                    f"XLA refused the transfer programs' compiler_options "
+                    f"{self.transfer_options}: {str(e).splitlines()[0]}\nHow to fix: pass "
+                    "options this backend knows (as jax.jit's compiler_options), or none"
+                ) from None
             self._transfers[program] = fn
         return fn
 
@@ -615,6 +572,22 @@ def _groups(missing: Mapping[Slot, Counter[int]]) -> list[tuple[Slot, tuple[int,
             out.append((slot, tuple(sorted(counts))))
             counts = Counter({d: n - 1 for d, n in counts.items() if n > 1})
     return out
+
+
+def _await(arrays: Sequence[jax.Array]) -> None:
+    """Wait for ``arrays``' programs, leaving out what has been deleted or donated (another
+    thread may do so at any moment: a result of a call on another thread, or the caller's
+    own result of an earlier call, freed while a `Plan.start` runs)."""
+    try:
+        jax.block_until_ready([x for x in arrays if not x.is_deleted()])
+    except Exception:
+        # Deleted between the filter and the wait: one at a time, the deleted ones left out.
+        for x in arrays:
+            try:
+                x.block_until_ready()
+            except Exception:
+                if not x.is_deleted():
+                    raise
 
 
 class _LastStep:
@@ -640,6 +613,12 @@ class _LastStep:
 
 
 _LAST_STEP = _LastStep()
+
+_CPU_CALLS = threading.Lock()
+"""Held by a call on CPU devices for its whole run, whichever plan and thread make it: the
+steps of two calls made at once on two threads would otherwise interleave on the devices,
+and XLA's CPU collectives need every device's thread (see `_LastStep`). Taken after the
+plan's own lock, always in that order."""
 
 
 def waits_between_steps(platforms: Iterable[str]) -> bool:

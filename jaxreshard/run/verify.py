@@ -109,8 +109,33 @@ def box_checksum(x: jax.Array, origin: Sequence[int], global_shape: Sequence[int
         row = row + pos * np.uint32(stride % 2**32)
         stride *= int(global_shape[d])
     row_weight = _mix(row) * np.uint32(2) + np.uint32(1)
+    col_weight = col_weight.reshape((1,) * len(lead) + col_weight.shape)  # (no rank promotion)
     per_row = jnp.sum(words * col_weight, axis=-1, dtype=jnp.uint32)
     return jnp.sum(per_row * row_weight, dtype=jnp.uint32)
+
+
+def _strong(x: jax.Array) -> jax.Array:
+    """``x`` (a buffer on one device), strongly typed, zero-copy."""
+    if not getattr(x, "weak_type", False):
+        return x
+    return views.View(x.shape, x.dtype, x.sharding)([x])
+
+
+@jax.jit
+def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    return jnp.array_equal(_words(a), _words(b))
+
+
+def differing_shards(a: jax.Array, b: jax.Array) -> list[int]:
+    """The ids of this process's devices where ``a``'s shard and ``b``'s (two arrays of one
+    shape, dtype and sharding) differ in any bit, compared on device (a flag per shard
+    reaches the host)."""
+    theirs = {s.device.id: s.data for s in b.addressable_shards}
+    flags = {s.device.id: _same_bits(s.data, theirs[s.device.id]) for s in a.addressable_shards}
+    with jax.transfer_guard_device_to_host("allow"):
+        return sorted(d for d, same in flags.items() if not bool(same))
 
 
 class Verifier:
@@ -143,9 +168,15 @@ class Verifier:
                 expected.append(parts)
         return jobs, expected
 
-    def check(self, src: Sequence[Any], out: Sequence[jax.Array]) -> None:
+    def check(
+        self,
+        src: Sequence[Any],
+        out: Sequence[jax.Array],
+        also: Sequence[tuple[str, str]] = (),
+    ) -> None:
         """Raise `ReshardError` naming every (leaf, device) whose result differs from the
-        source (every device of this process; single-controller JAX only)."""
+        source (every device of this process; single-controller JAX only), and the
+        ``(path, problem)`` pairs found otherwise (``also``)."""
         if jax.process_count() > 1:
             raise ReshardError(
                 "verify is not supported under jax.distributed yet (the per-shard sums would "
@@ -172,7 +203,7 @@ class Verifier:
                 total = sum(int(sums[d][j]) for d, j in self._expected_of[n]) % 2**32
                 want_of[i, box] = total
                 n += 1
-        problems = []
+        problems = list(also)
         for device, jobs in self._dst_jobs.items():
             for k, (i, _, box) in enumerate(jobs):
                 if int(got[device][k]) != want_of[i, box]:
@@ -214,4 +245,6 @@ class Verifier:
                 return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 
             fn = self._fns[key] = jax.jit(sums, out_shardings=SingleDeviceSharding(device))
-        return fn(*args)
+        # Strongly typed views of the same buffers: a call whose source is weakly typed where
+        # the first call's was not (or the other way) runs the same program.
+        return fn(*(_strong(a) for a in args))

@@ -36,9 +36,14 @@ Pure arithmetic on integer device ids (no devices). Bandwidths and costs come fr
   where ``m`` is what the domain's NICs bring in and ``needs(g)`` the sum of ``need(d)`` over
   its devices: every byte a device lacks is unpacked by it, what the NICs did not bring came
   from the domain's own devices (each message packed by its sender), exports are packed, and
-  the busiest device of a domain does at least the average. Above `physical_bound` by the
-  links' efficiency and the copies; below `modeled_time`, which adds latency, launches, host
-  work and the plan's own unevenness.
+  the busiest device of a domain does at least the average. Where the backend runs a
+  program's collective-permutes one after another (`Profile.permutes_overlap` false: XLA GPU,
+  CPU) a device takes one message at a time, so its links add instead of sharing the load:
+  the device term's ``e B_nvl + e B_nic`` becomes the faster link alone, and the domain term
+  adds ``max(0, needs(g) - m) / (N(g) e B_nvl)``, the bytes its devices send each other after
+  (or before) their NICs' share. Above `physical_bound` by the links' efficiency, the copies
+  and (serial permutes) the lanes in turn; below `modeled_time`, which adds latency,
+  launches, host work and the plan's own unevenness.
 - **Baselines**, each the best its own scheme can do in the same model (links at the same
   efficiency; no pack or per-bucket costs unless said), so the ratios against them are
   conservative: `allgather_broadcast` (every trainer NIC a root, pipelined chunks),
@@ -186,13 +191,15 @@ def executor_floor(leaves: Sequence[LeafSpec], topology: Topology, profile: Prof
     The executor's pack and unpack are programs of their own, and a device runs its programs
     one after the other (one stream), so a device's copies never overlap its rounds: every
     byte a device sends was packed by it into staging, every byte it lacks is unpacked by it
-    out of staging, and its rounds take at least its bytes over its links. A domain's NICs
-    share its imports and exports, so its average device does at least the average of that
-    work, and the busiest at least as much. Latency, launches and host work are left out, and
-    copies are priced at the profile's fastest rate in one run, so it bounds `modeled_time`
-    from below whatever the plan. Between it and `physical_bound` lie the links' efficiency
-    and the copies: what running copies beside the rounds (inside the transfer program) could
-    win back, and no plan can.
+    out of staging, and its rounds take at least its bytes over its links (over both at once
+    only where the profile's collective-permutes overlap, `_lanes_at_once`; else one message
+    at a time). A domain's NICs share its imports and exports, so its average device does at
+    least the average of that work, and the busiest at least as much. Latency, launches and
+    host work are left out, and copies are priced at the profile's fastest rate in one run,
+    so it bounds `modeled_time` from below whatever the plan. Between it and
+    `physical_bound` lie the links' efficiency, the copies and the lanes in turn: what
+    copies beside the rounds (inside the transfer program) and collectives in flight at once
+    could win back, and no plan can.
     """
     return _floor(_profile(leaves, topology), topology, profile)
 
@@ -241,9 +248,18 @@ def _physical(p: _Profile, topology: Topology, profile: Profile | None) -> Lower
     return LowerBound(seconds, binding, sum(p.cross_in.values()))
 
 
+def _lanes_at_once(profile: Profile) -> bool:
+    """Whether a device's NIC and NVLink rounds run at the same time in the executor: the
+    links allow it and the backend keeps two collective-permutes in flight."""
+    return profile.overlap_links and profile.permutes_overlap
+
+
 def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
     bi = topology.intra_bandwidth * profile.intra_efficiency
     bx = topology.inter_bandwidth * profile.inter_efficiency
+    at_once = _lanes_at_once(profile)
+    # One message at a time (serial permutes): a device's bytes take at least the faster link.
+    links = bi + bx if at_once else max(bi, bx)
     # A device's copies at the fastest rate the profile gives any of them: its host's where
     # a host's devices share one (then one device alone may have it all).
     copy = profile.host_copy_bandwidth or profile.copy_bandwidth
@@ -252,7 +268,7 @@ def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
     for d in p.need.keys() | p.sole_out.keys():
         need, only = p.need.get(d, 0), p.sole_out.get(d, 0)
         terms.append((
-            max(need, only) / (bi + bx) + (need + only) / copy,
+            max(need, only) / links + (need + only) / copy,
             f"device {d} takes {need / 1e9:.2f} GB in and sends {only / 1e9:.2f} GB only it "
             "holds, copying both",
         ))  # fmt: skip
@@ -260,7 +276,9 @@ def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
         nics = len(members)
         imports, exports = p.cross_in.get(g, 0), p.cross_out.get(g, 0)
         needs = sum(p.need.get(d, 0) for d in members)
-        seconds, copies = _domain_floor(imports, exports, needs, nics * bx, nics * copy)
+        seconds, copies = _domain_floor(
+            imports, exports, needs, nics * bx, nics * copy, None if at_once else nics * bi
+        )
         if not seconds:
             continue
         terms.append((
@@ -273,7 +291,12 @@ def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
 
 
 def _domain_floor(
-    imports: int, exports: int, needs: int, nic_rate: float, copy_rate: float
+    imports: int,
+    exports: int,
+    needs: int,
+    nic_rate: float,
+    copy_rate: float,
+    nvl_rate: float | None = None,
 ) -> tuple[float, int]:
     """`executor_floor`'s term of one domain, with its NICs' and its copies' combined rates:
     ``(seconds, bytes copied)``.
@@ -281,13 +304,17 @@ def _domain_floor(
     Its NICs carry some ``moved`` bytes in (at least its imports) and its exports out. What
     its devices lack beyond what their NICs brought came from each other, every message
     packed by its sender, so its devices unpack ``needs`` and pack ``needs - moved`` (at
-    least nothing) and the exports. The time is piecewise linear in ``moved``, so its least
-    is at a breakpoint: the imports, the exports or the needs.
+    least nothing) and the exports. With ``nvl_rate`` (its NVLink's combined rate, where a
+    device takes one message at a time) those messages inside the domain add their time to
+    the NICs'. The time is piecewise linear in ``moved``, so its least is at a breakpoint:
+    the imports, the exports or the needs.
     """
 
     def priced(moved: int) -> tuple[float, int]:
-        copies = needs + max(0, needs - moved) + exports
-        return max(moved, exports) / nic_rate + copies / copy_rate, copies
+        inside = max(0, needs - moved)
+        copies = needs + inside + exports
+        wire = max(moved, exports) / nic_rate + (inside / nvl_rate if nvl_rate else 0.0)
+        return wire + copies / copy_rate, copies
 
     return min(priced(m) for m in (imports, exports, needs) if m >= imports)
 
@@ -345,9 +372,10 @@ def modeled_time(
     A bucket is three kinds of programs (`jaxreshard.run.runtime`): packs over its senders,
     one transfer over the plan's union of devices, unpacks over its receivers, each program a
     launch gap on the devices it runs on. Its rounds are independent collective-permutes of
-    the transfer: where the profile has ``overlap_links``, the rounds with a cross-domain
-    message (the NIC lane) run beside those inside domains (the NVLink lane), and the
-    bucket's transfer is the longer lane; else every round in turn. The host does
+    the transfer: where the profile has ``overlap_links`` and ``permutes_overlap``, the rounds
+    with a cross-domain message (the NIC lane) run beside those inside domains (the NVLink
+    lane), and the bucket's transfer is the longer lane; else (XLA GPU, CPU) every round in
+    turn. The host does
     ``bucket_overhead`` of work per bucket, plus ``argument_overhead`` per array its programs
     take. How the buckets follow each other depends on the profile:
 
@@ -444,10 +472,10 @@ class _Bucket:
 
     def transfer(self, profile: Profile) -> tuple[float, float]:
         """The bucket's rounds' time and the latency in it. Its rounds are independent
-        collective-permutes (`runtime._build_transfer`): where the profile's NICs and NVLink
-        run at once, its cross-domain rounds and its rounds inside domains take the longer of
-        the two, else their sum."""
-        if profile.overlap_links:
+        collective-permutes (`runtime._build_transfer`): where they run at once
+        (`_lanes_at_once`), its cross-domain rounds and its rounds inside domains take the
+        longer of the two, else their sum."""
+        if _lanes_at_once(profile):
             longer = int(self.lanes[1] > self.lanes[0])
             return self.lanes[longer], self.waits[longer]
         return sum(self.lanes), sum(self.waits)
