@@ -281,6 +281,7 @@ class Plan:
         )
         src = self._crossing.sources([flat[i] for i in self.moved])
         results = self._crossing.inner([out[i] for i in self.moved])
+        self._verifier.refuse_distributed()  # (before the fallback leaves' copies are made)
         self._verifier.check(src, results, also=self._fallback_problems(flat, out))
 
     @functools.cached_property
@@ -476,7 +477,15 @@ class Plan:
         # Fallback leaves first (named in a log line when the plan was made): checked like the
         # others, they should not fail, but if one does nothing has been donated yet.
         for i, dst in self.fallback:
-            out[i] = self._fallback_copy(i, flat[i], dst)
+            try:
+                out[i] = self._fallback_copy(i, flat[i], dst)
+            except Exception as e:  # (nothing is donated yet: fallback leaves go first)
+                raise leaf_error(
+                    "jax.device_put refused these fallback leaves",
+                    [(self.paths[i], str(e).splitlines()[0])],
+                    "give the leaf a destination jax.device_put takes, or make it a jax.Array "
+                    "on a NamedSharding so that the plan moves it",
+                ) from e
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:

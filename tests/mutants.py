@@ -999,6 +999,36 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jax.numpy_rank_promotion('raise') refuses",
     ),
     Mutant(
+        "verify-fallback-compares-folded-words",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "    return jnp.array_equal(_bits(a), _bits(b))",
+                "    return jnp.array_equal(_words(a), _words(b))",
+            ),
+        ),
+        ("tests/test_verify.py::test_fallback_leaves_are_verified_too",),
+        "verify compares fallback leaves by the checksums' folded words: two complex (or 64-bit) "
+        "values that fold alike pass",
+    ),
+    Mutant(
+        "api-rank-promotion-left-as-the-caller-set-it",
+        "jaxreshard/api.py",
+        (
+            (
+                "            (jax.numpy_rank_promotion, jax.config.jax_numpy_rank_promotion, "
+                '"allow"),\n',
+                "",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_debugging_settings_neither_stop_a_refit_nor_cost_the_"
+            "donated_tree[numpy_rank_promotion-raise]",
+        ),
+        "a plan's programs are traced under the caller's rank promotion setting, part of their "
+        "cache key: a call under 'raise' compiles them again",
+    ),
+    Mutant(
         "verify-skips-fallback-leaves",
         "jaxreshard/api.py",
         (
@@ -1041,8 +1071,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/run/runtime.py",
         (
             (
-                "        with self._lock, _CPU_CALLS if self.host_syncs else "
-                "contextlib.nullcontext():",
+                "        with self._lock, _CPU_CALLS if alone else contextlib.nullcontext():",
                 "        with self._lock, contextlib.nullcontext():",
             ),
         ),

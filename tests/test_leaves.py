@@ -419,22 +419,50 @@ def test_fallback_leaves_device_put_cannot_take_are_refused_when_planning():
             jr.plan({"w": w, "s": bad}, dst, fallback="device_put")
 
 
-@pytest.mark.parametrize("setting", ["debug_nans", "debug_infs", "disable_jit"])
-def test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree(setting):
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("debug_nans", True),
+        ("debug_infs", True),
+        ("disable_jit", True),
+        ("numpy_rank_promotion", "raise"),
+    ],
+)
+def test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree(setting, value):
     """Regression: under ``jax.debug_nans`` / ``jax.debug_infs`` JAX re-ran an unpack whose
     result held a NaN (data, here) op by op on buffers it had consumed, so the call failed
     and the ``donate=`` tree was lost; under ``jax.disable_jit`` every call raised JAX's
-    error about its AOT path. A plan runs its programs compiled, bit for bit, whatever the
-    caller's debugging settings, and compiles nothing more for them."""
+    error about its AOT path; under ``jax.numpy_rank_promotion("raise")`` the same programs
+    were traced and compiled again (the setting is part of their cache key). A plan runs its
+    programs compiled, bit for bit, whatever the caller's debugging settings, and compiles
+    nothing more for them."""
     host = random_array((8, 8), "float32")  # NaN payloads and infinities included
     host[1, 1], host[2, 2] = np.nan, np.inf
     src = jax.device_put(host, sharding(*SRC, "dp"))
     dst = sharding(*DST, None, "tp")
     plan = jr.plan(src, dst)
     out = plan(src)
-    with getattr(jax, setting)(True), COMPILES:
+    with getattr(jax, setting)(value), COMPILES:
         out = plan(src, donate=out)
         jax.block_until_ready(out)
         assert COMPILES.count == 0
         refit = plan.start(src, donate=out).result()
     assert_exact(refit, host, dst)
+
+
+def test_a_fallback_leaf_device_put_refuses_is_named_and_nothing_is_donated(monkeypatch):
+    """Where ``jax.device_put`` itself refuses a fallback leaf at call time (a review found a
+    typed key on a destination with reduced axes), the call raises `ReshardError` naming the
+    leaf, not JAX's error, before anything is donated (fallback leaves go first)."""
+    src = {"n": np.arange(8, dtype=np.float32), "w": jax.device_put(np.ones((8,), np.float32))}
+    dst = sharding(*DST, "tp")
+    plan = jr.plan(src, {"n": dst, "w": dst}, fallback="device_put")
+    out = plan(src)
+
+    def refusing(self, i, value, dst):
+        raise ValueError("device_put: no")
+
+    monkeypatch.setattr(jr.Plan, "_fallback_copy", refusing)
+    with pytest.raises(jr.ReshardError, match=r"\['n'\]: device_put: no"):
+        plan(src, donate=out)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(out))

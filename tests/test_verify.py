@@ -255,6 +255,15 @@ def test_fallback_leaves_are_verified_too():
         plan.verify(src, bad)
     with pytest.raises(jr.ReshardError, match=r"\['n'\]: is not an array like float32\[8,4\]"):
         plan.verify(src, dict(out, n=np.asarray(out["n"])))
+    # Bit for bit, not by the checksums' folded words: two complex values whose real part's
+    # bits and imaginary part's (times the mixing constant) xor alike are still different.
+    c = np.zeros((8,), np.complex64)
+    parts = c.view(np.uint32).reshape(8, 2)
+    parts[0] = (0x3F800000 ^ 0x85EBCA77, 1)  # real ^ imag * K2 is 0x3F800000, as 1 + 0j's
+    one = np.ones((8,), np.complex64)
+    plan = jr.plan({"c": one}, {"c": sharding(*DST)}, fallback="device_put")
+    with pytest.raises(jr.ReshardError, match=r"\['c'\]: device \d: the shard differs"):
+        plan.verify({"c": one}, {"c": jax.device_put(c + one * (np.arange(8) > 0), sharding(*DST))})
 
 
 def test_a_later_verify_compiles_nothing_whatever_the_sources_weak_type():

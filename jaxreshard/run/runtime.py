@@ -172,7 +172,8 @@ class Runtime:
         host, such as the multi-process order check, overlaps the first packs). If it raises,
         nothing but staging buffers has been written and the call stops there.
         """
-        with self._lock, _CPU_CALLS if self.host_syncs else contextlib.nullcontext():
+        alone = self.host_syncs and jax.process_count() == 1
+        with self._lock, _CPU_CALLS if alone else contextlib.nullcontext():
             srcs = _Sources(self, src)
             if self._steps is None:
                 self._tables = self._build_tables()
@@ -618,7 +619,9 @@ _CPU_CALLS = threading.Lock()
 """Held by a call on CPU devices for its whole run, whichever plan and thread make it: the
 steps of two calls made at once on two threads would otherwise interleave on the devices,
 and XLA's CPU collectives need every device's thread (see `_LastStep`). Taken after the
-plan's own lock, always in that order."""
+plan's own lock, always in that order. Single-process only: under ``jax.distributed`` a call
+waits for its peers (the order check) inside its run, and one process-wide lock held through
+that wait could tie plans over different process groups into a cycle across processes."""
 
 
 def waits_between_steps(platforms: Iterable[str]) -> bool:

@@ -121,11 +121,24 @@ def _strong(x: jax.Array) -> jax.Array:
     return views.View(x.shape, x.dtype, x.sharding)([x])
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as unsigned integers, unfolded (unlike `_words`: two values are equal here
+    exactly when every bit is): a complex value's parts stacked, a 64-bit one as two words."""
+    dtype = jnp.dtype(x.dtype)
+    if dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.stack([_bits(jnp.real(x)), _bits(jnp.imag(x))])
+    bits = jax.dtypes.itemsize_bits(dtype)
+    unsigned = {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
+    return jax.lax.bitcast_convert_type(x, unsigned.get(bits, jnp.uint32))  # 64: (..., 2)
+
+
 @jax.jit
 def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
         a, b = jax.random.key_data(a), jax.random.key_data(b)
-    return jnp.array_equal(_words(a), _words(b))
+    return jnp.array_equal(_bits(a), _bits(b))
 
 
 def differing_shards(a: jax.Array, b: jax.Array) -> list[int]:
@@ -168,6 +181,16 @@ class Verifier:
                 expected.append(parts)
         return jobs, expected
 
+    @staticmethod
+    def refuse_distributed() -> None:
+        """Raise `ReshardError` under ``jax.distributed`` (not supported yet)."""
+        if jax.process_count() > 1:
+            raise ReshardError(
+                "verify is not supported under jax.distributed yet (the per-shard sums would "
+                "need combining across processes)\nHow to fix: verify in a single-controller "
+                "run, or compare the checksums yourself (jaxreshard.run.verify.box_checksum)"
+            )
+
     def check(
         self,
         src: Sequence[Any],
@@ -177,12 +200,7 @@ class Verifier:
         """Raise `ReshardError` naming every (leaf, device) whose result differs from the
         source (every device of this process; single-controller JAX only), and the
         ``(path, problem)`` pairs found otherwise (``also``)."""
-        if jax.process_count() > 1:
-            raise ReshardError(
-                "verify is not supported under jax.distributed yet (the per-shard sums would "
-                "need combining across processes)\nHow to fix: verify in a single-controller "
-                "run, or compare the checksums yourself (jaxreshard.run.verify.box_checksum)"
-            )
+        self.refuse_distributed()
         src_buffers = [views.by_device(x) for x in src]
         dst_buffers = [views.by_device(x) for x in out]
         sums = {}

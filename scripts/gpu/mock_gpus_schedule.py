@@ -2,10 +2,10 @@
 $OUT/schedule.json). JAX's mock GPU client (``jax_mock_gpu_topology``, mock NCCL) makes one GPU
 look like several, so programs over 8 GPUs compile there though none can run. A plan over two
 domains of four (a `Topology` by hand) whose buckets hold rounds across the domains beside rounds
-inside them asks for ``xla_gpu_experimental_parallel_collective_overlap_limit=2``; this reads
-the compiled schedule of its transfer programs (the order of the entry computation) and counts
-how many collective-permutes are in flight at once, with jaxreshard's default, with the caller
-asking for 1 (XLA's default) and for 4. Also: the time to compile them.
+inside them: this reads the compiled schedule of its transfer programs (the order of the entry
+computation) and counts how many collective-permutes are in flight at once, with no option and
+with ``xla_gpu_experimental_parallel_collective_overlap_limit`` at 1 (XLA's default) and 4.
+Also: the time to compile them.
 
 Usage: ``MOCK=1x8x1 python scripts/gpu/mock_gpus_schedule.py`` (slices x hosts x GPUs per host);
 ``MOCK=`` (empty) runs on whatever devices there are (8 CPU devices with XLA_FLAGS set)."""
@@ -88,8 +88,7 @@ try:
             seconds = time.perf_counter() - t0
             counts = [in_flight(t) for t in texts]
             rec[name] = {
-                "two_lanes": plan._two_lanes,
-                "options": plan.runtime.default_transfer_options | plan.runtime.transfer_options,
+                "options": plan.runtime.transfer_options,
                 "stats": {
                     k: getattr(plan.stats, k)
                     for k in ("rounds", "buckets", "bytes_cross_domain", "bytes_relayed")

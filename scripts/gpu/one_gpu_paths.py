@@ -26,7 +26,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
-from jaxreshard.run import runtime
 
 rec = {
     "jax": jax.__version__,
@@ -62,7 +61,7 @@ def _():
         lambda a: lax.ppermute(a, "x", [(0, 0)]) + 1, mesh=mesh, in_specs=P("x"), out_specs=P("x")
     )
     for name, opts in [
-        ("lane", runtime.GPU_LANE_OPTIONS),
+        ("lane", {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}),
         ("none", {}),
         ("bogus", {"xla_gpu_no_such_option_jaxreshard": 2}),
         ("limit_as_str", {"xla_gpu_experimental_parallel_collective_overlap_limit": "2"}),
