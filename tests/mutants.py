@@ -1250,7 +1250,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         (
             "tests/test_leaves.py::"
-            "test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree[debug_nans]",
+            "test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree[debug_nans-True]",
         ),
         "a plan runs under the caller's jax.debug_nans: JAX re-runs an unpack holding a NaN "
         "on buffers it consumed",
