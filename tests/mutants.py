@@ -1082,6 +1082,42 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "on CPU two plans' calls made at once on two threads interleave their steps",
     ),
     Mutant(
+        "tunix-installed-leaves-its-options",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "                _FALLBACK, _DONATE_TARGET = options",
+                "                pass",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_installed_puts_back_the_options_in_force_before_the_block",
+        ),
+        "an installed() block inside an installed adapter leaves its options behind (later "
+        "syncs donate the caller's targets)",
+    ),
+    Mutant(
+        "tunix-donate-input-deletes-a-kept-array",
+        "jaxreshard/integrations/tunix.py",
+        (("and own.isdisjoint(_ids(x)):", ":"),),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_one_array_kept_and_moved_is_never_deleted_from_the_result",
+        ),
+        "donate_input=True deletes an array the result keeps at another path",
+    ),
+    Mutant(
+        "tunix-donates-a-kept-source",
+        "jaxreshard/integrations/tunix.py",
+        (("    if old is not None and _shares_buffers(old, source):", "    if False:"),),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_one_array_kept_and_moved_is_never_deleted_from_the_result",
+        ),
+        "install(donate_target=True) donates a target array that is a kept source leaf",
+    ),
+    Mutant(
         "destinations-by-path-in-order-only",
         "jaxreshard/api.py",
         (

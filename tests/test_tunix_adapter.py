@@ -6,6 +6,7 @@ inputs; the GRPO run through the adapter is in ``test_tunix.py``.
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 
@@ -319,3 +320,62 @@ def test_random_values_of_every_dtype_tunix_states_hold():
     target = jax.tree.map(lambda _: sharding(*ROLLOUT, "tp"), src)
     want = tunix_reshard.reshard_pytree(src, target)
     assert bits(jr_tunix.reshard_pytree(src, target)) == bits(want)
+
+
+def test_installed_puts_back_the_options_in_force_before_the_block():
+    """Regression (a probe): inside an installed adapter, ``installed(donate_target=True)`` left
+    its options behind, so every later sync deleted the caller's targets (and an
+    ``install(fallback=None)`` became a silent fallback after a plain ``installed()``)."""
+    jr_tunix.install(fallback=None)
+    with jr_tunix.installed(donate_target=True):
+        assert jr_tunix._DONATE_TARGET and jr_tunix._FALLBACK == "device_put"
+    assert (jr_tunix._DONATE_TARGET, jr_tunix._FALLBACK) == (False, None)
+    trainer, rollout = states()
+    tunix_reshard.reshard_pytree(trainer, rollout)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(rollout))
+
+
+def test_one_array_kept_and_moved_is_never_deleted_from_the_result():
+    """Regression (a probe): one array at a kept path (None target) and at a moving one, with
+    ``donate_input=True``: the result's kept leaf was deleted (Tunix's own path raises).
+    And with ``install(donate_target=True)``, a target array that is a kept source array was
+    donated, deleting the result's kept leaf. Both now leave it alive, values exact."""
+    trainer, rollout = states()
+    w = trainer["down"]["kernel"]
+    want = np.asarray(w).tobytes()
+    out = jr_tunix.reshard_pytree(
+        {"a": w, "b": w}, {"a": None, "b": rollout["down"]["kernel"]}, donate_input=True
+    )
+    assert not out["a"].is_deleted() and out["a"] is w
+    assert np.asarray(out["b"]).tobytes() == want
+    (w1,) = jax.tree.leaves(trainer["up"]["kernel"])  # plain arrays of one shape, so that
+    w2 = jax.device_put(np.asarray(w1) + 1, w1.sharding)  # w1 could receive w2's result
+    jr_tunix.install(donate_target=True)
+    out = tunix_reshard.reshard_pytree({"a": w1, "b": w2}, {"a": None, "b": w1})
+    assert not out["a"].is_deleted() and out["a"] is w1
+    assert np.asarray(out["b"]).tobytes() == np.asarray(w2).tobytes()
+
+
+def test_a_target_of_the_same_keys_in_another_order_is_taken_by_key():
+    """An OrderedDict source beside a dict target of the same keys (another order): each
+    target entry stands for the source leaf of its key (it was refused as other keys)."""
+    trainer, rollout = states()
+    source = collections.OrderedDict([("b", trainer["down"]), ("a", trainer["up"])])
+    target = {"a": rollout["up"], "b": rollout["down"]}
+    out = jr_tunix.reshard_pytree(source, target)
+    for k in ("a", "b"):
+        for leaf in ("kernel", "bias"):
+            assert out[k][leaf].sharding == target[k][leaf].sharding
+            assert np.asarray(out[k][leaf]).tobytes() == np.asarray(source[k][leaf]).tobytes()
+
+
+def test_counters_count_refused_calls_and_only_calls_jaxreshard_moved():
+    """``calls`` counts every call (refused ones too); ``jaxreshard_calls`` only those where
+    jaxreshard moved a leaf (not a call whose every leaf fell back)."""
+    jr_tunix.install()
+    tunix_reshard.reshard_pytree({"n": np.ones(4, np.float32)}, {"n": sharding(*ROLLOUT)})
+    assert jr_tunix.counters()["calls"] == 1 and jr_tunix.counters()["jaxreshard_calls"] == 0
+    jr_tunix.install(fallback=None)
+    with pytest.raises(jr_tunix.ReshardError):
+        tunix_reshard.reshard_pytree({"n": np.ones(4, np.float32)}, {"n": sharding(*ROLLOUT)})
+    assert jr_tunix.counters()["calls"] == 2

@@ -82,6 +82,8 @@ def reshard_pytree(
       ReshardError: before anything moves, naming each leaf jaxreshard cannot move.
     """
     del use_experimental_pre_reshard
+    with _LOCK:
+        _COUNTERS["calls"] += 1
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
     dst, kept = _destinations(source, target, flat)
     # A None target leaf leaves its source subtree where it is, as ``jax.device_put`` (Tunix's
@@ -89,19 +91,26 @@ def reshard_pytree(
     # target that does not fit the source goes to `jr.plan` as it is, which names the misfit.
     moving = _without_kept(dst, source) if kept else source
     old = _old_buffers(moving, flat) if _DONATE_TARGET else None
+    if old is not None and _shares_buffers(old, source):
+        # A target array over a source array's buffers (a kept one, which `jr.plan` does not
+        # see, included): the result would lose it. Not donated (the call moves as usual).
+        old = None
     plan = _plan(moving, dst, cache_plan)
     out = _run(plan, moving, old)
     if kept:
         out = _with_kept(dst, out, source)
     with _LOCK:
-        _COUNTERS["calls"] += 1
-        _COUNTERS["jaxreshard_calls"] += 1
+        if plan.moved:
+            _COUNTERS["jaxreshard_calls"] += 1
         if plan.fallback:
             _COUNTERS["fallback_calls"] += 1
             _COUNTERS["fallback_leaves"] += len(plan.fallback)
-    if donate_input:  # (the leaves left where they are are the result's own)
+    if donate_input:
+        # The leaves left where they are are the result's own, so is an array that is both
+        # kept and moved (one array at two paths): those stay.
+        own = _buffer_ids(out)
         for x in jax.tree_util.tree_leaves(moving):
-            if isinstance(x, jax.Array) and not x.is_deleted():
+            if isinstance(x, jax.Array) and not x.is_deleted() and own.isdisjoint(_ids(x)):
                 x.delete()
     return out
 
@@ -152,20 +161,27 @@ def is_installed() -> bool:
 def installed(
     *, fallback: str | None = "device_put", donate_target: bool = False
 ) -> Iterator[None]:
-    """`install` for a block, then restore Tunix's own function (if it was not installed
-    before)."""
-    was = is_installed()
+    """`install` for a block, then restore what was in force before it: Tunix's own
+    function, or jaxreshard with the options it had. The options are the process's (every
+    thread's calls take them while the block runs)."""
+    global _FALLBACK, _DONATE_TARGET
+    with _LOCK:
+        was, options = is_installed(), (_FALLBACK, _DONATE_TARGET)
     install(fallback=fallback, donate_target=donate_target)
     try:
         yield
     finally:
-        if not was:
+        if was:  # the options in force before the block, back
+            with _LOCK:
+                _FALLBACK, _DONATE_TARGET = options
+        else:
             uninstall()
 
 
 def counters() -> dict[str, int]:
-    """Calls so far: ``calls`` (all), ``jaxreshard_calls`` (moved by jaxreshard),
-    ``fallback_calls`` (with a leaf sent by ``jax.device_put``) and ``fallback_leaves``."""
+    """Calls so far: ``calls`` (all, refused ones included), ``jaxreshard_calls`` (with a leaf
+    moved by jaxreshard), ``fallback_calls`` (with a leaf sent by ``jax.device_put``) and
+    ``fallback_leaves``."""
     with _LOCK:
         return {
             k: _COUNTERS[k]
@@ -229,6 +245,11 @@ def _on_source_structure(source: Any, flat: list[tuple[Any, Any]]) -> Any:
     source_flat, structure = jax.tree_util.tree_flatten_with_path(source, is_leaf=_is_kept)
     if len(source_flat) != len(flat):
         return None
+    names = [_names(p) for p, _ in source_flat]
+    by_name = {_names(p): x for p, x in flat}
+    if names != [_names(p) for p, _ in flat] and len(by_name) == len(flat) == len(set(names)):
+        if by_name.keys() == set(names):  # the same keys in another order (an OrderedDict)
+            return jax.tree_util.tree_unflatten(structure, [by_name[n] for n in names])
     differ = [
         (jax.tree_util.keystr(sp), f"the target has {jax.tree_util.keystr(tp)} here")
         for (sp, _), (tp, _) in zip(source_flat, flat, strict=True)
@@ -298,6 +319,23 @@ def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:
         return _on_source_structure(source, flat)
     except ReshardError:  # a prefix (`_destinations` took it): no array per source leaf
         return None
+
+
+def _ids(x: jax.Array) -> set[int]:
+    """The addresses of ``x``'s buffers on this process's devices."""
+    try:
+        return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    except Exception:  # (no pointer to read: an empty array, say) by identity then
+        return {id(x)}
+
+
+def _buffer_ids(tree: Any) -> set[int]:
+    return {i for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) for i in _ids(x)}
+
+
+def _shares_buffers(a: Any, b: Any) -> bool:
+    """Whether an array of tree ``a`` shares a buffer with one of tree ``b``."""
+    return not _buffer_ids(a).isdisjoint(_buffer_ids(b))
 
 
 def _plan(source: Any, dst: Any, cache_plan: bool) -> api.Plan:
