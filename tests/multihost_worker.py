@@ -473,6 +473,40 @@ def case_order_remade() -> None:
     ok("order_remade")
 
 
+def case_order_threads() -> None:
+    """Two threads per process, one calling plan A, the other plan B, at once (a probe saw
+    every process hang inside XLA's collectives, two calls' steps interleaved): the calls of
+    one process run one at a time, so each thread's calls either all run (exact) or one is
+    refused as crossed (ReshardError), never a hang."""
+    import threading
+
+    plans = _two_plans()
+    for name in ("a", "b"):
+        plan, tree, dst, full = plans[name]
+        check(plan(tree), full, dst)  # agreed, one after the other
+    results: dict[str, str] = {}
+
+    def calls(name: str) -> None:
+        plan, tree, dst, full = plans[name]
+        try:
+            for _ in range(20):
+                check(plan(tree), full, dst)
+            results[name] = "ran"
+        except jr.ReshardError:
+            results[name] = "refused"
+        except BaseException as e:  # (reported below)
+            results[name] = repr(e)
+
+    threads = [threading.Thread(target=calls, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results.values()) <= {"ran", "refused"}, results
+    print(f"THREADS {sorted(results.items())}", flush=True)
+    ok("order_threads")
+
+
 def case_order_swapped() -> None:
     """After agreeing on both plans, process 1 calls them in the other order: both raise."""
     plans = _two_plans()
@@ -543,7 +577,13 @@ SCENARIOS = {
     "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
     "keys": [case_key_kinds],  # alone: after a failed agreement, the next may fail too
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
-    "order": [case_order_ok, case_order_refused, case_order_refusals, case_order_swapped],
+    "order": [
+        case_order_ok,
+        case_order_refused,
+        case_order_refusals,
+        case_order_threads,
+        case_order_swapped,
+    ],
     "remade": [case_order_remade],
     "crossed_groups": [case_crossed_groups],
     "lost": [case_lost],

@@ -1071,7 +1071,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/run/runtime.py",
         (
             (
-                "        with self._lock, _CPU_CALLS if alone else contextlib.nullcontext():",
+                "        with self._lock, _CPU_CALLS if self.host_syncs else "
+                "contextlib.nullcontext():",
                 "        with self._lock, contextlib.nullcontext():",
             ),
         ),

@@ -422,6 +422,11 @@ def test_every_call_is_checked_and_calls_in_order_pass(run_order):
 
 
 @pytest.mark.multiprocess
+def test_two_threads_calling_two_plans_at_once_never_hang(run_order):
+    run_order.case_ok("order_threads")
+
+
+@pytest.mark.multiprocess
 def test_a_call_refused_on_one_process_raises_on_the_others_and_the_next_calls_pair(run_order):
     """Regression: a call refused in one process's own checks was not published, so the other
     process's same call paired with that process's next call (a different step's data)."""

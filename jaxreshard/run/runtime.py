@@ -172,8 +172,7 @@ class Runtime:
         host, such as the multi-process order check, overlaps the first packs). If it raises,
         nothing but staging buffers has been written and the call stops there.
         """
-        alone = self.host_syncs and jax.process_count() == 1
-        with self._lock, _CPU_CALLS if alone else contextlib.nullcontext():
+        with self._lock, _CPU_CALLS if self.host_syncs else contextlib.nullcontext():
             srcs = _Sources(self, src)
             if self._steps is None:
                 self._tables = self._build_tables()
@@ -619,9 +618,11 @@ _CPU_CALLS = threading.Lock()
 """Held by a call on CPU devices for its whole run, whichever plan and thread make it: the
 steps of two calls made at once on two threads would otherwise interleave on the devices,
 and XLA's CPU collectives need every device's thread (see `_LastStep`). Taken after the
-plan's own lock, always in that order. Single-process only: under ``jax.distributed`` a call
-waits for its peers (the order check) inside its run, and one process-wide lock held through
-that wait could tie plans over different process groups into a cycle across processes."""
+plan's own lock, always in that order. Under ``jax.distributed`` too (without it, two threads
+of each process calling two plans hung every process inside XLA's collectives, in 2 of 5
+runs): a call waits for its peers (the order check) inside its run, so threads of one process
+whose plans span different process groups can wait for each other across processes, which
+ends in the order check's error (crossed calls, or the agreement timeout), not in a hang."""
 
 
 def waits_between_steps(platforms: Iterable[str]) -> bool:
