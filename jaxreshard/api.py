@@ -1518,7 +1518,8 @@ def _sharding_key(s: Any) -> Any:
         spec = list(s.spec)
         while spec and spec[-1] is None:
             spec.pop()
-        return ("named", s.mesh, tuple(spec), s.memory_kind)
+        ids = getattr(s, "_logical_device_ids", None)  # (JAX's private device permutation)
+        return ("named", s.mesh, tuple(spec), s.memory_kind, None if ids is None else tuple(ids))
     return s
 
 

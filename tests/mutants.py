@@ -1119,6 +1119,22 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "install(donate_target=True) donates a target array that is a kept source leaf",
     ),
     Mutant(
+        "logical-device-ids-ignored",
+        "jaxreshard/run/boundary.py",
+        (
+            (
+                "    if isinstance(sharding, NamedSharding) and _logical_ids(sharding) is None:",
+                "    if isinstance(sharding, NamedSharding):",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_a_named_sharding_with_permuted_logical_devices_places_data_as_jax_does",
+        ),
+        "a destination NamedSharding with permuted logical devices is planned by mesh and spec "
+        "alone: data on the wrong devices",
+    ),
+    Mutant(
         "destinations-by-path-in-order-only",
         "jaxreshard/api.py",
         (

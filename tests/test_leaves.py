@@ -466,3 +466,28 @@ def test_a_fallback_leaf_device_put_refuses_is_named_and_nothing_is_donated(monk
     with pytest.raises(jr.ReshardError, match=r"\['n'\]: device_put: no"):
         plan(src, donate=out)
     assert not any(x.is_deleted() for x in jax.tree.leaves(out))
+
+
+def test_a_named_sharding_with_permuted_logical_devices_places_data_as_jax_does():
+    """JAX's NamedSharding may permute its devices (``_logical_device_ids``, private; some of
+    JAX's own code paths make such shardings): as a destination the plan placed data by mesh
+    and spec alone and dropped the permutation; as a source, ``jr.reshard``'s cache took it
+    for the unpermuted sharding's plan and refused the call. Both now follow
+    ``devices_indices_map``, and the result carries the sharding given."""
+    host = random_array((16, 4), "float32", 3)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("a",))
+    try:
+        permuted = NamedSharding(mesh, PartitionSpec("a"), _logical_device_ids=(3, 2, 1, 0))
+    except TypeError:  # pragma: no cover - a JAX without the argument
+        pytest.skip("this JAX's NamedSharding takes no _logical_device_ids")
+    plain = sharding(*SRC, "dp")
+    out = jr.plan(jax.device_put(host, plain), permuted)(jax.device_put(host, plain))
+    assert out.sharding == permuted
+    want = jax.device_put(host, permuted)
+    for a, b in zip(out.addressable_shards, want.addressable_shards, strict=True):
+        assert a.device == b.device and np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
+    jr.clear_cache()
+    unpermuted = NamedSharding(mesh, PartitionSpec("a"))
+    jr.reshard(jax.device_put(host, unpermuted), plain)
+    again = jr.reshard(want, plain)  # the permuted source: a plan of its own
+    assert_exact(again, host, plain)

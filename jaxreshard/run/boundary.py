@@ -82,6 +82,11 @@ def _manual(sharding: NamedSharding) -> bool:
     return manual is not None and manual in getattr(sharding.mesh, "axis_types", ())
 
 
+def _logical_ids(sharding: NamedSharding) -> Any:
+    """JAX's private device permutation of a NamedSharding (None for almost every one)."""
+    return getattr(sharding, "_logical_device_ids", None)
+
+
 def as_named(sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
     """The ``NamedSharding`` equivalent to ``sharding`` for arrays of ``shape``.
 
@@ -91,7 +96,9 @@ def as_named(sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
     ``devices_indices_map``; raises `LayoutError` when no mesh describes it (devices that do
     not form a grid of boxes).
     """
-    if isinstance(sharding, NamedSharding):
+    # (A NamedSharding whose devices are permuted by JAX's private ``_logical_device_ids``
+    # places data other than its mesh and spec say: it takes the general path below.)
+    if isinstance(sharding, NamedSharding) and _logical_ids(sharding) is None:
         if not _manual(sharding):
             return sharding
         # Programs cannot lay out results over Manual axes (jit refuses them outside a
@@ -181,8 +188,12 @@ class Boundary:
     @functools.cached_property
     def rewraps(self) -> bool:
         """The result is re-wrapped: into the caller's sharding (not named, over Manual axes,
-        or in other memory), or weakly typed."""
-        named = isinstance(self.user_dst, NamedSharding) and not _manual(self.user_dst)
+        with permuted devices, or in other memory), or weakly typed."""
+        named = (
+            isinstance(self.user_dst, NamedSharding)
+            and not _manual(self.user_dst)
+            and _logical_ids(self.user_dst) is None
+        )
         return self.stages_out or self.weak_type or not named
 
 
