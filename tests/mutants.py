@@ -1119,6 +1119,17 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "install(donate_target=True) donates a target array that is a kept source leaf",
     ),
     Mutant(
+        "codec-xla-rounds-integers-to-bf16",
+        "jaxreshard/run/codec.py",
+        (('        platform == "cpu"\n', '        platform == "never"\n'),),
+        (
+            "tests/test_reshard.py::"
+            "test_an_integer_cast_to_bfloat16_leaves_other_16_bit_leaves_bit_for_bit",
+        ),
+        "XLA CPU converts an integer to bfloat16 in a pack that gathers it beside other 16-bit "
+        "words, whose subnormals and NaN payloads it then changes",
+    ),
+    Mutant(
         "logical-device-ids-ignored",
         "jaxreshard/run/boundary.py",
         (

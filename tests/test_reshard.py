@@ -352,3 +352,49 @@ def test_describe_reports_bytes_against_the_bound():
     plan, _ = run_case(CASES[0])
     text = plan.describe()
     assert "lower bound" in text and "100% of bound" in text and "rounds" in text
+
+
+@pytest.mark.parametrize("other", ["uint16", "bfloat16", "float16"])
+@pytest.mark.parametrize("source", ["int8", "int32", "uint32", "bool"])
+def test_an_integer_cast_to_bfloat16_leaves_other_16_bit_leaves_bit_for_bit(source, other):
+    """Regression (a fuzz of dtype trees): a leaf cast from an integer (or bool) to bfloat16,
+    packed beside an uncast 16-bit leaf, made XLA CPU's fused gather treat every word as
+    bfloat16 through float32: the other leaf's subnormals became zero and its NaNs quiet
+    (uint16 words 1 and 2 came out 0), silently. Both leaves arrive with their exact bits."""
+    words = np.array([1, 2, 0x807F, 0x7F81, 0xFF81, 0x3F80, 0x8001, 0x7C01], np.uint16)
+    for src_ids, dst_ids in (((0,), (1,)), ((0, 1), (2, 3))):
+        src_sh = sharding(src_ids, (len(src_ids),), ("x",))
+        dst_sh = sharding(dst_ids, (len(dst_ids),), ("x",))
+        host = np.asarray(np.array([3, -7, 1 << 20]).astype(source))
+        tree = {
+            "i": jax.device_put(host, src_sh),
+            "w": jax.device_put(words.view(jnp.dtype(other)), src_sh),
+        }
+        plan = jr.plan(tree, {"i": dst_sh, "w": dst_sh}, dtype={"i": jnp.bfloat16, "w": None})
+        out = plan(tree)
+        assert np.asarray(out["w"]).view(np.uint16).tolist() == words.tolist()
+        want = np.asarray(jax.jit(lambda x: x.astype(jnp.bfloat16))(host)).view(np.uint16)
+        assert np.asarray(out["i"]).view(np.uint16).tolist() == want.tolist()
+
+
+def test_integers_rounded_to_bfloat16_bit_for_bit_as_xla_converts_them():
+    """The CPU packs round an integer to bfloat16 from its float32 bits in integer arithmetic
+    (`codec._cast_bits`, the workaround of the test above): the same bits as XLA's own
+    conversion, on every 8- and 16-bit value and on random 32-bit ones."""
+    from jaxreshard.run.codec import _cast_bits, to_bits
+
+    rng = np.random.default_rng(0)
+    values = [
+        np.arange(-128, 128).astype(np.int8),
+        np.arange(256).astype(np.uint8),
+        np.arange(-(1 << 15), 1 << 15).astype(np.int16),
+        np.arange(1 << 16).astype(np.uint16),
+        rng.integers(-(2**31), 2**31, 1 << 16, dtype=np.int64).astype(np.int32),
+        rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32),
+        np.array([0, 1, 2**24 + 1, 2**24 + 3, 2**31 - 1, 2**32 - 1], np.uint32),
+        np.array([True, False]),
+    ]
+    ours = jax.jit(lambda x: _cast_bits(x, jnp.bfloat16, "cpu"))
+    xla = jax.jit(lambda x: to_bits(x.astype(jnp.bfloat16)))
+    for v in values:
+        assert np.array_equal(np.asarray(ours(v)), np.asarray(xla(v))), v.dtype

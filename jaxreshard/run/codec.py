@@ -69,22 +69,56 @@ def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
     return lax.bitcast_convert_type(bits, dtype)
 
 
-def read_bits(shard: jax.Array, at: Sequence[Any], shape: Sequence[int], dtype: Any) -> jax.Array:
+def read_bits(
+    shard: jax.Array,
+    at: Sequence[Any],
+    shape: Sequence[int],
+    dtype: Any,
+    platform: str | None = None,
+) -> jax.Array:
     """The bits of the ``shape`` block of ``shard`` starting at ``at`` (int32 scalars, may be
-    traced), cast to ``dtype`` first when the dtypes differ."""
+    traced), cast to ``dtype`` first when the dtypes differ (on ``platform``: `_cast_bits`)."""
     at = tuple(at)
     if jnp.dtype(shard.dtype) != jnp.dtype(dtype):
-        return to_bits(lax.dynamic_slice(shard, at, tuple(shape)).astype(dtype))
+        return _cast_bits(lax.dynamic_slice(shard, at, tuple(shape)), dtype, platform)
     bits = to_bits(shard)
     extra = bits.shape[len(shape) :]
     return lax.dynamic_slice(bits, (*at, *(ZERO,) * len(extra)), (*shape, *extra))
 
 
-def whole_bits(shard: jax.Array, dtype: Any) -> jax.Array:
-    """The bits of all of ``shard``, cast to ``dtype`` first when the dtypes differ."""
+def whole_bits(shard: jax.Array, dtype: Any, platform: str | None = None) -> jax.Array:
+    """The bits of all of ``shard``, cast to ``dtype`` first when the dtypes differ (on
+    ``platform``: `_cast_bits`)."""
     if jnp.dtype(shard.dtype) != jnp.dtype(dtype):
-        shard = shard.astype(dtype)
+        return _cast_bits(shard, dtype, platform)
     return to_bits(shard)
+
+
+def _cast_bits(x: jax.Array, dtype: Any, platform: str | None) -> jax.Array:
+    """The bits of ``x`` cast to ``dtype`` (`astype`'s bits).
+
+    On the CPU backend an integer or boolean cast to bfloat16 is rounded here from its
+    float32 value's bits, in integer arithmetic. Converted by XLA, a pack program that
+    gathers such a cast beside other leaves' 16-bit words corrupted those words on XLA CPU
+    (jax 0.10.2; subnormals flushed, NaNs quietened: uint16 words 1 and 2 came out 0; found
+    by a fuzz of dtype trees): one fusion of ``gather(concatenate(bitcast(convert(s8 ->
+    bf16)), u16 words))`` computes every word as bfloat16, through float32. The integer
+    rounding gives the bits XLA's conversion gives, which also goes through float32 (tested
+    on every int8, int16 and uint16 value and on random 32- and 64-bit ones). Elsewhere XLA
+    converts (a GPU may round an integer to bfloat16 in one step, which this would not
+    match).
+    """
+    dtype = jnp.dtype(dtype)
+    source = jnp.dtype(x.dtype)
+    if (
+        platform == "cpu"
+        and dtype == jnp.dtype(jnp.bfloat16)
+        and (source == jnp.bool_ or jnp.issubdtype(source, jnp.integer))
+    ):
+        u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)  # finite: no NaN
+        lsb = (u >> np.uint32(16)) & np.uint32(1)
+        return ((u + np.uint32(0x7FFF) + lsb) >> np.uint32(16)).astype(jnp.uint16)
+    return to_bits(x.astype(dtype))
 
 
 def write_bits(bits: jax.Array, part: jax.Array, at: Sequence[Any]) -> jax.Array:

@@ -1038,6 +1038,7 @@ def _build_pack(
     n_ops, n_slots = len(program.operands), len(program.slots)
     has_table = program.columns > 0
     split = _split_spec(mesh)
+    platform = mesh.devices.flat[0].platform
 
     def pack(*args: jax.Array) -> tuple[jax.Array, ...]:
         row = args[0][0] if has_table else None
@@ -1045,13 +1046,16 @@ def _build_pack(
         ops, bufs = args[:n_ops], list(args[n_ops:])
         for r in program.reads:
             at = _at(row, r.column, len(r.shape))
-            bits = read_bits(ops[r.operand], at, r.shape, r.wire)
+            bits = read_bits(ops[r.operand], at, r.shape, r.wire, platform)
             words = bits_to_words(bits, program.slots[r.slot].word)
             bufs[r.slot] = lax.dynamic_update_slice(bufs[r.slot], words, (np.int32(r.offset),))
         if program.gathers:
             word = program.slots[0].word
             flat = _flat(
-                [bits_to_words(whole_bits(ops[i], wire), word) for i, wire in program.flat]
+                [
+                    bits_to_words(whole_bits(ops[i], wire, platform), word)
+                    for i, wire in program.flat
+                ]
             )
             for g in program.gathers:
                 words = _gather(flat, row, g.column, g.words)
@@ -1067,7 +1071,7 @@ def _build_pack(
         mapped,
         donate_argnums=tuple(range(first, first + n_slots)),
         out_shardings=(NamedSharding(mesh, split),) * n_slots,
-        compiler_options=program_options(mesh.devices.flat[0].platform, _pack_casts(program)),
+        compiler_options=program_options(platform, _pack_casts(program)),
     )
 
 
@@ -1117,7 +1121,8 @@ def _build_unpack(
         for c in program.copies:
             dtype = program.targets[c.target].dtype
             rank = len(c.shape)
-            part = read_bits(sources[c.source], _at(row, c.source_column, rank), c.shape, dtype)
+            at = _at(row, c.source_column, rank)
+            part = read_bits(sources[c.source], at, c.shape, dtype, platform)
             if native[c.target]:
                 part = from_bits(part, dtype)
             out[c.target] = write_bits(out[c.target], part, _at(row, c.target_column, rank))
@@ -1130,7 +1135,10 @@ def _build_unpack(
             heads = [lax.slice(chunks[k], (0,), (n,)) for k, n in enumerate(program.prefix) if n]
             flat = _flat(
                 [bits_to_words(x, word) for x in heads]
-                + [bits_to_words(whole_bits(sources[i], d), word) for i, d in program.flat_sources]
+                + [
+                    bits_to_words(whole_bits(sources[i], d, platform), word)
+                    for i, d in program.flat_sources
+                ]
                 + [bits_to_words(to_bits(targets[t]), word) for t in program.flat_targets]
             )
             for r in program.rebuilds:
