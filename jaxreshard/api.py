@@ -1518,7 +1518,7 @@ def _sharding_key(s: Any) -> Any:
         spec = list(s.spec)
         while spec and spec[-1] is None:
             spec.pop()
-        ids = getattr(s, "_logical_device_ids", None)  # (JAX's private device permutation)
+        ids = boundary.logical_ids(s)
         return ("named", s.mesh, tuple(spec), s.memory_kind, None if ids is None else tuple(ids))
     return s
 
@@ -1771,7 +1771,9 @@ def _spec_problem(sharding: NamedSharding) -> tuple[str, bool] | None:
 
 
 def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
-    if isinstance(sharding, NamedSharding):
+    # A NamedSharding whose devices JAX permutes (its private ``_logical_device_ids``) places
+    # data other than its mesh and spec say: its layout comes from ``devices_indices_map``.
+    if isinstance(sharding, NamedSharding) and boundary.logical_ids(sharding) is None:
         mesh = sharding.mesh
         if isinstance(mesh, jax.sharding.AbstractMesh):
             raise LayoutError(

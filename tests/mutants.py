@@ -1003,7 +1003,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/run/verify.py",
         (
             (
-                "    return jnp.array_equal(_bits(a), _bits(b))",
+                "    return jnp.array_equal(to_bits(a), to_bits(b))  # (unfolded, unlike `_words`)",
                 "    return jnp.array_equal(_words(a), _words(b))",
             ),
         ),
@@ -1101,7 +1101,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
         "tunix-donate-input-deletes-a-kept-array",
         "jaxreshard/integrations/tunix.py",
-        (("and own.isdisjoint(_ids(x)):", ":"),),
+        (("and own.isdisjoint(_addresses(x)):", ":"),),
         (
             "tests/test_tunix_adapter.py::"
             "test_one_array_kept_and_moved_is_never_deleted_from_the_result",
@@ -1111,7 +1111,12 @@ EXECUTOR_MUTANTS: list[Mutant] = [
     Mutant(
         "tunix-donates-a-kept-source",
         "jaxreshard/integrations/tunix.py",
-        (("    if old is not None and _shares_buffers(old, source):", "    if False:"),),
+        (
+            (
+                "    if old is not None and not _addresses(old).isdisjoint(_addresses(source)):",
+                "    if False:",
+            ),
+        ),
         (
             "tests/test_tunix_adapter.py::"
             "test_one_array_kept_and_moved_is_never_deleted_from_the_result",
@@ -1130,11 +1135,12 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "words, whose subnormals and NaN payloads it then changes",
     ),
     Mutant(
-        "logical-device-ids-ignored",
-        "jaxreshard/run/boundary.py",
+        "logical-device-ids-ignored-in-layouts",
+        "jaxreshard/api.py",
         (
             (
-                "    if isinstance(sharding, NamedSharding) and _logical_ids(sharding) is None:",
+                "    if isinstance(sharding, NamedSharding) and boundary.logical_ids(sharding) "
+                "is None:",
                 "    if isinstance(sharding, NamedSharding):",
             ),
         ),
@@ -1142,8 +1148,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
             "tests/test_leaves.py::"
             "test_a_named_sharding_with_permuted_logical_devices_places_data_as_jax_does",
         ),
-        "a destination NamedSharding with permuted logical devices is planned by mesh and spec "
-        "alone: data on the wrong devices",
+        "a source NamedSharding with permuted logical devices is laid out by mesh and spec "
+        "alone: local copies of the wrong rows beside destinations on its devices",
     ),
     Mutant(
         "destinations-by-path-in-order-only",

@@ -471,8 +471,9 @@ def test_a_fallback_leaf_device_put_refuses_is_named_and_nothing_is_donated(monk
 def test_a_named_sharding_with_permuted_logical_devices_places_data_as_jax_does():
     """JAX's NamedSharding may permute its devices (``_logical_device_ids``, private; some of
     JAX's own code paths make such shardings): as a destination the plan placed data by mesh
-    and spec alone and dropped the permutation; as a source, ``jr.reshard``'s cache took it
-    for the unpermuted sharding's plan and refused the call. Both now follow
+    and spec alone and dropped the permutation; as a source, its layout came from mesh and
+    spec too (wrong local copies beside destinations on its devices), and ``jr.reshard``'s
+    cache took it for the unpermuted sharding's plan and refused the call. All now follow
     ``devices_indices_map``, and the result carries the sharding given."""
     host = random_array((16, 4), "float32", 3)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("a",))
@@ -491,3 +492,15 @@ def test_a_named_sharding_with_permuted_logical_devices_places_data_as_jax_does(
     jr.reshard(jax.device_put(host, unpermuted), plain)
     again = jr.reshard(want, plain)  # the permuted source: a plan of its own
     assert_exact(again, host, plain)
+    # As a source beside destinations on its own devices (local copies): its layout is read
+    # from devices_indices_map too (planned by mesh and spec, these came out wrong).
+    other = jax.sharding.Mesh(np.array(jax.devices()[4:8]), ("b",))  # its devices, unpermuted
+    for dst in (
+        NamedSharding(other, PartitionSpec()),
+        NamedSharding(other, PartitionSpec(None, "b")),
+        NamedSharding(other, PartitionSpec("b")),
+        unpermuted,
+    ):
+        plan = jr.plan(want, dst)
+        assert_exact(plan(want), host, dst)
+        assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound

@@ -91,7 +91,7 @@ def reshard_pytree(
     # target that does not fit the source goes to `jr.plan` as it is, which names the misfit.
     moving = _without_kept(dst, source) if kept else source
     old = _old_buffers(moving, flat) if _DONATE_TARGET else None
-    if old is not None and _shares_buffers(old, source):
+    if old is not None and not _addresses(old).isdisjoint(_addresses(source)):
         # A target array over a source array's buffers (a kept one, which `jr.plan` does not
         # see, included): the result would lose it. Not donated (the call moves as usual).
         old = None
@@ -108,9 +108,9 @@ def reshard_pytree(
     if donate_input:
         # The leaves left where they are are the result's own, so is an array that is both
         # kept and moved (one array at two paths): those stay.
-        own = _buffer_ids(out)
+        own = _addresses(out)
         for x in jax.tree_util.tree_leaves(moving):
-            if isinstance(x, jax.Array) and not x.is_deleted() and own.isdisjoint(_ids(x)):
+            if isinstance(x, jax.Array) and not x.is_deleted() and own.isdisjoint(_addresses(x)):
                 x.delete()
     return out
 
@@ -321,21 +321,9 @@ def _old_buffers(source: Any, flat: list[tuple[Any, Any]]) -> Any:
         return None
 
 
-def _ids(x: jax.Array) -> set[int]:
-    """The addresses of ``x``'s buffers on this process's devices."""
-    try:
-        return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-    except Exception:  # (no pointer to read: an empty array, say) by identity then
-        return {id(x)}
-
-
-def _buffer_ids(tree: Any) -> set[int]:
-    return {i for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) for i in _ids(x)}
-
-
-def _shares_buffers(a: Any, b: Any) -> bool:
-    """Whether an array of tree ``a`` shares a buffer with one of tree ``b``."""
-    return not _buffer_ids(a).isdisjoint(_buffer_ids(b))
+def _addresses(tree: Any) -> set[tuple[int, int]]:
+    """``(device id, address)`` of this process's buffers of the live arrays in ``tree``."""
+    return api._buffer_addresses(jax.tree_util.tree_leaves(tree))
 
 
 def _plan(source: Any, dst: Any, cache_plan: bool) -> api.Plan:

@@ -82,8 +82,10 @@ def _manual(sharding: NamedSharding) -> bool:
     return manual is not None and manual in getattr(sharding.mesh, "axis_types", ())
 
 
-def _logical_ids(sharding: NamedSharding) -> Any:
-    """JAX's private device permutation of a NamedSharding (None for almost every one)."""
+def logical_ids(sharding: NamedSharding) -> Any:
+    """JAX's private device permutation of a NamedSharding (None for almost every one): such
+    a sharding places data other than its mesh and spec say (`api._layout` reads it from
+    ``devices_indices_map``)."""
     return getattr(sharding, "_logical_device_ids", None)
 
 
@@ -96,9 +98,7 @@ def as_named(sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
     ``devices_indices_map``; raises `LayoutError` when no mesh describes it (devices that do
     not form a grid of boxes).
     """
-    # (A NamedSharding whose devices are permuted by JAX's private ``_logical_device_ids``
-    # places data other than its mesh and spec say: it takes the general path below.)
-    if isinstance(sharding, NamedSharding) and _logical_ids(sharding) is None:
+    if isinstance(sharding, NamedSharding):
         if not _manual(sharding):
             return sharding
         # Programs cannot lay out results over Manual axes (jit refuses them outside a
@@ -188,12 +188,8 @@ class Boundary:
     @functools.cached_property
     def rewraps(self) -> bool:
         """The result is re-wrapped: into the caller's sharding (not named, over Manual axes,
-        with permuted devices, or in other memory), or weakly typed."""
-        named = (
-            isinstance(self.user_dst, NamedSharding)
-            and not _manual(self.user_dst)
-            and _logical_ids(self.user_dst) is None
-        )
+        or in other memory), or weakly typed."""
+        named = isinstance(self.user_dst, NamedSharding) and not _manual(self.user_dst)
         return self.stages_out or self.weak_type or not named
 
 

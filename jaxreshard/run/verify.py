@@ -45,6 +45,7 @@ from jaxreshard.errors import ReshardError, leaf_error
 from jaxreshard.planning.layout import Box, shift
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
+from jaxreshard.run.codec import to_bits
 
 K = np.uint32(0x9E3779B1)  # odd multiplier of the column weights
 K2 = np.uint32(0x85EBCA77)  # mixes a complex value's two parts
@@ -121,24 +122,11 @@ def _strong(x: jax.Array) -> jax.Array:
     return views.View(x.shape, x.dtype, x.sharding)([x])
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """``x``'s bits as unsigned integers, unfolded (unlike `_words`: two values are equal here
-    exactly when every bit is): a complex value's parts stacked, a 64-bit one as two words."""
-    dtype = jnp.dtype(x.dtype)
-    if dtype == jnp.bool_:
-        return x.astype(jnp.uint8)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.stack([_bits(jnp.real(x)), _bits(jnp.imag(x))])
-    bits = jax.dtypes.itemsize_bits(dtype)
-    unsigned = {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}
-    return jax.lax.bitcast_convert_type(x, unsigned.get(bits, jnp.uint32))  # 64: (..., 2)
-
-
 @jax.jit
 def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
         a, b = jax.random.key_data(a), jax.random.key_data(b)
-    return jnp.array_equal(_bits(a), _bits(b))
+    return jnp.array_equal(to_bits(a), to_bits(b))  # (unfolded, unlike `_words`)
 
 
 def differing_shards(a: jax.Array, b: jax.Array) -> list[int]:

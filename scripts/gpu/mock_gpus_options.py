@@ -6,18 +6,17 @@ reads the schedule: collective-permutes left synchronous, async ones, the most i
 
 import json
 import os
-import re
 
 os.environ.setdefault("MOCK", "1x8x1")
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 if os.environ["MOCK"]:
     jax.config.update("jax_mock_gpu_topology", os.environ["MOCK"])
+from mock_hlo import line_mesh, read_schedule, two_permutes
+
 import jaxreshard as jr
 
 LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -37,42 +36,11 @@ SETS = {
 }
 
 
-def schedule(text: str) -> dict:
-    """Sync and async collective-permutes (and send/recv) in a scheduled module, and the most
-    async ones in flight at once within one computation."""
-    out = {"sync": 0, "async": 0, "most": 0, "send_recv": 0, "queues": set()}
-    for comp in re.split(r"\n(?=\S)", text):
-        live = 0
-        for line in comp.splitlines():
-            if re.search(r"\b(send|recv)(-done)?\(", line):
-                out["send_recv"] += 1
-            q = re.search(r'"operation_queue_id":"(\d+)"', line)
-            if q and "collective-permute" in line:
-                out["queues"].add(q.group(1))
-            if re.search(r"collective-permute-start\(", line):
-                live += 1
-                out["async"] += 1
-                out["most"] = max(out["most"], live)
-            elif re.search(r"collective-permute-done\(", line):
-                live -= 1
-            elif re.search(r" collective-permute\(", line):
-                out["sync"] += 1
-    out["queues"] = sorted(out["queues"])
-    return out
-
-
 devs = jax.devices()[:8]
-mesh = Mesh(np.array(devs), ("g",))
-across = [(i, (i + 4) % 8) for i in range(8)]
-inside = [(i, 4 * (i // 4) + (i + 1) % 4) for i in range(8)]
-
-
-def two(a, b):
-    return lax.ppermute(a, "g", across), lax.ppermute(b, "g", inside)
-
-
-plain = jax.shard_map(two, mesh=mesh, in_specs=(P("g"), P("g")), out_specs=(P("g"), P("g")))
-aval = jax.ShapeDtypeStruct((8 << 22,), jnp.uint32, sharding=NamedSharding(mesh, P("g")))
+mesh, aval = line_mesh()
+plain = jax.shard_map(
+    two_permutes, mesh=mesh, in_specs=(P("g"), P("g")), out_specs=(P("g"), P("g"))
+)
 topo = jr.Topology.from_groups([devs[:4], devs[4:]])
 src = NamedSharding(Mesh(np.array(devs[:4]), ("fsdp",)), P("fsdp"))
 dst = NamedSharding(Mesh(np.array(devs).reshape(4, 2), ("dp", "tp")), P(None, "tp"))
@@ -82,7 +50,7 @@ for name, opts in SETS.items():
     r: dict = {}
     try:
         text = jax.jit(plain, compiler_options=opts).lower(aval, aval).compile().as_text()
-        r["plain"] = schedule(text)
+        r["plain"] = read_schedule(text)
     except Exception as e:
         r["plain"] = f"error: {str(e).splitlines()[0][:200]}"
     try:
@@ -93,7 +61,7 @@ for name, opts in SETS.items():
             bucket_bytes=8 << 20,
             compiler_options=opts or None,
         )
-        per = [schedule(t) for t in plan.compiled_transfers()]
+        per = [read_schedule(t) for t in plan.compiled_transfers()]
         r["plan"] = {k: sum(p[k] for p in per) for k in ("sync", "async", "send_recv")} | {
             "most": max(p["most"] for p in per),
             "queues": sorted({q for p in per for q in p["queues"]}),

@@ -12,7 +12,6 @@ Usage: ``MOCK=1x8x1 python scripts/gpu/mock_gpus_schedule.py`` (slices x hosts x
 
 import json
 import os
-import re
 import sys
 import time
 
@@ -27,6 +26,7 @@ if MOCK:  # (the environment variable alone did not take, with jax 0.11.2)
     jax.config.update("jax_mock_gpu_topology", MOCK)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mock_hlo import read_schedule
 
 import jaxreshard as jr
 
@@ -34,25 +34,9 @@ rec: dict = {"jax": jax.__version__, "mock": MOCK}
 
 
 def in_flight(text: str) -> dict:
-    """The most collective-permutes started and not yet done, in the order of each scheduled
-    computation of an optimized HLO module; the counts of starts and of sync permutes."""
-    most, starts, syncs = 0, 0, 0
-    for comp in re.split(r"\n(?=\S)", text):  # one computation per unindented block
-        open_ = 0
-        for line in comp.splitlines():
-            if re.search(r"= \S+ collective-permute-start\(", line) or (
-                "async-start" in line and "collective-permute" in line
-            ):
-                open_ += 1
-                starts += 1
-                most = max(most, open_)
-            elif re.search(r"= \S+ collective-permute-done\(", line) or (
-                "async-done" in line and "collective-permute" in line
-            ):
-                open_ -= 1
-            elif re.search(r"= \S+ collective-permute\(", line):
-                syncs += 1
-    return {"most_in_flight": most, "starts": starts, "sync_permutes": syncs}
+    """The most collective-permutes in flight at once, the async starts and the sync ones."""
+    r = read_schedule(text)
+    return {"most_in_flight": r["most"], "starts": r["async"], "sync_permutes": r["sync"]}
 
 
 try:
