@@ -644,8 +644,12 @@ class Plan:
         # call of a refit loop) is first recognised in one quick pass. A rule added below
         # needs its quick form in `_fit_quickly` too (one loop doing both, registries read once
         # per tree, took about a quarter more host time per warm call of 128 leaves).
-        quick = self._fit_quickly(leaves, expected, sources, source_ids)
-        checked = () if quick else zip(self.moved, expected, strict=True)
+        # A donated fallback leaf is deleted once its copy is made, so it is checked as a
+        # moved leaf is (against the fallback's result), with the moved leaves (no leaf twice).
+        fallen_donated = self._fallback_results if sources is not None else []
+        quick = not fallen_donated and self._fit_quickly(leaves, expected, sources, source_ids)
+        checked = [] if quick else [*zip(self.moved, expected, strict=True), *fallen_donated]
+        fallen = {i for i, _ in self.fallback}
         for i, (shape, dtype, sharding) in checked:
             path, x = self.paths[i], leaves[i]
             placeholder_ok = allow_placeholders and not sharding.addressable_devices
@@ -663,7 +667,7 @@ class Plan:
                     "is donated to a call in flight (or a Plan.start), which overwrites it: "
                     "read that call's result (refit.result()) instead"
                 )
-            if problem is None and sources is not None and self._may_alias:
+            if problem is None and sources is not None and (self._may_alias or i in fallen):
                 if source_buffers is None:
                     source_buffers = _buffer_addresses(sources)
                 if isinstance(x, jax.Array) and not source_buffers.isdisjoint(
@@ -681,7 +685,8 @@ class Plan:
             if problem:
                 problems.append((path, problem))
         if sources is not None and not problems:  # donation: leaves sharing buffers
-            problems = self._shared_buffers([(self.paths[i], leaves[i]) for i in self.moved])
+            donated = (*self.moved, *sorted(fallen))
+            problems = self._shared_buffers([(self.paths[i], leaves[i]) for i in donated])
         if sources is None and fallbacks:  # a source tree: its fallback leaves as planned too
             for i, (shape, dtype, _) in self._fallback_avals.items():
                 path, x = self.paths[i], leaves[i]
@@ -693,11 +698,6 @@ class Plan:
                     problems.append(
                         (path, f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
                     )
-        if sources is not None:  # donation: a fallback leaf is deleted after its copy is made
-            for i, _ in self.fallback:
-                path, x = self.paths[i], leaves[i]
-                if isinstance(x, jax.Array) and id(x) in source_ids:
-                    problems.append((path, _DONATES_A_SOURCE))
         if problems:
             raise leaf_error(summary, problems, fix)
         return leaves
@@ -756,6 +756,16 @@ class Plan:
                     )
                     break
         return problems
+
+    @functools.cached_property
+    def _fallback_results(self) -> list[tuple[int, tuple[tuple[int, ...], Any, Sharding]]]:
+        """Each fallback leaf's result (``fallback="device_put"``): its index, and the shape,
+        dtype (cast as planned) and sharding `_fallback_copy` gives it."""
+        results = []
+        for i, dst in self.fallback:
+            shape, dtype, cast = self._fallback_avals[i]
+            results.append((i, (shape, dtype if cast is None else jnp.dtype(cast), dst)))
+        return results
 
     @functools.cached_property
     def _may_alias(self) -> bool:

@@ -990,26 +990,30 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/run/verify.py",
         (
             (
-                "    col_weight = col_weight.reshape((1,) * len(lead) + col_weight.shape)",
-                "    col_weight = col_weight",
+                "    col_hash = col_hash.reshape((1,) * len(lead) + col_hash.shape)",
+                "    col_hash = col_hash",
             ),
         ),
         ("tests/test_verify.py::test_verify_and_a_verified_refit_run_under_rank_promotion_raise",),
-        "the checksum broadcasts a row of weights by rank promotion, which "
+        "the checksum broadcasts a row of column hashes by rank promotion, which "
         "jax.numpy_rank_promotion('raise') refuses",
     ),
     Mutant(
-        "verify-fallback-compares-folded-words",
+        "verify-wide-words-folded",
         "jaxreshard/run/verify.py",
         (
             (
-                "    return jnp.array_equal(to_bits(a), to_bits(b))  # (unfolded, unlike `_words`)",
-                "    return jnp.array_equal(_words(a), _words(b))",
+                "    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # 64 bits: (..., 2)",
+                "    pair = jax.lax.bitcast_convert_type(x, jnp.uint32)\n"
+                "    return pair[..., :1] ^ (pair[..., 1:] * np.uint32(0x85EBCA6B))",
             ),
         ),
-        ("tests/test_verify.py::test_fallback_leaves_are_verified_too",),
-        "verify compares fallback leaves by the checksums' folded words: two complex (or 64-bit) "
-        "values that fold alike pass",
+        (
+            "tests/test_verify.py::"
+            "test_an_element_of_several_words_changed_in_all_of_them_is_found[float64]",
+        ),
+        "verify folds a 64-bit element into one word before hashing: a change of both halves "
+        "that keeps the fold passes",
     ),
     Mutant(
         "api-rank-promotion-left-as-the-caller-set-it",
@@ -1237,9 +1241,14 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "verify-words-summed-unmixed",
         "jaxreshard/run/verify.py",
-        (("    words = _mix(_words(x))", "    words = _words(x)"),),
+        (
+            (
+                "    per_row = jnp.sum(_mix(words ^ col_hash), axis=-1, dtype=jnp.uint32)",
+                "    per_row = jnp.sum(words ^ col_hash, axis=-1, dtype=jnp.uint32)",
+            ),
+        ),
         ("tests/test_verify.py::test_the_same_bit_flipped_in_two_words_is_found[31]",),
-        "verify sums each word as it is, so two sign flips cancel mod 2**32",
+        "verify sums each word xor its column hash unmixed, so two sign flips cancel mod 2**32",
     ),
     Mutant(
         "runtime-casting-copies-with-the-older-emitters",
@@ -1280,18 +1289,16 @@ SURFACE_MUTANTS: list[Mutant] = [
         "leaves alternating between mesh pairs make a unit (a step) each",
     ),
     Mutant(
-        "verify-position-weight-symmetric",
+        "verify-rows-weigh-alike",
         "jaxreshard/run/verify.py",
         (
             (
                 "    row_weight = _mix(row) * np.uint32(2) + np.uint32(1)",
-                "    row_weight = (row * np.uint32(2) + np.uint32(1)) * K",
+                "    row_weight = jnp.ones_like(row)",
             ),
         ),
-        (
-            "tests/test_verify.py::test_words_moved_between_mirrored_positions_are_found[transposed]",
-        ),
-        "an element's weight is the same at (r, c) and (c, r), so a transposed replica passes",
+        ("tests/test_verify.py::test_data_in_the_wrong_place_is_found",),
+        "every row weighs the same, so rows moved within a shard (reversed) pass",
     ),
     Mutant(
         "api-fallback-result-is-the-source",
@@ -1308,6 +1315,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a fallback leaf already in its destination sharding comes back as the source array, "
         "so donating the result deletes the source",
+    ),
+    Mutant(
+        "api-donated-fallback-leaf-unchecked",
+        "jaxreshard/api.py",
+        (
+            (
+                "        fallen_donated = self._fallback_results if sources is not None else []",
+                "        fallen_donated = []",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_a_donated_fallback_leaf_is_checked_like_a_moved_one_before_anything_is_deleted",
+        ),
+        "a donate= leaf at a fallback leaf is not checked and is deleted after the call: an "
+        "array over a source's buffers (the source with it) or of another shape",
     ),
     Mutant(
         "api-debug-settings-left-on",

@@ -336,6 +336,38 @@ def test_a_fallback_leaf_already_in_place_is_copied_so_donating_it_spares_the_so
         plan(gone)
 
 
+def test_a_donated_fallback_leaf_is_checked_like_a_moved_one_before_anything_is_deleted():
+    """Regression (a probe): the ``donate=`` leaf of a fallback leaf was never checked, then
+    deleted after the call: an array made over a source's own buffers was accepted (and the
+    source destroyed), and so was any array of any shape. It is checked as a moved leaf's is:
+    the fallback result's shape, dtype and sharding, no source's buffers, no leaf twice;
+    nothing is deleted by a refused call."""
+    src, dst = sharding(*SRC, "dp", "tp"), sharding(*DST, None, "tp")
+    values = random_array((8, 8), np.float32, 0)
+    a, b = jax.device_put(values, src), jax.device_put(values, dst)  # b: already in place
+    tree = {"a": a, "b": b, "n": np.ones((8, 8), np.float32)}
+    plan = jr.plan(tree, {"a": dst, "b": dst, "n": dst}, fallback="device_put")
+    out = plan(tree)
+    over_b = jax.make_array_from_single_device_arrays(
+        b.shape, b.sharding, [s.data for s in b.addressable_shards]
+    )
+    unrelated = jax.device_put(np.zeros((3,), np.int32), jax.devices()[0])
+    for bad, why in [
+        (over_b, r"holds a source array's own buffers"),
+        (b, r"is also passed as a source array"),
+        (unrelated, r"expected float32\[8, 8\], got int32\[3\]"),
+        (a, r"expected sharding"),
+        (out["a"], r"is the same array as \['a'\]"),
+    ]:
+        with pytest.raises(jr.ReshardError, match=r"\['n'\]: " + why):
+            plan(tree, donate={"a": out["a"], "b": out["b"], "n": bad})
+        assert not any(x.is_deleted() for x in (bad, a, b, *out.values()))
+    again = plan(tree, donate=out)  # the fallback's own previous result is taken
+    assert all(x.is_deleted() for x in out.values()) and not (a.is_deleted() or b.is_deleted())
+    for name in tree:
+        assert_exact(again[name], np.asarray(tree[name]), dst)
+
+
 def test_a_source_sharding_refusal_gives_a_fix_for_the_sharding_not_the_destination():
     """Regression: refusals of a sharding jaxreshard does not move (reduced, unreduced, a
     typed key's GSPMD source) printed the fix for destination PartitionSpecs that do not fit;

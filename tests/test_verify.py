@@ -177,6 +177,80 @@ def test_sub_byte_and_complex_leaves_verify_and_a_moved_element_is_found(dtype, 
         plan.verify(src, with_shard(out, 4, rotate))
 
 
+@pytest.mark.parametrize("dtype", ["complex64", "float64", "complex128"])
+def test_an_element_of_several_words_changed_in_all_of_them_is_found(dtype):
+    """Regression (a probe): a 64-bit or complex element was folded into one word
+    (``low ^ high * K``) before hashing, so changing both halves so that the fold stayed the
+    same passed. Every element of a shard, changed in every word so that the old fold is
+    kept, and changed at random in every word."""
+    with jax.enable_x64(True):
+        host = random_array((4, 8), dtype, 7)
+        src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+        dst = sharding(*DST, None, "tp")
+        plan = jr.plan(src, dst)
+        out = plan(src)
+        k = np.dtype(dtype).itemsize // 4  # words per element
+        rng = np.random.default_rng(0)
+        for element in range(host[:, :4].size):
+
+            def kept_fold(a, element=element):  # low ^ high * K unchanged
+                words = a.view(np.uint32).reshape(-1, k)[element]
+                high = words[1] ^ np.uint32(1 << 20)
+                with np.errstate(over="ignore"):
+                    words[0] ^= (words[1] * np.uint32(0x85EBCA6B)) ^ (high * np.uint32(0x85EBCA6B))
+                words[1] = high
+                return a
+
+            def random_words(a, element=element):
+                words = a.view(np.uint32).reshape(-1, k)[element]
+                words ^= rng.integers(1, 2**32, size=k, dtype=np.uint32)
+                return a
+
+            for change in (kept_fold, random_words):
+                with pytest.raises(jr.ReshardError, match="device 4"):
+                    plan.verify(src, with_shard(out, 4, change))
+
+
+def test_two_words_swapped_far_apart_in_a_row_are_found():
+    """Regression (a probe): column weights ``(2 c + 1) K`` were not mixed, so two words
+    swapped ``2**16`` columns apart cancelled whenever their hashes agreed modulo 2**15 (odds
+    2**-15). Such a pair, and 64 random pairs of one long row."""
+    rng = np.random.default_rng(1)
+    width = 1 << 17
+    host = rng.standard_normal((2, width)).astype(np.float32)
+    # A pair of values whose MurmurHash3 finalizers agree modulo 2**15 (the old blind spot).
+    values = rng.standard_normal(4096).astype(np.float32)
+    low = _np_mix(values.view(np.uint32)) & 0x7FFF
+    first: dict[int, int] = {}
+    for i, h in enumerate(low.tolist()):
+        if h in first and values[first[h]] != values[i]:
+            host[0, 0], host[0, 1 << 16] = values[first[h]], values[i]
+            break
+        first.setdefault(h, i)
+    src = jax.device_put(host, sharding((0,), (1,), ("x",)))
+    plan = jr.plan(src, sharding((1,), (1,), ("x",)))
+    out = plan(src)
+    pairs = [(0, 1 << 16)] + [tuple(rng.choice(width, 2, replace=False)) for _ in range(64)]
+    for p, q in pairs:
+
+        def swap(a, p=p, q=q):
+            a[0, p], a[0, q] = a[0, q].copy(), a[0, p].copy()
+            return a
+
+        with pytest.raises(jr.ReshardError, match="device 1"):
+            plan.verify(src, with_shard(out, 1, swap))
+
+
+def _np_mix(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer in NumPy (an oracle for the test's choice of values)."""
+    h = h.astype(np.uint64)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
 def test_the_checksum_of_a_box_is_the_sum_of_its_parts():
     """The property the check rests on: position weights make the sum additive."""
     x = jnp.asarray(random_array((6, 10), "float32", 9))

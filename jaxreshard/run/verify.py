@@ -1,26 +1,31 @@
 """Integrity on demand: per-shard checksums of a refit's result against its source, on device.
 
-The checksum of a box of a global array is a position-weighted sum of its words,
+The checksum of a box of a global array is a sum of hashes of its words, each hashed together
+with its global column and weighted by its global row:
 
-    checksum(box) = sum over elements e in box of
-                    mix(word(e)) * (2 mix(r(e)) + 1) * (2 c(e) + 1) K    (mod 2**32)
+    checksum(box) = sum over words w in box of  mix(bits(w) ^ mix(c(w) ^ C)) * (2 mix(r(w)) + 1)
+                                                                              (mod 2**32)
 
-where ``word(e)`` is the element's bits as an unsigned 32-bit number (narrower dtypes widened,
-64-bit dtypes folded), ``mix`` MurmurHash3's 32-bit finalizer, ``c(e)`` the element's index
-along the last dimension and ``r(e)`` the row-major index of its row (every other dimension) in
-the *global* array, and ``K`` an odd constant. Because the weight depends on the global
-position only, the checksum of a box is the sum of the checksums of any partition of it: each
-source device computes the part of every destination box it holds, each destination device the
-checksum of its whole shard, and only those 4-byte sums reach the host. ``mix`` is a bijection
-and a weight is odd, so changing one word always changes the sum; moving data to another
-position changes its weight. The row's factor is mixed, the column's is not: with both of
-the form ``2 i + 1``, an element's weight was the same at ``(r, c)`` and ``(c, r)`` (and at any
-two positions of equal ``(2 r + 1)(2 c + 1)``), so a transposed shard, or two words swapped
-between such positions, went unseen. ``mix`` is there for several changed words: summed as
-they are, a flip of bit ``k`` adds ``2**k`` times an odd weight, so two sign flips (bit 31)
-always cancel mod 2**32 and two flips of bit 30 do for half the pairs of positions; mixed, a
-flipped bit changes about half of the word's bits and such patterns cancel with odds of about
-2**-32.
+where ``bits(w)`` is the word's bits as an unsigned 32-bit number, ``mix`` MurmurHash3's
+32-bit finalizer, ``c(w)`` the word's column and ``r(w)`` the row-major index of its row
+(every dimension but the last) in the *global* array, and ``C`` a constant. A word is one
+element of 32 bits or fewer (narrower dtypes widened); a 64-bit element is two words and a
+complex one its parts' words, side by side along the last dimension (so the columns there
+count words, not elements). Because a word's term depends on its global position only, the
+checksum of a box is the sum of the checksums of any partition of it: each source device
+computes the part of every destination box it holds, each destination device the checksum of
+its whole shard, and only those 4-byte sums reach the host. ``mix`` is a bijection and a row
+weight is odd, so changing one word always changes the sum. Several changed or moved words
+cancel with odds of about 2**-32: a word's hash depends on its column, so a word moved along
+its row hashes anew, and rows weigh differently. Two words swapped within one column are the
+exception, at about 2**-27: the difference of two odd weights is even. (Hashing the row into
+the word too would close it, but cost a fifth more time on XLA CPU, where these sums are
+bound by integer arithmetic; the row's weight is applied to its sum, once per row.)
+Earlier forms had structural blind spots, each a regression test now: words summed unmixed
+(two sign flips cancel), weights ``(2 r + 1)(2 c + 1)`` (the same at ``(r, c)`` and
+``(c, r)``), unmixed column weights (two words swapped ``2**16`` columns apart cancelled with
+odds of 2**-15), and a 64-bit or complex element folded into one word before hashing (a
+crafted change of both halves kept the fold, and the sum).
 
 The source side is cast to the destination dtype first (the same XLA convert the senders run),
 so a cast refit verifies bit for bit too. Typed PRNG keys are checked as their key data.
@@ -47,30 +52,29 @@ from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
 from jaxreshard.run.codec import to_bits
 
-K = np.uint32(0x9E3779B1)  # odd multiplier of the column weights
-K2 = np.uint32(0x85EBCA77)  # mixes a complex value's two parts
+C = np.uint32(0x9E3779B9)  # sets the columns' hashes apart from the rows'
 
 Job = tuple[int, Box, Box]
 """(leaf, box relative to the shard, the same box in global coordinates)."""
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """Each element's bits as uint32 (one word per element)."""
+    """Each element's bits as uint32 words: shape ``x.shape + (k,)``, ``k`` words per element
+    (1 up to 32 bits, 2 for 64 bits and complex64, 4 for complex128)."""
     dtype = jnp.dtype(x.dtype)
     if dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    if jnp.issubdtype(dtype, jnp.complexfloating):  # its two parts' words, mixed
-        return _words(jnp.real(x)) ^ (_words(jnp.imag(x)) * K2)
+        return x.astype(jnp.uint32)[..., None]
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # its two parts' words, side by side
+        return jnp.concatenate([_words(jnp.real(x)), _words(jnp.imag(x))], axis=-1)
     bits = jax.dtypes.itemsize_bits(dtype)  # not itemsize: 4-bit and 2-bit types take 1 byte
     if bits == 32:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)[..., None]
     if bits < 32:
         # Bits as the unsigned type of the same width, then widened: element by element (a
         # bit-cast to a wider type would pack several sub-byte elements into one word).
         narrow = {2: jnp.uint2, 4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}[bits]
-        return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
-    pair = jax.lax.bitcast_convert_type(x, jnp.uint32)  # 64 bits: (..., 2)
-    return pair[..., 0] ^ (pair[..., 1] * np.uint32(0x85EBCA6B))
+        return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)[..., None]
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # 64 bits: (..., 2)
 
 
 def _mix(words: jax.Array) -> jax.Array:
@@ -85,23 +89,25 @@ def _mix(words: jax.Array) -> jax.Array:
 
 def box_checksum(x: jax.Array, origin: Sequence[int], global_shape: Sequence[int]) -> jax.Array:
     """The checksum (uint32 scalar) of ``x``, the elements of a box starting at ``origin`` of
-    an array of ``global_shape``. Traceable.
+    an array of ``global_shape`` (the module docstring's formula). Traceable.
 
-    The weight of an element is ``row_weight * col_weight``: one odd number for its global
-    row (its index over every dimension but the last) times one for its global column (the
-    last dimension). So the sum is taken as ``sum_rows(row_weight * sum_cols(word *
-    col_weight))``: the mix and a multiply-add per element, the rest on the (small) row grid
-    (the mix costs no measurable time here: the sums are bound by memory).
+    Taken as ``sum_rows(row_weight * sum_cols(mix(word ^ col_hash)))``: a xor, the mix and an
+    add per word; the positions' hashes and weights on the (small) row and column grids.
     """
-    words = _mix(_words(x))
-    if words.ndim == 0:
-        words = words.reshape(1, 1)
-        origin, global_shape = (0, *origin, 0), (1, *global_shape, 1)
-    elif words.ndim == 1:
-        words = words.reshape(1, -1)
-        origin, global_shape = (0, *origin), (1, *global_shape)
+    words = _words(x)
+    k = words.shape[-1]  # words per element: they sit side by side along the last dimension
+    if x.ndim == 0:
+        words = words.reshape(1, k)
+        origin, global_shape = (0, 0), (1, k)
+    else:
+        words = words.reshape(*x.shape[:-1], x.shape[-1] * k)
+        origin = (*origin[:-1], origin[-1] * k)
+        global_shape = (*global_shape[:-1], global_shape[-1] * k)
+        if x.ndim == 1:
+            words = words.reshape(1, -1)
+            origin, global_shape = (0, *origin), (1, *global_shape)
     cols = jax.lax.iota(jnp.uint32, words.shape[-1]) + np.uint32(origin[-1] % 2**32)
-    col_weight = (cols * np.uint32(2) + np.uint32(1)) * K
+    col_hash = _mix(cols ^ C)
     lead = words.shape[:-1]
     row = jnp.zeros(lead, jnp.uint32)
     stride = 1
@@ -110,8 +116,8 @@ def box_checksum(x: jax.Array, origin: Sequence[int], global_shape: Sequence[int
         row = row + pos * np.uint32(stride % 2**32)
         stride *= int(global_shape[d])
     row_weight = _mix(row) * np.uint32(2) + np.uint32(1)
-    col_weight = col_weight.reshape((1,) * len(lead) + col_weight.shape)  # (no rank promotion)
-    per_row = jnp.sum(words * col_weight, axis=-1, dtype=jnp.uint32)
+    col_hash = col_hash.reshape((1,) * len(lead) + col_hash.shape)  # (no rank promotion)
+    per_row = jnp.sum(_mix(words ^ col_hash), axis=-1, dtype=jnp.uint32)
     return jnp.sum(per_row * row_weight, dtype=jnp.uint32)
 
 
@@ -126,7 +132,7 @@ def _strong(x: jax.Array) -> jax.Array:
 def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
         a, b = jax.random.key_data(a), jax.random.key_data(b)
-    return jnp.array_equal(to_bits(a), to_bits(b))  # (unfolded, unlike `_words`)
+    return jnp.array_equal(to_bits(a), to_bits(b))
 
 
 def differing_shards(a: jax.Array, b: jax.Array) -> list[int]:
