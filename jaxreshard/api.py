@@ -1476,6 +1476,8 @@ def _cache_key(
             bucket_bytes,
             options,
             fallback,
+            # A plan's dtypes (a cast's, a fallback leaf's) are canonicalized when it is made.
+            bool(jax.config.jax_enable_x64),
         )
         hash(key)
     except TypeError:

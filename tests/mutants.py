@@ -1333,6 +1333,14 @@ SURFACE_MUTANTS: list[Mutant] = [
         "array over a source's buffers (the source with it) or of another shape",
     ),
     Mutant(
+        "api-cache-ignores-x64",
+        "jaxreshard/api.py",
+        (("            bool(jax.config.jax_enable_x64),\n", ""),),
+        ("tests/test_reshard.py::test_a_cached_plan_is_not_reused_across_jax_enable_x64",),
+        "jr.reshard's plan cache ignores jax_enable_x64: a float64 cast planned with it off "
+        "(float32) is reused with it on",
+    ),
+    Mutant(
         "api-debug-settings-left-on",
         "jaxreshard/api.py",
         (

@@ -348,6 +348,22 @@ def test_reshard_caches_plans_by_signature():
     assert len(api._CACHE) == 2
 
 
+def test_a_cached_plan_is_not_reused_across_jax_enable_x64():
+    """Regression (a probe): the plan cache ignored ``jax_enable_x64``, so a plan cached with
+    it off (a float64 cast canonicalized to float32) was reused with it on, and the other way
+    round. Each setting gets its own plan, as ``astype`` gives."""
+    jr.clear_cache()
+    host = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)  # (no NaNs)
+    src = jax.device_put(host, sharding(*CASES[0].src))
+    dst = sharding(*CASES[0].dst)
+    assert jr.reshard(src, dst, dtype=jnp.float64).dtype == jnp.float32
+    with jax.enable_x64(True):
+        out = jr.reshard(src, dst, dtype=jnp.float64)
+        assert out.dtype == jnp.float64
+        assert_exact(out, host.astype(np.float64), dst)
+    assert jr.reshard(src, dst, dtype=jnp.float64).dtype == jnp.float32
+
+
 def test_describe_reports_bytes_against_the_bound():
     plan, _ = run_case(CASES[0])
     text = plan.describe()
