@@ -551,11 +551,17 @@ class Plan:
 
     @functools.cached_property
     def _label(self) -> str:
-        """A short name of the plan for messages: leaf count, first and last path."""
+        """A short name of the plan for messages: leaf count, first and last path, and the
+        first moved leaf's layouts (two plans of one tree to two layouts differ there)."""
         if not self.paths:
             return "a plan of no leaves"
-        ends = self.paths[0] + (f" ... {self.paths[-1]}" if len(self.paths) > 1 else "")
-        return f"the plan of {len(self.paths)} leaves {ends}"
+        n = len(self.paths)
+        ends = self.paths[0] + (f" ... {self.paths[-1]}" if n > 1 else "")
+        first = ""
+        if self.leaves:  # (the first moved leaf: a fallback leaf may come before it)
+            path = "" if self.moved[0] == 0 else f"{self.paths[self.moved[0]]}: "
+            first = f" ({path}{self._describe_leaf(0)}{', ...' if n > 1 else ''})"
+        return f"the plan of {n} {'leaf' if n == 1 else 'leaves'} {ends}{first}"
 
     def _describe_leaf(self, i: int) -> str:
         leaf = self.leaves[i]

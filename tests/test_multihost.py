@@ -472,7 +472,7 @@ def test_agreed_plans_called_in_different_orders_raise_on_both_naming_both(run_o
     for pid, (rc, out) in enumerate(zip(run_order.returncodes, run_order.outputs, strict=True)):
         assert rc != 0, f"process {pid} did not fail:\n{out[-3000:]}"
         assert "is not the same call everywhere" in out, out[-3000:]
-        assert "the plan of 1 leaves ['a']" in out and "the plan of 1 leaves ['b']" in out, out
+        assert "the plan of 1 leaf ['a'] (" in out and "the plan of 1 leaf ['b'] (" in out, out
         seconds = float(re.search(r"ORDER raised after ([\d.]+) s", out).group(1))
         assert seconds < 10, seconds
 
