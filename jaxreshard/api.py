@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import threading
@@ -1365,7 +1366,14 @@ def _blockable(x: Any, fmt: Fp8Blockwise) -> bool:
 # ---------------------------------------------------------------------------- plan cache
 
 _CACHE: collections.OrderedDict[Any, Plan] = collections.OrderedDict()
-_CACHE_SIZE = 64
+_CACHE_SIZE = 256
+"""Plans `reshard` keeps (their compiled programs), the most recently used. Large enough for
+a sync cut into many chunks, each a plan of its own (Tunix's ``reshard_chunk_size``): with
+fewer plans than chunks, every sync would plan and compile every chunk again."""
+_STAGING_PLANS = 8
+"""Of those, the most recently used that keep their staging buffers between calls (up to
+``stats.staging_bytes`` per device each); older ones free theirs, and allocate them again when
+called. A sync cut into chunks to bound device memory would otherwise hold every chunk's."""
 _CACHE_LOCK = threading.Lock()
 
 
@@ -1421,6 +1429,7 @@ def cached_plan(
             found = _CACHE.get(key)
             if found is not None:
                 _CACHE.move_to_end(key)
+                _free_older_staging()
     if found is None:
         found = plan(
             src_tree,
@@ -1436,7 +1445,16 @@ def cached_plan(
                 _CACHE[key] = found
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
+                _free_older_staging()
     return found
+
+
+def _free_older_staging() -> None:
+    """Free the staging of the plan that the last use pushed out of the `_STAGING_PLANS` most
+    recently used (one use moves one plan out; called under `_CACHE_LOCK`)."""
+    if len(_CACHE) > _STAGING_PLANS:
+        older = next(itertools.islice(reversed(_CACHE.values()), _STAGING_PLANS, None))
+        older.free_staging()
 
 
 def clear_cache() -> None:

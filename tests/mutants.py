@@ -380,7 +380,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/integrations/tunix.py",
         (
             (
-                "        lambda d, o, s: s if d is None else o, dst, out, source, is_leaf=_is_kept",
+                "        lambda d, o, s: kept(s) if d is None else o, dst, out, source, "
+                "is_leaf=_is_kept",
                 "        lambda d, o, s: o, dst, out, source, is_leaf=_is_kept",
             ),
         ),
@@ -1331,6 +1332,39 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a donate= leaf at a fallback leaf is not checked and is deleted after the call: an "
         "array over a source's buffers (the source with it) or of another shape",
+    ),
+    Mutant(
+        "tunix-host-leaves-under-none-target-uncounted",
+        "jaxreshard/integrations/tunix.py",
+        (("    host = _kept_host_leaves(dst, source) if kept else []", "    host = []"),),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_host_leaves_under_a_none_target_become_arrays_as_tunix_makes_them",
+        ),
+        "NumPy arrays and Python scalars under a None target are not fallback leaves: "
+        "install(fallback=None) lets them through, and they go uncounted",
+    ),
+    Mutant(
+        "api-cache-keeps-few-plans",
+        "jaxreshard/api.py",
+        (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
+        (
+            "tests/test_reshard.py::"
+            "test_a_sync_cut_into_more_chunks_than_plans_kept_with_staging_plans_once",
+        ),
+        "the plan cache keeps fewer plans than a chunked sync has chunks: every sync plans and "
+        "compiles every chunk again",
+    ),
+    Mutant(
+        "api-cache-keeps-every-plans-staging",
+        "jaxreshard/api.py",
+        (("    if len(_CACHE) > _STAGING_PLANS:\n", "    if False:\n"),),
+        (
+            "tests/test_reshard.py::"
+            "test_a_sync_cut_into_more_chunks_than_plans_kept_with_staging_plans_once",
+        ),
+        "every cached plan keeps its staging: a sync cut into chunks to bound device memory "
+        "holds every chunk's",
     ),
     Mutant(
         "api-cache-ignores-x64",

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
+from compiles import COMPILES
 
 import jaxreshard as jr
 from jaxreshard.planning import schedule
@@ -346,6 +347,33 @@ def test_reshard_caches_plans_by_signature():
     assert len(api._CACHE) == 1
     jr.reshard(src, dst, dtype=jnp.bfloat16)
     assert len(api._CACHE) == 2
+
+
+def test_a_sync_cut_into_more_chunks_than_plans_kept_with_staging_plans_once():
+    """Regression (a probe of Tunix's chunked sync, ``reshard_chunk_size``): each chunk is a
+    tree of its own, so a plan of its own, and with more chunks than the cache kept (64) every
+    sync planned and compiled every chunk again. The cache keeps 256 plans; only the 8 most
+    recently used keep their staging buffers, so a sync cut into chunks to bound device memory
+    does not hold every chunk's staging."""
+    from jaxreshard import api
+
+    jr.clear_cache()
+    src_sh, dst = sharding(*CASES[0].src), sharding(*CASES[0].dst)
+    hosts = [random_array((8 * (i + 1), 32), "float32", i) for i in range(api._STAGING_PLANS + 4)]
+    chunks = [{f"w{i}": jax.device_put(h, src_sh)} for i, h in enumerate(hosts)]
+    outs = [jr.reshard(c, {k: dst for k in c}) for c in chunks]  # the first sync
+    plans = list(api._CACHE.values())
+    with COMPILES as later:
+        for _ in range(2):
+            outs = [
+                jr.reshard(c, {k: dst for k in c}, donate=o)
+                for c, o in zip(chunks, outs, strict=True)
+            ]
+    assert later.count == 0 and list(api._CACHE.values()) == plans
+    for i, (host, out) in enumerate(zip(hosts, outs, strict=True)):
+        assert_exact(out[f"w{i}"], host, dst)
+    held = [max(p.runtime.pool_bytes().values(), default=0) > 0 for p in plans]
+    assert held == [False] * 4 + [True] * api._STAGING_PLANS
 
 
 def test_a_cached_plan_is_not_reused_across_jax_enable_x64():

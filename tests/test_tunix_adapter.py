@@ -224,6 +224,29 @@ def test_a_none_target_leaves_its_source_where_it_is_as_tunix_does(kept):
     assert bits(got) == bits(source)
 
 
+def test_host_leaves_under_a_none_target_become_arrays_as_tunix_makes_them():
+    """Regression (a probe): under a None target a NumPy array or Python scalar came back as
+    it was, where Tunix's path (``jax.device_put(x, None)``) makes a ``jax.Array`` of it, and
+    ``install(fallback=None)`` let it through uncounted. They are fallback leaves, as where
+    a target moves: arrays through ``jax.device_put``, counted, or refused by name."""
+    trainer, rollout = states()
+    source = {"w": trainer["up"]["kernel"], "step": np.int32(7), "scale": 0.5}
+    target = {"w": rollout["up"]["kernel"].sharding, "step": None, "scale": None}
+    want = tunix_reshard.reshard_pytree(source, target)
+    with jr_tunix.installed():
+        got = tunix_reshard.reshard_pytree(source, target)
+    for name in ("step", "scale"):
+        assert isinstance(got[name], jax.Array)
+        assert got[name].dtype == want[name].dtype and got[name].sharding == want[name].sharding
+        assert np.asarray(got[name]).tobytes() == np.asarray(want[name]).tobytes()
+    assert jr_tunix.counters()["fallback_leaves"] == 2
+    with (
+        jr_tunix.installed(fallback=None),
+        pytest.raises(jr_tunix.ReshardTypeError, match=r"\['scale'\]: is a float\n.*\['step'\]"),
+    ):
+        tunix_reshard.reshard_pytree(source, target)
+
+
 def test_a_target_that_fits_the_source_neither_way_is_refused_by_jaxreshard():
     """A target neither a prefix of the source nor laid out leaf for leaf like it is refused
     with jaxreshard's error naming the structures. Regression: taking the None target leaves

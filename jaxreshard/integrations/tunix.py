@@ -15,7 +15,8 @@ attribute when it runs, so replacing that attribute is the whole integration::
         rl_cluster.sync_weights()
 
 Plans are cached by layout (`jaxreshard.reshard`), so a refit loop plans and compiles on its
-first sync only. Leaves jaxreshard cannot take (NumPy arrays, Python scalars) go through
+first sync only (a sync Tunix cuts into chunks, ``reshard_chunk_size``, makes a plan per
+chunk: the cache keeps 256). Leaves jaxreshard cannot take (NumPy arrays, Python scalars) go through
 ``jax.device_put``, named in a log line; ``install(fallback=None)`` refuses them instead.
 
 Importing this module does not import Tunix; `install` does.
@@ -90,6 +91,16 @@ def reshard_pytree(
     # path) does: it is taken out of what moves (None in both trees) and put back after. A
     # target that does not fit the source goes to `jr.plan` as it is, which names the misfit.
     moving = _without_kept(dst, source) if kept else source
+    host = _kept_host_leaves(dst, source) if kept else []
+    if host and _FALLBACK is None:
+        raise leaf_error(
+            "these leaves under a None target are not jax.Arrays (Tunix's path makes arrays "
+            "of them with jax.device_put)",
+            [(path, f"is a {type(x).__name__}") for path, x in host],
+            "make them jax.Arrays, or install(fallback='device_put') to send them through "
+            "jax.device_put",
+            cls=ReshardTypeError,
+        )
     old = _old_buffers(moving, flat) if _DONATE_TARGET else None
     if old is not None and not _addresses(old).isdisjoint(_addresses(source)):
         # A target array over a source array's buffers (a kept one, which `jr.plan` does not
@@ -102,9 +113,9 @@ def reshard_pytree(
     with _LOCK:
         if plan.moved:
             _COUNTERS["jaxreshard_calls"] += 1
-        if plan.fallback:
+        if plan.fallback or host:
             _COUNTERS["fallback_calls"] += 1
-            _COUNTERS["fallback_leaves"] += len(plan.fallback)
+            _COUNTERS["fallback_leaves"] += len(plan.fallback) + len(host)
     if donate_input:
         # The leaves left where they are are the result's own, so is an array that is both
         # kept and moved (one array at two paths): those stay.
@@ -226,10 +237,33 @@ def _without_kept(dst: Any, source: Any) -> Any:
 
 
 def _with_kept(dst: Any, out: Any, source: Any) -> Any:
-    """``out`` with each subtree whose destination is None taken from ``source``, as is."""
+    """``out`` with each subtree whose destination is None taken from ``source``: its arrays
+    as they are, other leaves (`_kept_host_leaves`) through ``jax.device_put`` as Tunix's
+    path (``jax.device_put(x, None)``) gives them."""
+
+    def kept(subtree: Any) -> Any:
+        if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(subtree)):
+            return subtree  # (the very object: an nnx.Variable stays the one passed)
+        return jax.tree_util.tree_map(
+            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), subtree
+        )
+
     return jax.tree_util.tree_map(
-        lambda d, o, s: s if d is None else o, dst, out, source, is_leaf=_is_kept
+        lambda d, o, s: kept(s) if d is None else o, dst, out, source, is_leaf=_is_kept
     )
+
+
+def _kept_host_leaves(dst: Any, source: Any) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of the source's leaves under a None destination that are not
+    ``jax.Array``s (NumPy arrays, Python scalars): fallback leaves, as where a target moves."""
+    kept = jax.tree_util.tree_map(
+        lambda d, s: s if d is None else None, dst, source, is_leaf=_is_kept
+    )
+    return [
+        (jax.tree_util.keystr(path), x)
+        for path, x in jax.tree_util.tree_flatten_with_path(kept)[0]
+        if not isinstance(x, jax.Array)
+    ]
 
 
 def _on_source_structure(source: Any, flat: list[tuple[Any, Any]]) -> Any:
