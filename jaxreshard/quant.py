@@ -42,6 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jaxreshard.errors import ReshardError, leaf_error
+from jaxreshard.run import views
 from jaxreshard.run.boundary import on_device_memory
 
 TINY = np.float32(np.finfo(np.float32).tiny)
@@ -299,10 +300,20 @@ class Quantizer:
         arrays = [
             jax.make_array_from_callback(x.shape, x.sharding, lambda _: None, dtype=x.dtype)
             if isinstance(x, jax.ShapeDtypeStruct)
-            else x
-            for x in xs
+            else _as_planned(x, s)
+            for x, s in zip(xs, self.src_shardings, strict=True)
         ]
         return list(self._fn(*arrays))
+
+
+def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:
+    """``x`` in exactly the planned ``sharding`` object, zero-copy: an equivalent sharding
+    spelled otherwise (another mesh's axis names, ``P("a", None)`` for ``P("a")``) would make
+    ``jax.jit`` compile the quantizer again."""
+    if x.sharding is sharding or x.sharding == sharding:
+        return x
+    view = views.View(x.shape, x.dtype, sharding, x.weak_type)
+    return view(views.ordered(views.by_device(x), sharding))
 
 
 def refuse(problems: list[tuple[str, str]]) -> ReshardError:

@@ -1345,6 +1345,14 @@ SURFACE_MUTANTS: list[Mutant] = [
         "install(fallback=None) lets them through, and they go uncounted",
     ),
     Mutant(
+        "fp8-quantizer-takes-the-callers-sharding",
+        "jaxreshard/quant.py",
+        (("    if x.sharding is sharding or x.sharding == sharding:\n", "    if True:\n"),),
+        ("tests/test_fp8.py::test_transfers_hold_collective_permutes_only_and_calls_compile_once",),
+        "the fp8 quantizer runs on the caller's sharding object: the same layout spelled "
+        "otherwise (another mesh's axis names) compiles it again",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -241,6 +241,14 @@ def test_transfers_hold_collective_permutes_only_and_calls_compile_once():
         out = plan(src, donate=out)
         jax.block_until_ready(out)
     assert again.count == 0
+    # Regression (a probe): the same layout on a mesh of other axis names compiled the
+    # quantizer again (the refit's own programs did not).
+    renamed = sharding(*SRC[:2], ("a", "b"), "a", "b")
+    same = jax.device_put(host, renamed)
+    assert same.sharding != src.sharding and same.sharding.is_equivalent_to(src.sharding, 2)
+    with COMPILES as renamed_call:
+        jax.block_until_ready(plan(same, donate=out))
+    assert renamed_call.count == 0, renamed_call.events
 
 
 SPECS = {
