@@ -79,7 +79,7 @@ def _own_meshes(method: _F) -> _F:
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         _refuse_tracers(args[1:], kwargs)  # (args[0]: the plan itself)
-        with _compiled_programs():
+        with _compiled_programs(args[0].x64):
             if jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty:
                 return method(*args, **kwargs)  # nothing to clear (and set_mesh refuses in jit)
             with jax.set_mesh(None):
@@ -88,8 +88,11 @@ def _own_meshes(method: _F) -> _F:
     return wrapped  # type: ignore[return-value]
 
 
-def _compiled_programs() -> contextlib.AbstractContextManager[Any]:
-    """Run a plan's programs as compiled programs, whatever JAX's debugging settings.
+def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
+    """Run a plan's programs as compiled programs, whatever JAX's debugging settings, with
+    ``jax_enable_x64`` as it was when the plan was made (``x64``): its dtypes were
+    canonicalized then, and its programs, traced under the other setting, would mix 32- and
+    64-bit words.
 
     A plan moves bits: a leaf holding NaN or inf is data, and under ``jax.debug_nans`` /
     ``jax.debug_infs`` JAX would re-run a program whose result holds one, op by op, on
@@ -107,6 +110,7 @@ def _compiled_programs() -> contextlib.AbstractContextManager[Any]:
             (jax.debug_infs, jax.config.jax_debug_infs, False),
             (jax.disable_jit, jax.config.jax_disable_jit, False),
             (jax.numpy_rank_promotion, jax.config.jax_numpy_rank_promotion, "allow"),
+            (jax.enable_x64, bool(jax.config.jax_enable_x64), x64),
         )
         if value != neutral
     ]
@@ -198,6 +202,8 @@ class Plan:
         self.fallback = tuple(fallback)
         self._fallback_avals = dict(fallback_avals or {})  # leaf -> shape, dtype, cast
         self.boundaries = tuple(boundaries)
+        # The setting its dtypes were canonicalized under, in force while it runs.
+        self.x64 = bool(jax.config.jax_enable_x64)
         self._crossing = Crossing(self.boundaries)
         self.assignment = assignment
         self.schedule = schedule
@@ -470,7 +476,7 @@ class Plan:
         return functools.partial(check_order, self.identity, self._label)
 
     def _move(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
-        with _compiled_programs():  # (also here: refits run on a worker thread)
+        with _compiled_programs(self.x64):  # (also here: refits run on a worker thread)
             return self._move_now(flat, old, profile)
 
     def _move_now(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
@@ -1205,6 +1211,7 @@ class QuantizedPlan:
         quantizer: Quantizer,
     ) -> None:
         self.inner = inner
+        self.x64 = inner.x64
         self.treedef = treedef
         self.paths = tuple(paths)
         self.quantized = tuple(quantized)

@@ -1353,6 +1353,14 @@ SURFACE_MUTANTS: list[Mutant] = [
         "otherwise (another mesh's axis names) compiles it again",
     ),
     Mutant(
+        "api-plan-runs-under-the-callers-x64",
+        "jaxreshard/api.py",
+        (("            (jax.enable_x64, bool(jax.config.jax_enable_x64), x64),\n", ""),),
+        ("tests/test_reshard.py::test_a_plan_runs_under_the_x64_setting_it_was_made_under",),
+        "a plan's programs are traced under the caller's jax_enable_x64, not the plan's: a "
+        "float64 cast planned with it on fails when called with it off",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

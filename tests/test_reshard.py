@@ -392,6 +392,25 @@ def test_a_cached_plan_is_not_reused_across_jax_enable_x64():
     assert jr.reshard(src, dst, dtype=jnp.float64).dtype == jnp.float32
 
 
+def test_a_plan_runs_under_the_x64_setting_it_was_made_under():
+    """Regression (a probe): a plan made under ``jax.enable_x64`` with a float64 cast, called
+    with x64 off, traced its programs with 32-bit words beside its 64-bit ones and failed in
+    XLA with a bare TypeError. A plan runs with the setting it was made under, either way."""
+    host = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    src = jax.device_put(host, sharding(*CASES[0].src))
+    dst = sharding(*CASES[0].dst)
+    with jax.enable_x64(True):
+        wide = jr.plan(src, dst, dtype=jnp.float64)
+    narrow = jr.plan(src, dst, dtype=jnp.float64)  # (x64 off: float64 is float32)
+    out = wide(src)
+    assert out.dtype == jnp.float64
+    with jax.enable_x64(True):
+        assert_exact(out, host.astype(np.float64), dst)
+        wide.verify(src, out)
+        assert narrow(src).dtype == jnp.float32
+    assert_exact(wide(src, donate=out), host.astype(np.float64), dst)
+
+
 def test_describe_reports_bytes_against_the_bound():
     plan, _ = run_case(CASES[0])
     text = plan.describe()
