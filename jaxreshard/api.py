@@ -1663,10 +1663,13 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             # The caller's own destination, not its named equivalent: the result is wrapped
             # into it, and a GSPMD tiling of the key's rank splits no key-data dimension.
             boundary.key_data_sharding(dst)
-            dst_dtype = src_dtype
+            dst_dtype, typed = src_dtype, False
         else:
             shape, src_dtype, src_sharding = user_shape, jnp.dtype(x.dtype), sharding
             dst_dtype = _cast(src_dtype, want, own)
+            # A leaf that takes a dtype entry, even its own dtype, is strongly typed after, as
+            # ``astype`` makes it.
+            typed = want is not None and _takes_cast(src_dtype, own)
     except LayoutError as e:
         raise _LeafProblem(
             f"cannot move this leaf's sharding: {e}", "sharding", device_put_ok=True
@@ -1692,8 +1695,8 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
         sharding,
         dst,
         user_shape,
-        weak_type=bool(getattr(x, "weak_type", False)) and dst_dtype == src_dtype,
-        casts=dst_dtype != src_dtype,
+        weak_type=bool(getattr(x, "weak_type", False)) and not typed,
+        casts=typed,
     )
     return (user_shape, x.dtype, sharding), edge, leaf
 

@@ -1361,6 +1361,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         "float64 cast planned with it on fails when called with it off",
     ),
     Mutant(
+        "api-own-dtype-entry-keeps-weak-type",
+        "jaxreshard/api.py",
+        (
+            (
+                "            typed = want is not None and _takes_cast(src_dtype, own)",
+                "            typed = dst_dtype != src_dtype",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them",
+        ),
+        "a weakly typed leaf given a dtype= entry of its own dtype stays weak, where astype "
+        "makes it strong",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -138,18 +138,20 @@ def test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them():
     """A weakly typed source (``jnp.asarray(1.5)``, a scalar from a Python number) arrives
     weakly typed, as ``jax.device_put`` gives it, so JAX's type promotion is unchanged
     (``bf16_array * scale`` stays bf16); cast, it arrives strongly typed, as ``astype`` makes
-    it. Into host memory and a single-device sharding too, and with ``donate=``."""
+    it, even to its own dtype (regression, a probe: a ``dtype=`` entry of the leaf's own dtype
+    left it weak). Into host memory and a single-device sharding too, and with ``donate=``."""
     weak = {
         "scale": jnp.asarray(1.5),
         "steps": jnp.arange(8) * 1.0,
         "cast": jnp.asarray(2.5),
+        "own": jnp.asarray(3.5),
         "strong": jnp.ones((8,), jnp.float32),
     }
     assert weak["scale"].weak_type and weak["steps"].weak_type
     src = {k: jax.device_put(v, sharding(*SRC)) for k, v in weak.items()}
     dst = {k: sharding(*DST) for k in weak}
     dst["scale"] = SingleDeviceSharding(jax.devices()[5], memory_kind="pinned_host")
-    dtype = {"scale": None, "steps": None, "cast": jnp.bfloat16, "strong": None}
+    dtype = {"scale": None, "steps": None, "cast": jnp.bfloat16, "own": "float32", "strong": None}
     plan = jr.plan(src, dst, dtype=dtype)
     out = plan(src)
     out = plan(src, donate=out)

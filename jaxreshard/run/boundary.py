@@ -163,7 +163,8 @@ class Boundary:
       weak_type: the result is weakly typed, as the source is (``jnp.asarray(1.5)``) when
         not cast: ``jax.device_put`` keeps a weak type, and JAX's type promotion reads it.
         What the plan was made from; a call whose source differs gets its own (`results`).
-      casts: the leaf is cast (its result is never weakly typed).
+      casts: the leaf takes a ``dtype=`` entry, its own dtype included (its result is never
+        weakly typed, as ``astype`` makes it).
     """
 
     key_impl: Any
