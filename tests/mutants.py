@@ -974,6 +974,59 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "copies slower than the NICs make bringing more the cheaper plan: no floor then",
     ),
     Mutant(
+        "costmodel-m2n-pays-the-executors-dispatch",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "        seconds += 2 * busiest / profile.copy_bandwidth  # pack on the sender, "
+                "unpack on arrival\n",
+                "        seconds += 2 * busiest / profile.copy_bandwidth\n"
+                "        seconds += math.ceil(busiest / staging_bytes) * profile.bucket_overhead\n",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::"
+            "test_baselines_charge_no_host_cost_and_round_robin_carries_its_turn",
+        ),
+        "the M2N-like baseline is charged the executor's JAX dispatch per 256 MiB, one after "
+        "the other, where the plan's host work runs beside its GPUs' (it favours the plan)",
+    ),
+    Mutant(
+        "costmodel-round-robin-restarts-every-part",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "                    s = replicas[(first + k) % len(replicas)]",
+                "                    s = replicas[k % len(replicas)]",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::"
+            "test_baselines_charge_no_host_cost_and_round_robin_carries_its_turn",
+        ),
+        "direct round-robin restarts at the first replica for every part: the first replicas "
+        "send every part's first share (a pessimistic baseline)",
+    ),
+    Mutant(
+        "simulate-tp-replicates-query-heads",
+        "jaxreshard/tools/simulate.py",
+        (("    if replicate and ways % units == 0:", "    if ways % units == 0:"),),
+        (
+            "tests/test_simulate.py::test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback"
+            "[argv14-attn.q: 32 units of 128 cannot be split]",
+        ),
+        "a TP beyond the query heads replicates them (a layout vLLM refuses) instead of being "
+        "refused",
+    ),
+    Mutant(
+        "simulate-scenario-takes-a-placement",
+        "jaxreshard/tools/simulate.py",
+        (('        "--placement": args.placement,\n', ""),),
+        ("tests/test_simulate.py::test_cli_refuses_setup_arguments_a_scenario_would_ignore",),
+        "--placement beside --scenario or --all is taken, and the scenario prints its published "
+        "comparison beside another placement",
+    ),
+    Mutant(
         "simulate-summary-two-lanes-is-the-ratio",
         "jaxreshard/tools/simulate.py",
         (

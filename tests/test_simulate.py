@@ -382,6 +382,23 @@ def test_baselines_by_hand():
     assert costmodel.physical_bound([lf], t).seconds <= 6.4
 
 
+def test_baselines_charge_no_host_cost_and_round_robin_carries_its_turn():
+    """(An audit.) M2N-like was charged the executor's JAX dispatch per 256 MiB one after the
+    other, where the plan's host work runs beside its devices': no host cost now, whatever the
+    profile's. Round-robin restarted at the first replica for every part, so the first
+    replicas sent every part's first share: four quarters of an array held whole by devices 0
+    and 1, each wanted by one of devices 4-7 (another domain), now come two from each (64 B
+    over a NIC at 10 B/s: 6.4 s), not all four from device 0 (12.8 s)."""
+    lf = uint8_leaf(128, (0, 1), ("s",), (4, 5), ())
+    t = topo()
+    p = profile(intra_efficiency=1.0, inter_efficiency=1.0, copy_bandwidth=64)
+    plan = topology_assign([lf], t)
+    free = costmodel.m2n_like([lf], plan, t, dataclasses.replace(p, bucket_overhead=0.0))
+    assert costmodel.m2n_like([lf], plan, t, dataclasses.replace(p, bucket_overhead=99.0)) == free
+    quarters = uint8_leaf(128, (0, 1), (), (4, 5, 6, 7), ("d",))
+    assert costmodel.direct_round_robin([quarters], t, p, chunk_bytes=1 << 20) == pytest.approx(6.4)
+
+
 def test_nothing_to_move_costs_nothing():
     lf = uint8_leaf(64, (0, 1), ("s",), (0, 1), ("d",))
     assert costmodel.physical_bound([lf], topo(latency=1.0)).seconds == 0
@@ -698,7 +715,7 @@ def test_the_summary_reads_each_scenarios_record():
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--dst", "TP3"], "32 units cannot be split 3 ways"),
+        (["--dst", "TP3"], "32 units of 128 cannot be split 3 ways"),
         (["--dst", "XX8"], "unknown axis 'XX'"),
         (["--dst", "TP8", "--dst-devices", "12"], "does not fit 12 devices"),
         (["--dst", "TP8", "--bucket-mib", "0"], "--bucket-mib: must be above 0"),
@@ -713,6 +730,10 @@ def test_the_summary_reads_each_scenarios_record():
         (["--dst", "FSDP3", "--dst-devices", "3"], "FSDP3 divides no dimension"),
         (["--dst", "EP8"], "EP8, but the model has no routed experts"),
         (["--dst", "PP64"], "PP64 stages for 36 layers"),
+        # Layouts no framework makes (an audit): query heads replicated by a TP beyond them,
+        # a matrix FSDP divides nowhere.
+        (["--dst", "TP64", "--dst-devices", "64"], "attn.q: 32 units of 128 cannot be split"),
+        (["--dst", "FSDP3 TP2", "--dst-devices", "6"], "FSDP3 divides no dimension of"),
     ],
 )
 def test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback(capsys, argv, says):
@@ -727,10 +748,25 @@ def test_cli_refuses_a_bad_setup_with_its_reason_not_a_traceback(capsys, argv, s
     "fixed", [["--scenario", "qwen3-4b"], ["--all"], ["--calibrate"], ["--calibrate-device"]]
 )
 def test_cli_refuses_setup_arguments_a_scenario_would_ignore(capsys, fixed):
+    """(An audit: --placement and --bytes-per-param were taken beside a scenario, which then
+    printed its published comparison beside another setup; two modes at once ran one.)"""
     with pytest.raises(SystemExit) as exited:
         sim.main([*fixed, "--topology", "gb200-nvl72", "--colocated"])
     assert exited.value.code == 2
     assert "drop --topology, --colocated" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.main([*fixed, "--placement", "contiguous", "--bytes-per-param", "2"])
+    assert "drop --placement, --bytes-per-param" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim.main([*fixed, "--all" if "--all" not in fixed else "--calibrate"])
+    assert "choose one" in capsys.readouterr().err
+
+
+def test_an_expert_parallelism_beyond_the_experts_is_refused(capsys):
+    """(An audit: EP512 over DeepSeek-V3's 256 experts held each expert twice.)"""
+    with pytest.raises(SystemExit):
+        sim.main(["--model", "deepseek-v3", "--src", "EP512", "--dst", "TP8 DP64"])
+    assert "moe.experts.gate: 256 units of 1 cannot be split 512 ways" in capsys.readouterr().err
 
 
 def test_a_colocated_sampler_larger_than_the_trainer_keeps_every_replica():

@@ -92,6 +92,9 @@ class Param:
       expert_dim: the dimension stacking routed experts, if any.
       stage: for a parameter not stacked over layers, the pipeline stage holding it under PP:
         "first", "last", or None (every stage).
+      tp_replicates: with fewer units than TP ranks, each unit is held by several ranks (KV
+        heads: vLLM replicates them); elsewhere such a TP is refused (vLLM refuses query
+        heads that do not divide, Megatron experts that do not divide EP).
     """
 
     name: str
@@ -101,6 +104,7 @@ class Param:
     tp_unit: int = 1
     expert_dim: int | None = None
     stage: str | None = None
+    tp_replicates: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +126,22 @@ def _attention_gqa(
     out = [
         Param("attn.norm", (L, h), layers=A),
         Param("attn.q", (L, h, heads * head_dim), layers=A, tp_dim=2, tp_unit=head_dim),
-        Param("attn.k", (L, h, kv_heads * head_dim), layers=A, tp_dim=2, tp_unit=head_dim),
-        Param("attn.v", (L, h, kv_heads * head_dim), layers=A, tp_dim=2, tp_unit=head_dim),
+        Param(
+            "attn.k",
+            (L, h, kv_heads * head_dim),
+            layers=A,
+            tp_dim=2,
+            tp_unit=head_dim,
+            tp_replicates=True,
+        ),
+        Param(
+            "attn.v",
+            (L, h, kv_heads * head_dim),
+            layers=A,
+            tp_dim=2,
+            tp_unit=head_dim,
+            tp_replicates=True,
+        ),
         Param("attn.o", (L, heads * head_dim, h), layers=A, tp_dim=1, tp_unit=head_dim),
         Param("mlp.norm", (L, h), layers=A),
     ]
@@ -393,7 +411,9 @@ def layout(param: Param, model: Model, strategy: Strategy, device_ids: Sequence[
             box[param.expert_dim] = _part(box[param.expert_dim], strategy.ep, rank, 1, param)
         tp = size.get("tp", 1)
         if tp > 1 and param.tp_dim is not None and not split_experts:
-            box[param.tp_dim] = _part(box[param.tp_dim], tp, coord["tp"], param.tp_unit, param)
+            box[param.tp_dim] = _part(
+                box[param.tp_dim], tp, coord["tp"], param.tp_unit, param, param.tp_replicates
+            )
         fsdp = size.get("fsdp", 1)
         if fsdp > 1:
             skip = {0} if param.layers is not None else set()
@@ -426,18 +446,28 @@ def _check_axes(model: Model, strategy: Strategy, side: str) -> None:
     if size.get("pp", 1) > model.num_layers:
         raise ValueError(f"{side}: PP{size['pp']} stages for {model.num_layers} layers")
     fsdp = size.get("fsdp", 1)
-    if fsdp > 1 and not any(
-        n % fsdp == 0
-        for p in model.params
-        for dim, n in enumerate(p.shape)
-        if not (dim == 0 and p.layers is not None)
-    ):
-        raise ValueError(f"{side}: FSDP{fsdp} divides no dimension of any parameter")
+    if fsdp > 1:
+        # FSDP in JAX shards a dimension it divides; a matrix it divides nowhere would sit
+        # whole on every device (frameworks refuse or pad it; neither is modeled).
+        for p in model.params:
+            dims = [n for dim, n in enumerate(p.shape) if not (dim == 0 and p.layers is not None)]
+            if len(dims) >= 2 and not any(n % fsdp == 0 for n in dims):
+                raise ValueError(
+                    f"{side}: FSDP{fsdp} divides no dimension of {p.name} {list(p.shape)}"
+                )
 
 
-def _part(span: tuple[int, int], ways: int, rank: int, unit: int, param: Param) -> tuple[int, int]:
-    """Part ``rank`` of ``ways`` of ``span``, in whole units; with fewer units than ways, each
-    unit is replicated over ``ways / units`` consecutive ranks (KV heads under vLLM's TP)."""
+def _part(
+    span: tuple[int, int],
+    ways: int,
+    rank: int,
+    unit: int,
+    param: Param,
+    replicate: bool = False,
+) -> tuple[int, int]:
+    """Part ``rank`` of ``ways`` of ``span``, in whole units; with fewer units than ways and
+    ``replicate``, each unit is replicated over ``ways / units`` consecutive ranks (KV heads
+    under vLLM's TP)."""
     start, stop = span
     units, rest = divmod(stop - start, unit)
     if rest:
@@ -445,10 +475,13 @@ def _part(span: tuple[int, int], ways: int, rank: int, unit: int, param: Param) 
     if units % ways == 0:
         per = units // ways * unit
         return (start + rank * per, start + (rank + 1) * per)
-    if ways % units == 0:
+    if replicate and ways % units == 0:
         u = rank * units // ways
         return (start + u * unit, start + (u + 1) * unit)
-    raise ValueError(f"{param.name}: {units} units cannot be split {ways} ways")
+    raise ValueError(
+        f"{param.name}: {units} units of {unit} cannot be split {ways} ways (a TP beyond the "
+        "heads, or an EP beyond the experts)"
+    )
 
 
 # -------------------------------------------------------------------------------- scenarios
@@ -1123,7 +1156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--dst-devices", type=_positive(int), help="destination GPUs")
     parser.add_argument("--colocated", action="store_true", help="same GPUs for both")
-    parser.add_argument("--placement", choices=PLACEMENTS, default="rack-aligned")
+    parser.add_argument("--placement", choices=PLACEMENTS, help="default: rack-aligned")
     parser.add_argument(
         "--domain-size", type=_positive(int), help="GPUs per fast domain (override)"
     )
@@ -1164,6 +1197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--src-devices": args.src_devices,
         "--dst-devices": args.dst_devices,
         "--colocated": args.colocated or None,
+        "--placement": args.placement,
+        "--bytes-per-param": args.bytes_per_param,
+        "--domain-size": args.domain_size,
     }
     modes = (
         ("--calibrate-device", args.calibrate_device),
@@ -1171,7 +1207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--all", args.all),
         ("--scenario", args.scenario),
     )
-    fixed = next((flag for flag, on in modes if on), None)
+    chosen = [flag for flag, on in modes if on]
+    if len(chosen) > 1:
+        parser.error(f"{' and '.join(chosen)}: choose one")
+    fixed = chosen[0] if chosen else None
     if fixed is not None:
         given = [name for name, value in setup.items() if value is not None]
         if given:
@@ -1220,7 +1259,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict
         "bucket_bytes": int(args.bucket_mib * MiB),
         "fan_out": not args.no_fan_out,
         "materialize": args.materialize,
-        "placement": args.placement,
+        "placement": args.placement or "rack-aligned",
     }
     if args.bytes_per_param:
         common["itemsize"] = args.bytes_per_param
