@@ -1430,6 +1430,17 @@ SURFACE_MUTANTS: list[Mutant] = [
         "makes it strong",
     ),
     Mutant(
+        "multihost-given-up-agreement-left-as-agreed",
+        "jaxreshard/run/multihost.py",
+        (("            if not self.mismatched:\n", "            if False:\n"),),
+        (
+            "tests/test_multihost.py::"
+            "test_a_peer_arriving_after_an_agreement_was_given_up_raises_instead_of_passing",
+        ),
+        "a round of agreement given up for a timeout keeps its fingerprint: a late peer agrees "
+        "with it and enters a transfer the other process never makes",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -284,6 +284,23 @@ def test_agreement_times_out_when_a_peer_never_arrives(devices):
     assert took < 5
 
 
+def test_a_peer_arriving_after_an_agreement_was_given_up_raises_instead_of_passing(devices):
+    """Regression (a probe): process 0 timed out waiting for process 1 in a plan's agreement
+    and went on; process 1, arriving late, found process 0's fingerprint of that round, agreed
+    with it, and entered a transfer process 0 never made (with the order check off, process
+    0's next plan's transfer paired with it: wrong data, then a hang). The round is marked
+    given up: the late process raises at once, naming it."""
+    plan = _plans(devices)[0]
+    client = FakeClient()
+    early, _ = _agree_all(client, [(0, (0, 1), "g", 0, plan)], timeout_s=0.3)
+    assert isinstance(early[0], jr.ReshardError)
+    late, took = _agree_all(client, [(1, (0, 1), "g", 0, plan)], timeout_s=30.0)
+    assert took < 5
+    assert isinstance(late[1], jr.ReshardError), late
+    assert "process 0 gave up the agreement of this plan" in str(late[1])
+    assert "No data was moved" in str(late[1])
+
+
 def test_agreement_detects_processes_waiting_in_different_plans(devices):
     # Process 0 waits in a plan over {0, 1}; process 1 in a plan over {0, 1, 2}; process 2
     # waits with 1 for process 0. Nobody hangs: 0 and 1 see the crossing, 2 sees 0 fail.

@@ -261,6 +261,7 @@ class _Agreement:
         )
         self.base = f"{_PREFIX}/{key}/{n}"
         self.waiting = {"group": list(group), "key": key, "n": n}
+        self.mismatched = False  # (the round failed on a peer's different fingerprint)
 
     def run(self, timeout_s: float) -> None:
         c, me = self.client, self.me
@@ -274,8 +275,17 @@ class _Agreement:
             self._wait(timeout_s)
         except ReshardError as e:
             # Peers waiting for this process in any plan see this and fail too, rather than
-            # wait for a process that is about to exit.
-            failed = {**self.waiting, "failed": str(e).splitlines()[0][:500]}
+            # wait for a process that is about to exit. And a peer that reaches this round
+            # later must not take this process's fingerprint for its agreement: it would pass,
+            # and enter a transfer this process never makes (its next plan's, meanwhile).
+            # (A mismatch keeps its fingerprint: the peer reads it to name the differing leaf.)
+            reason = str(e).splitlines()[0][:500]
+            failed = {**self.waiting, "failed": reason}
+            if not self.mismatched:
+                c.key_value_set(
+                    f"{self.base}/fp/{me}", json.dumps({"fp": self.fp, "failed": reason}),
+                    allow_overwrite=True,
+                )  # fmt: skip
             c.key_value_set(f"{_PREFIX}/waiting/{me}", json.dumps(failed), allow_overwrite=True)
             raise
         c.key_value_set(f"{_PREFIX}/waiting/{me}", "idle", allow_overwrite=True)
@@ -294,7 +304,16 @@ class _Agreement:
                 for k, v in self.client.key_value_dir_get(f"{self.base}/fp/")
             }
             for q in sorted(peers & set(seen)):
+                if "failed" in seen[q]:
+                    raise ReshardError(
+                        f"jaxreshard: process {q} gave up the agreement of this plan (its plan "
+                        f"#{self.n + 1} over processes {list(self.group)}) before this process "
+                        f"reached it: {seen[q]['failed']}\nHow to fix: see the error on process "
+                        f"{q}; every involved process must reach each plan's first call within "
+                        "JAXRESHARD_AGREEMENT_TIMEOUT_S of the others. No data was moved"
+                    )
                 if seen[q]["fp"] != self.fp:
+                    self.mismatched = True
                     raise self._mismatch(q, seen[q])
             missing = sorted(peers - set(seen))
             if not missing:
