@@ -122,6 +122,9 @@ def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
     return stack
 
 
+_WIDE_DTYPES = frozenset({"int64", "uint64", "float64", "complex128"})
+"""Dtypes whose arrays only ``jax_enable_x64`` makes (a plan of them runs with it on)."""
+
 _DONATES_A_SOURCE = "is also passed as a source array; donating it would destroy the source"
 """Why a ``donate=`` leaf that is a source array is refused (moved and fallback leaves alike)."""
 
@@ -202,8 +205,14 @@ class Plan:
         self.fallback = tuple(fallback)
         self._fallback_avals = dict(fallback_avals or {})  # leaf -> shape, dtype, cast
         self.boundaries = tuple(boundaries)
-        # The setting its dtypes were canonicalized under, in force while it runs.
-        self.x64 = bool(jax.config.jax_enable_x64)
+        # The setting its dtypes were canonicalized under, in force while it runs; on where
+        # a leaf is 64-bit (made under jax.enable_x64, planned outside it): its programs
+        # need 64-bit words.
+        self.x64 = bool(jax.config.jax_enable_x64) or any(
+            dtype in _WIDE_DTYPES
+            for leaf in self.leaves
+            for dtype in (leaf.src_dtype, leaf.dst_dtype)
+        )
         self._crossing = Crossing(self.boundaries)
         self.assignment = assignment
         self.schedule = schedule
@@ -218,6 +227,9 @@ class Plan:
             host_syncs_per_call(lowered, platforms),
         )
         self._runtime: Runtime | None = None
+        # False while `jr.reshard`'s cache holds this plan outside the most recently used
+        # (`_STAGING_PLANS`): each call then frees its staging when it is done.
+        self._keep_staging = True
         self._lock = threading.Lock()
         self._agreed = False
 
@@ -313,6 +325,12 @@ class Plan:
         again, which costs page faults on CPU and allocator time on accelerators)."""
         if self._runtime is not None:
             self._runtime.release()
+
+    def _free_staging_unless_kept(self) -> None:
+        """Free the staging now if the plan cache no longer keeps it (`_STAGING_PLANS`), and
+        no call of this plan is running (one that is frees it when it is done)."""
+        if not self._keep_staging and self._runtime is not None:
+            self._runtime.release(wait=False)
 
     @_own_meshes
     def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
@@ -501,6 +519,7 @@ class Plan:
         moved = self._crossing.results(
             self.runtime.run(src, inner_old, profile, self._order_check()), weak
         )
+        self._free_staging_unless_kept()
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
         _PRODUCED.add(moved)
@@ -1430,13 +1449,16 @@ def cached_plan(
     _check_options(bucket_bytes, topology, compiler_options, fallback)
     options = tuple(sorted((compiler_options or {}).items()))
     key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback)
-    found = None
+    found, older = None, None
     if key is not None:
         with _CACHE_LOCK:
             found = _CACHE.get(key)
             if found is not None:
                 _CACHE.move_to_end(key)
-                _free_older_staging()
+                _moving(found)._keep_staging = True
+                older = _pushed_out_of_staging()
+        if older is not None:
+            older._free_staging_unless_kept()  # (not under the lock: it never waits for a call)
     if found is None:
         found = plan(
             src_tree,
@@ -1452,16 +1474,27 @@ def cached_plan(
                 _CACHE[key] = found
                 while len(_CACHE) > _CACHE_SIZE:
                     _CACHE.popitem(last=False)
-                _free_older_staging()
+                older = _pushed_out_of_staging()
+            if older is not None:
+                older._free_staging_unless_kept()
     return found
 
 
-def _free_older_staging() -> None:
-    """Free the staging of the plan that the last use pushed out of the `_STAGING_PLANS` most
-    recently used (one use moves one plan out; called under `_CACHE_LOCK`)."""
-    if len(_CACHE) > _STAGING_PLANS:
-        older = next(itertools.islice(reversed(_CACHE.values()), _STAGING_PLANS, None))
-        older.free_staging()
+def _pushed_out_of_staging() -> Plan | None:
+    """The plan that the last use pushed out of the `_STAGING_PLANS` most recently used (one
+    use moves one plan out), marked so that its calls free their staging when done; called
+    under `_CACHE_LOCK`, the staging freed by the caller after it (a call of that plan may
+    be running: it frees its own when done, and the cache never waits for it)."""
+    if len(_CACHE) <= _STAGING_PLANS:
+        return None
+    older = _moving(next(itertools.islice(reversed(_CACHE.values()), _STAGING_PLANS, None)))
+    older._keep_staging = False
+    return older
+
+
+def _moving(found: Plan | QuantizedPlan) -> Plan:
+    """The plan that moves the data (and holds the staging) of a cached plan."""
+    return found.inner if isinstance(found, QuantizedPlan) else found
 
 
 def clear_cache() -> None:
@@ -1748,8 +1781,10 @@ def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval
         dst.shard_shape(shape)
     except (LayoutError, ValueError) as e:
         raise _LeafProblem(f"through jax.device_put: {e}", "layout") from None
-    cast = _cast(dtype, want, own)
-    return shape, dtype, (None if cast == dtype else cast)
+    # Cast wherever the leaf takes its entry, its own dtype included: ``astype`` makes a
+    # weakly typed leaf strong, as a moved leaf's cast does.
+    takes = want is not None and _takes_cast(dtype, own)
+    return shape, dtype, (_cast(dtype, want, own) if takes else None)
 
 
 def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:

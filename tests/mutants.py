@@ -1441,6 +1441,31 @@ SURFACE_MUTANTS: list[Mutant] = [
         "with it and enters a transfer the other process never makes",
     ),
     Mutant(
+        "api-wide-leaves-planned-without-x64-run-without-it",
+        "jaxreshard/api.py",
+        (
+            (
+                "        self.x64 = bool(jax.config.jax_enable_x64) or any(",
+                "        self.x64 = bool(jax.config.jax_enable_x64) and any(",
+            ),
+        ),
+        ("tests/test_reshard.py::test_a_plan_runs_under_the_x64_setting_it_was_made_under",),
+        "a plan of 64-bit arrays made outside jax.enable_x64 runs with it off, and fails in XLA",
+    ),
+    Mutant(
+        "api-fallback-own-dtype-keeps-weak-type",
+        "jaxreshard/api.py",
+        (
+            (
+                "    return shape, dtype, (_cast(dtype, want, own) if takes else None)",
+                "    cast = _cast(dtype, want, own)\n"
+                "    return shape, dtype, (None if cast == dtype else cast)",
+            ),
+        ),
+        ("tests/test_leaves.py::test_a_fallback_leaf_taking_its_own_dtype_is_strongly_typed_too",),
+        "a weakly typed fallback leaf given a dtype= entry of its own dtype stays weak",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
@@ -1454,13 +1479,29 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "api-cache-keeps-every-plans-staging",
         "jaxreshard/api.py",
-        (("    if len(_CACHE) > _STAGING_PLANS:\n", "    if False:\n"),),
+        (("    older._keep_staging = False\n", ""),),
         (
             "tests/test_reshard.py::"
             "test_a_sync_cut_into_more_chunks_than_plans_kept_with_staging_plans_once",
         ),
         "every cached plan keeps its staging: a sync cut into chunks to bound device memory "
         "holds every chunk's",
+    ),
+    Mutant(
+        "api-pushed-out-plan-keeps-the-staging-it-makes",
+        "jaxreshard/api.py",
+        (
+            (
+                "        )\n        self._free_staging_unless_kept()\n",
+                "        )\n",
+            ),
+        ),
+        (
+            "tests/test_reshard.py::"
+            "test_a_sync_cut_into_more_chunks_than_plans_kept_with_staging_plans_once",
+        ),
+        "a plan pushed out of the cache's staging window while its started refit waited keeps "
+        "the staging that refit makes",
     ),
     Mutant(
         "api-cache-ignores-x64",

@@ -163,6 +163,19 @@ def test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them():
     assert (bf16 * out["steps"]).dtype == jnp.bfloat16
 
 
+def test_a_fallback_leaf_taking_its_own_dtype_is_strongly_typed_too(caplog):
+    """(A review.) A Python float going through ``jax.device_put`` (``fallback=``) with a
+    ``dtype=`` entry of its own dtype stayed weak, where a moved leaf's cast makes it strong,
+    as ``astype`` does; without an entry it stays weak, as ``jax.device_put`` gives it."""
+    dst = sharding(*DST)
+    src = {"moved": jax.device_put(jnp.asarray(1.5), dst), "fb": 0.5, "plain": 2.5}
+    dtype = {"moved": "float32", "fb": "float32", "plain": None}
+    out = jr.plan(src, {k: dst for k in src}, dtype=dtype, fallback="device_put")(src)
+    assert not out["moved"].weak_type and not out["fb"].weak_type
+    assert out["plain"].weak_type == jax.device_put(2.5, dst).weak_type
+    assert float(out["fb"]) == 0.5 and out["fb"].sharding == dst
+
+
 def test_each_call_gets_its_own_sources_weak_type():
     """Regression: the weak type was the plan's (or the ``jr.reshard`` cache's first
     caller's): a strong source called through a plan made from a weak one came back weak, so

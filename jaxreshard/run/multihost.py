@@ -307,8 +307,8 @@ class _Agreement:
                 if "failed" in seen[q]:
                     raise ReshardError(
                         f"jaxreshard: process {q} gave up the agreement of this plan (its plan "
-                        f"#{self.n + 1} over processes {list(self.group)}) before this process "
-                        f"reached it: {seen[q]['failed']}\nHow to fix: see the error on process "
+                        f"#{self.n + 1} over processes {list(self.group)}): "
+                        f"{seen[q]['failed']}\nHow to fix: see the error on process "
                         f"{q}; every involved process must reach each plan's first call within "
                         "JAXRESHARD_AGREEMENT_TIMEOUT_S of the others. No data was moved"
                     )
