@@ -279,7 +279,7 @@ class Plan:
         """Check ``out_tree`` (this plan's result for ``src_tree``) shard by shard against
         ``src_tree``, with checksums computed on device on both sides.
 
-        Each destination shard's position-weighted checksum is compared with the sum of the
+        Each destination shard's position-hashed checksum is compared with the sum of the
         same box's parts on the source devices (cast as the plan casts), so only a few bytes per
         shard reach the host (`jaxreshard.run.verify`). Costs about one read of the source and
         one of the result; compiles one program per device on its first use. Single-controller
