@@ -664,7 +664,10 @@ class Plan:
         # Plain leaves: a tree of the plan's structure has the plan's paths (`self.paths`),
         # which only a problem needs; flattening with paths costs ~1 us a leaf on every call.
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != self.treedef:
+        if treedef != self.treedef and not (sources is not None and self._same_paths(tree)):
+            # (A donate= tree is taken leaf by leaf, by path: a sampler's own nnx.State,
+            # whose Variables carry the sampler's annotations, differs from the source's only
+            # in that metadata.)
             raise _structure_error(
                 name, tree, self.paths, planned=True, reference=_shaped(self.treedef)
             )
@@ -733,6 +736,13 @@ class Plan:
         if problems:
             raise leaf_error(summary, problems, fix)
         return leaves
+
+    def _same_paths(self, tree: Any) -> bool:
+        """Whether ``tree``'s leaves have the plan's paths, in order."""
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return len(flat) == len(self.paths) and all(
+            keystr(p) == q for (p, _), q in zip(flat, self.paths, strict=True)
+        )
 
     def _fit_quickly(
         self,

@@ -1466,6 +1466,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         "a weakly typed fallback leaf given a dtype= entry of its own dtype stays weak",
     ),
     Mutant(
+        "api-donate-tree-of-other-metadata-refused",
+        "jaxreshard/api.py",
+        (
+            (
+                "        if treedef != self.treedef and not (sources is not None and "
+                "self._same_paths(tree)):",
+                "        if treedef != self.treedef:",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_a_samplers_own_nnx_state_of_other_annotations_is_taken_as_donate",
+        ),
+        "a donate= tree that differs from the source's only in container metadata (a sampler's "
+        "nnx.State of its own annotations) is refused",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -134,6 +134,34 @@ def test_a_single_array_with_one_dtype_is_cast_whatever_its_dtype():
     assert out.dtype == jnp.int8
 
 
+def test_a_samplers_own_nnx_state_of_other_annotations_is_taken_as_donate():
+    """Regression (a probe of real model trees): the sampler's own ``nnx.State``, whose
+    Params carry the sampler's logical axis names, was refused as ``donate=`` (its tree
+    differs from the trainer's only in that metadata), though the same tree is taken as
+    ``dst_shardings``. A donate= tree is matched leaf by leaf, by path."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    def model(axes, seed):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), axes)
+        with nnx.use_eager_sharding(False):  # (annotations only: placed below)
+            return nnx.Linear(8, 16, use_bias=False, kernel_init=init, rngs=nnx.Rngs(seed))
+
+    src, dst = sharding(*SRC, "dp", "tp"), sharding(*DST, None, "tp")
+    params = jax.device_put(nnx.state(model(("embed", "mlp"), 0), nnx.Param), src)
+    sampler = jax.device_put(nnx.state(model(("embed_s", "mlp_s"), 1), nnx.Param), dst)
+    assert jax.tree.structure(params) != jax.tree.structure(sampler)
+    shardings = jax.tree.map(lambda _: dst, sampler)
+    plan = jr.plan(params, shardings)
+    kernel = sampler["kernel"].value
+    out = plan(params, donate=sampler)
+    assert kernel.is_deleted()
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(params), strict=True):
+        assert_exact(got, np.asarray(want), dst)
+    with pytest.raises(jr.ReshardError, match=r"donate= tree"):
+        plan(params, donate={"other": out["kernel"]})  # other paths: refused by name
+    assert not out["kernel"].value.is_deleted()
+
+
 def test_weakly_typed_leaves_arrive_weakly_typed_as_device_put_keeps_them():
     """A weakly typed source (``jnp.asarray(1.5)``, a scalar from a Python number) arrives
     weakly typed, as ``jax.device_put`` gives it, so JAX's type promotion is unchanged
