@@ -2000,7 +2000,19 @@ def _structure_error(
     entries = {*got, *nones}
     missing = [p for p in expected_paths if entries.isdisjoint(_ancestors(p))]
     extra = [g for g in got if g not in covering]
-    problems += [(p, "missing here") for p in missing] + [(p, f"not in {what}") for p in extra]
+    wrapped = bool(missing) and sorted(extra) == sorted(p + ".value" for p in missing)
+    if wrapped and not problems:
+        # Only an nnx Variable level between them (an nnx.State against its pure dict): said
+        # once, with the fix, rather than every leaf twice.
+        n = len(missing)
+        problems = [(
+            missing[0] + (f" and {n - 1} more" if n > 1 else ""),
+            f"at {missing[0]}.value here: {name} holds nnx Variables where {what} holds "
+            "plain leaves (the only difference)",
+        )]  # fmt: skip
+    else:
+        problems += [(p, "missing here") for p in missing]
+        problems += [(p, f"not in {what}") for p in extra]
     if is_leaf is None:  # not a prefix tree: a leaf standing where a subtree should be
         wanted = set(expected_paths)
         for path, x in ((keystr(p), x) for p, x in flat if x is not None):
@@ -2026,6 +2038,11 @@ def _structure_error(
         else f"give {name} the same structure as the source tree (a NamedSharding or dtype may "
         "also stand for a whole subtree, as with jax.jit's out_shardings)"
     )
+    if wrapped:
+        fix = (
+            f"make both plain or both nnx.State: pass {name} as a pure dict "
+            "(state.to_pure_dict() of an nnx.State), or the source as the nnx.State itself"
+        )
     return leaf_error(f"{name} does not match the structure of {what}", problems, fix)
 
 

@@ -1483,6 +1483,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         "nnx.State of its own annotations) is refused",
     ),
     Mutant(
+        "api-nnx-level-difference-listed-leaf-by-leaf",
+        "jaxreshard/api.py",
+        (
+            (
+                '    wrapped = bool(missing) and sorted(extra) == sorted(p + ".value" for p in '
+                "missing)",
+                "    wrapped = False",
+            ),
+        ),
+        (
+            "tests/test_errors.py::"
+            "test_shardings_as_an_nnx_state_over_a_pure_dict_source_say_so_once",
+        ),
+        "shardings given as an nnx.State over a pure-dict source list every leaf twice, "
+        "without saying that the Variable level is the one difference",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -70,6 +70,20 @@ def test_a_bad_fp8_format_is_refused_with_its_fix(option):
     assert "How to fix" in str(e.value)
 
 
+def test_shardings_as_an_nnx_state_over_a_pure_dict_source_say_so_once(src):
+    """(A probe of real model trees.) Pure-dict parameters planned against an nnx.State of
+    shardings listed every leaf twice ("missing here", then ".value: not in the source
+    tree") and never said why; the one difference is named once, with the fix."""
+    nnx = pytest.importorskip("flax.nnx")
+    wrapped = nnx.State({"a": nnx.Param(sharding(*DST)), "b": {"c": nnx.Param(sharding(*DST))}})
+    with pytest.raises(jr.ReshardError) as e:
+        jr.plan(src, wrapped)
+    message = str(e.value)
+    assert "(1 leaf)" in message and "and 1 more" in message, message
+    assert "holds nnx Variables where the source tree holds plain leaves" in message
+    assert "to_pure_dict()" in message
+
+
 def test_a_destination_that_does_not_divide_the_shape(src):
     bad = dst_tree()
     bad["b"]["c"] = sharding(tuple(range(4, 7)), (3,), ("tp",), None, "tp")
