@@ -684,7 +684,7 @@ class Plan:
         fallen_donated = self._fallback_results if sources is not None else []
         quick = not fallen_donated and self._fit_quickly(leaves, expected, sources, source_ids)
         checked = [] if quick else [*zip(self.moved, expected, strict=True), *fallen_donated]
-        fallen = {i for i, _ in self.fallback}
+        fallen = {i for i, _ in fallen_donated}
         for i, (shape, dtype, sharding) in checked:
             path, x = self.paths[i], leaves[i]
             placeholder_ok = allow_placeholders and not sharding.addressable_devices
@@ -1712,7 +1712,7 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             dst_dtype = _cast(src_dtype, want, own)
             # A leaf that takes a dtype entry, even its own dtype, is strongly typed after, as
             # ``astype`` makes it.
-            typed = want is not None and _takes_cast(src_dtype, own)
+            typed = _takes_entry(src_dtype, want, own)
     except LayoutError as e:
         raise _LeafProblem(
             f"cannot move this leaf's sharding: {e}", "sharding", device_put_ok=True
@@ -1793,7 +1793,7 @@ def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval
         raise _LeafProblem(f"through jax.device_put: {e}", "layout") from None
     # Cast wherever the leaf takes its entry, its own dtype included: ``astype`` makes a
     # weakly typed leaf strong, as a moved leaf's cast does.
-    takes = want is not None and _takes_cast(dtype, own)
+    takes = _takes_entry(dtype, want, own)
     return shape, dtype, (_cast(dtype, want, own) if takes else None)
 
 
@@ -1813,6 +1813,12 @@ def _cast(src: np.dtype, want: Any, own: bool) -> np.dtype:
             "dtype",
         )
     return np.dtype(dtype) if _takes_cast(src, own) else src
+
+
+def _takes_entry(src: Any, want: Any, own: bool) -> bool:
+    """Whether a leaf of dtype ``src`` takes the ``dtype=`` entry ``want`` (`_cast`): its
+    result is then ``astype``'s, strongly typed even where the dtype is its own."""
+    return want is not None and _takes_cast(src, own)
 
 
 def _on_device(dtype: Any) -> bool:

@@ -312,8 +312,7 @@ def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:
     ``jax.jit`` compile the quantizer again."""
     if x.sharding is sharding or x.sharding == sharding:
         return x
-    view = views.View(x.shape, x.dtype, sharding, x.weak_type)
-    return view(views.ordered(views.by_device(x), sharding))
+    return views.View(x.shape, x.dtype, sharding, x.weak_type).of(x)
 
 
 def refuse(problems: list[tuple[str, str]]) -> ReshardError:

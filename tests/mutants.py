@@ -1418,7 +1418,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "            typed = want is not None and _takes_cast(src_dtype, own)",
+                "            typed = _takes_entry(src_dtype, want, own)",
                 "            typed = dst_dtype != src_dtype",
             ),
         ),

@@ -368,16 +368,15 @@ class Runtime:
             )
         return fn
 
-    def release(self, wait: bool = True) -> bool:
+    def release(self, wait: bool = True) -> None:
         """Free the staging pool (the next run allocates it again). With ``wait=False``, only
-        if no run holds the plan now: whether it was freed."""
+        if no run holds the plan now."""
         if not self._lock.acquire(blocking=wait):
-            return False
+            return
         try:
             self._pool.clear()
         finally:
             self._lock.release()
-        return True
 
     def pool_bytes(self) -> dict[int, int]:
         """Staging bytes the pool holds now, per local device."""

@@ -57,6 +57,11 @@ class View:
             self.shape, self.dtype, sharding=self.sharding, weak_type=self.weak_type
         )
 
+    def of(self, x: jax.Array) -> jax.Array:
+        """``x``'s buffers (same boxes on the same devices) as an array of this view, zero-copy:
+        ``x`` in this view's sharding object, where its own is an equivalent one."""
+        return self(ordered(by_device(x), self.sharding))
+
     def __call__(self, buffers: Sequence[jax.Array]) -> jax.Array:
         if self._aval is not None:
             return _ArrayImpl(

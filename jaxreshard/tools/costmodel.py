@@ -917,8 +917,9 @@ def direct_round_robin(
             for _, replicas, common in leaf.src.overlapping(dst_box):
                 nbytes = box_size(common) * leaf.itemsize
                 wanting = [d for d in holders if d not in replicas]
-                first = turn[tuple(replicas)]
-                turn[tuple(replicas)] = first + len(wanting)
+                group = tuple(replicas)
+                first = turn[group]
+                turn[group] = first + len(wanting)
                 for k, d in enumerate(wanting):
                     s = replicas[(first + k) % len(replicas)]
                     cross = topology.crosses(s, d)

@@ -122,25 +122,13 @@ class Model:
 def _attention_gqa(
     L: int, h: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool
 ) -> list[Param]:
-    A = (0, L)
+    A, kv = (0, L), (L, h, kv_heads * head_dim)
     out = [
         Param("attn.norm", (L, h), layers=A),
         Param("attn.q", (L, h, heads * head_dim), layers=A, tp_dim=2, tp_unit=head_dim),
-        Param(
-            "attn.k",
-            (L, h, kv_heads * head_dim),
-            layers=A,
-            tp_dim=2,
-            tp_unit=head_dim,
-            tp_replicates=True,
-        ),
-        Param(
-            "attn.v",
-            (L, h, kv_heads * head_dim),
-            layers=A,
-            tp_dim=2,
-            tp_unit=head_dim,
-            tp_replicates=True,
+        *(  # KV heads: replicated where TP has more ranks than them (vLLM)
+            Param(name, kv, layers=A, tp_dim=2, tp_unit=head_dim, tp_replicates=True)
+            for name in ("attn.k", "attn.v")
         ),
         Param("attn.o", (L, heads * head_dim, h), layers=A, tp_dim=1, tp_unit=head_dim),
         Param("mlp.norm", (L, h), layers=A),
