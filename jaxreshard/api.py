@@ -880,7 +880,12 @@ class Plan:
             ),
             f"  rounds  {s.rounds} in {s.buckets} bucket(s) of {len(self.schedule.units)} "
             f"unit(s), largest round {_b(largest)}, bucket limit {_b(self.bucket_bytes)}",
-            f"  staging {_b(s.staging_bytes)} per device, kept between calls",
+            f"  staging {_b(s.staging_bytes)} per device, "
+            + (
+                "kept between calls"
+                if self._keep_staging
+                else "freed after each call (a cached plan out of the most recently used)"
+            ),
             f"  calls   {s.programs} programs (compiled on the first call), {s.dispatches} "
             f"dispatches and {s.host_syncs} host sync(s) per call",
             f"  busiest sender {_b(s.max_device_send_bytes)}, busiest receiver "

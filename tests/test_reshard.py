@@ -374,6 +374,9 @@ def test_a_sync_cut_into_more_chunks_than_plans_kept_with_staging_plans_once():
         assert_exact(out[f"w{i}"], host, dst)
     held = [max(p.runtime.pool_bytes().values(), default=0) > 0 for p in plans]
     assert held == [False] * 4 + [True] * api._STAGING_PLANS
+    # describe() says which (a review: it said "kept between calls" of every plan).
+    assert "freed after each call" in plans[0].describe()
+    assert "kept between calls" in plans[-1].describe()
     # Started refits run on the worker after later lookups pushed their plans out (a review:
     # they kept the staging they then made): each frees it when done, and a lookup never
     # waits for a plan's call to free another's.

@@ -792,8 +792,8 @@ def test_cli_runs_as_a_module():
     assert "qwen3-4b: FSDP8 -> TP8" in done.stdout and "modeled time" in done.stdout
 
 
-# Scenarios whose planning and pricing take several seconds to minutes here (Kimi-K2 and
-# NeMo-RL's setup about 3-9 s to plan, 512 GPUs 11-17 s, 4,096 GPUs 30-50 s, then priced with
+# Scenarios whose planning and pricing take several seconds to a minute here (Kimi-K2 and
+# NeMo-RL's setup about 2-3 s to plan, 512 GPUs 3 s, 4,096 GPUs 8-12 s, then priced with
 # both lanes and one in a pass and four more times without overheads) run in
 # `python -m jaxreshard.simulate --all` (the README's table), not in the suite, which must
 # stay within ~10 minutes on 2 cores.
