@@ -1662,7 +1662,7 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             )
     else:
         raise _LeafProblem(
-            f"the source is a {type(x).__name__}, not a jax.Array", "type", device_put_ok=True
+            f"the source is {_a(type(x).__name__)}, not a jax.Array", "type", device_put_ok=True
         )
     if isinstance(dst, PartitionSpec):
         raise _LeafProblem(
@@ -1670,9 +1670,15 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             "its mesh, NamedSharding(mesh, spec)",
             "type",
         )
+    if isinstance(dst, (jax.Array, jax.ShapeDtypeStruct)):
+        raise _LeafProblem(
+            f"the destination is {_a(type(dst).__name__)}, not a jax.sharding.Sharding: give "
+            "its sharding (x.sharding)",
+            "type",
+        )
     if not isinstance(dst, Sharding):
         raise _LeafProblem(
-            f"the destination is a {type(dst).__name__}, not a jax.sharding.Sharding", "type"
+            f"the destination is {_a(type(dst).__name__)}, not a jax.sharding.Sharding", "type"
         )
     for side, s in (("source", sharding), ("destination", dst)):
         if isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh):
@@ -1736,6 +1742,10 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
     leaf = LeafSpec(
         path, src_layout, dst_layout, src_dtype.name, dst_dtype.name, wire_itemsize(dst_dtype)
     )
+    if isinstance(src_sharding, NamedSharding):
+        # A source over Manual mesh axes is read as the same over Auto ones (a probe: the
+        # pack program, traced over Manual axes, took each shard for the whole array).
+        src_sharding = boundary.as_named(src_sharding, shape)
     edge = Boundary(
         key_impl,
         boundary.on_device_memory(src_sharding),
@@ -2120,6 +2130,11 @@ def _describe_devices(sharding: Any, devices: Sequence[int]) -> str:
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         return f"NamedSharding(mesh={axes}, devices=[{shown}], spec={sharding.spec})"
     return f"{type(sharding).__name__}(devices=[{shown}])"
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article ("an int", "a dict")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _b(n: int) -> str:

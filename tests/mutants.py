@@ -1500,6 +1500,14 @@ SURFACE_MUTANTS: list[Mutant] = [
         "without saying that the Variable level is the one difference",
     ),
     Mutant(
+        "api-manual-source-read-over-manual-axes",
+        "jaxreshard/api.py",
+        (("src_sharding = boundary.as_named(src_sharding, shape)", "pass"),),
+        ("tests/test_leaves.py::test_a_source_over_manual_mesh_axes_moves_as_over_auto_ones",),
+        "a source whose mesh axes are Manual is read over them: the pack program takes each "
+        "shard for the whole array and fails in XLA",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

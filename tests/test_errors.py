@@ -140,6 +140,13 @@ def test_a_destination_that_is_not_a_sharding(src):
         jr.plan(src, bad)
     assert issubclass(jr.ReshardTypeError, TypeError)
     assert issubclass(jr.ReshardError, ValueError)
+    # An array (a previous result) where its sharding belongs: the fix names x.sharding.
+    bad["a"] = jnp.zeros(src["a"].shape, src["a"].dtype)
+    with pytest.raises(
+        jr.ReshardTypeError,
+        match=r"\['a'\].*is an ArrayImpl, not a jax.sharding.Sharding.*x\.sharding",
+    ):
+        jr.plan(src, bad)
 
 
 def test_a_source_that_is_not_a_jax_array(src):

@@ -257,6 +257,21 @@ def test_a_destination_over_manual_mesh_axes_gets_the_sharding_it_asked_for():
         assert_exact(out, host, dst)
 
 
+def test_a_source_over_manual_mesh_axes_moves_as_over_auto_ones():
+    """A source whose mesh axes are Manual (all or some) moves, as ``jax.device_put`` moves it
+    (a probe: the pack program, traced over Manual axes, failed in XLA with a raw error)."""
+    manual, auto = jax.sharding.AxisType.Manual, jax.sharding.AxisType.Auto
+    host = random_array((8, 8), "float32")
+    dst = sharding(*DST, None, "tp")
+    for types in ((manual, manual), (manual, auto)):
+        mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=types, devices=jax.devices()[:4])
+        src = jax.device_put(host, NamedSharding(mesh, jax.sharding.PartitionSpec("dp", "tp")))
+        plan = jr.plan({"w": src}, {"w": dst}, dtype=jnp.bfloat16)
+        out = plan({"w": src})
+        out = plan({"w": src}, donate=out)
+        assert_exact(out["w"], host.astype(jnp.bfloat16), dst)
+
+
 def test_destinations_in_host_memory_land_there_under_the_transfer_guard():
     host = random_array((16, 8), "float32")
     src = {
