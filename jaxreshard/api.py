@@ -1161,7 +1161,9 @@ def plan(
                 except _LeafProblem as f:
                     problems.append((keystr(path), str(f), f.kind))
             else:
-                problems.append((keystr(path), str(e), e.kind))
+                # A sharding no fallback moves either gets a fix that does not offer one.
+                offers = e.kind != "sharding" or e.device_put_ok
+                problems.append((keystr(path), str(e), e.kind if offers else "sharding-only"))
             continue
         avals.append(aval)
         boundaries.append(edge)
@@ -1169,6 +1171,8 @@ def plan(
         moved.append(i)
     if problems:
         kinds = {k for _, _, k in problems}
+        if "sharding" in kinds:
+            kinds.discard("sharding-only")
         cls = ReshardTypeError if kinds == {"type"} else ReshardError
         raise leaf_error(
             "cannot plan a reshard for these leaves",
@@ -1636,6 +1640,9 @@ _FIXES = {
     "sharding": "give such leaves layouts jaxreshard moves (NamedSharding or "
     "SingleDeviceSharding, nothing reduced or unreduced: see each reason), or, where the "
     'reason allows it, plan with fallback="device_put" to send them through jax.device_put',
+    "sharding-only": "give such leaves layouts jaxreshard moves (NamedSharding or "
+    "SingleDeviceSharding, nothing unreduced or UNCONSTRAINED: see each reason); "
+    "jax.device_put does not move them either",
     "deleted": "pass arrays that are still alive: an array donated to jax.jit or to "
     "donate= is deleted; keep the source alive until the reshard returns",
     "dtype": "pass a NumPy/JAX dtype such as jnp.bfloat16, or None to keep the source dtype "

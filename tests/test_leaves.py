@@ -450,8 +450,13 @@ def test_a_source_sharding_refusal_gives_a_fix_for_the_sharding_not_the_destinat
     to_reduced = NamedSharding(dst.mesh, PartitionSpec(reduced={"x"}))
     out = jr.plan(reduced, to_reduced, fallback="device_put")(reduced)
     np.testing.assert_array_equal(np.asarray(out), np.arange(4.0))
-    with pytest.raises(jr.ReshardError, match="unreduced axes"):
-        jr.plan(unreduced, dst, fallback="device_put")  # device_put cannot move it either
+    for fallback in (None, "device_put"):  # device_put cannot move it either: not offered
+        with pytest.raises(jr.ReshardError, match="unreduced axes") as e:
+            jr.plan(unreduced, dst, fallback=fallback)
+        assert "fallback" not in str(e.value), str(e.value)
+    with pytest.raises(jr.ReshardError, match="reduced axes") as e:
+        jr.plan(reduced, dst)
+    assert 'fallback="device_put"' in str(e.value)
 
 
 def test_non_jax_leaves_are_refused_by_default_and_sent_by_device_put_on_request(caplog):
