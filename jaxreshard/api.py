@@ -411,7 +411,7 @@ class Plan:
                 _DONATED.release(old)
 
         try:
-            return Refit(_worker().submit(run), sources)
+            return Refit(_submit(run), sources)
         except BaseException:
             _IN_FLIGHT.remove(sources)
             _DONATED.release(old)
@@ -423,7 +423,7 @@ class Plan:
         flat, old = self._prepare(src_tree, donate, verify)
         try:
             if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
-                return _worker().submit(self._move, flat, old, profile).result()
+                return _submit(functools.partial(self._move, flat, old, profile)).result()
             return self._move(flat, old, profile)
         finally:
             _DONATED.release(old)
@@ -482,7 +482,7 @@ class Plan:
             refuse_call, self.identity, self._label, " ".join(str(error).splitlines()[:2])
         )
         if _IN_FLIGHT.busy() and not on_worker:
-            _worker().submit(record).result()
+            _submit(record).result()
         else:
             record()
 
@@ -1052,6 +1052,7 @@ class _Produced:
 _PRODUCED = _Produced()
 _WORKER: concurrent.futures.ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
+_LAST_SUBMITTED: concurrent.futures.Future | None = None
 
 
 def _worker() -> concurrent.futures.ThreadPoolExecutor:
@@ -1061,6 +1062,31 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
         if _WORKER is None:
             _WORKER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxreshard")
         return _WORKER
+
+
+def _submit(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """Run ``fn`` on the worker, after what was submitted before. At interpreter shutdown
+    (``concurrent.futures`` takes no new work then: a probe's training thread still calling
+    ``start`` after the main module ended, or a final sync in an ``atexit`` hook, got its
+    raw RuntimeError) ``fn`` runs on the caller's thread, once the worker's last task is done,
+    and the future returned is already resolved."""
+    global _LAST_SUBMITTED
+    with _WORKER_LOCK:
+        last = _LAST_SUBMITTED
+    try:
+        future = _worker().submit(fn)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        if last is not None:
+            concurrent.futures.wait([last])
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn())
+        except Exception as e:
+            future.set_exception(e)
+        return future
+    with _WORKER_LOCK:
+        _LAST_SUBMITTED = future
+    return future
 
 
 def _deleted(x: Any) -> bool:
@@ -1315,12 +1341,15 @@ class QuantizedPlan:
     def describe(self) -> str:
         """The inner plan's summary, and the fp8 leaves' values and scales."""
         lines = [self.inner.describe(), f"  {len(self.quantized)} fp8 leaf (leaves):"]
-        for i, fmt in zip(self.quantized[:20], self.formats, strict=False):
-            shape = self._avals[self.quantized.index(i)][0]
+        for i, fmt, (shape, _, _) in zip(
+            self.quantized[:20], self.formats, self._avals, strict=False
+        ):
             lines.append(
                 f"    {self.paths[i] or '<root>'}: {fmt.fmt.name}{list(shape)} values + float32"
                 f"{list(fmt.scale_shape(shape))} scales (block {fmt.block})"
             )
+        if len(self.quantized) > 20:
+            lines.append(f"    ... and {len(self.quantized) - 20} more")
         return "\n".join(lines)
 
     def __getattr__(self, name: str) -> Any:

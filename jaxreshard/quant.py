@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jaxreshard.errors import ReshardError, leaf_error
-from jaxreshard.run import views
+from jaxreshard.run import runtime, views
 from jaxreshard.run.boundary import on_device_memory
 
 TINY = np.float32(np.finfo(np.float32).tiny)
@@ -303,7 +303,8 @@ class Quantizer:
             else _as_planned(x, s)
             for x, s in zip(xs, self.src_shardings, strict=True)
         ]
-        return list(self._fn(*arrays))
+        platforms = {d.platform for s in self.src_shardings for d in s.device_set}
+        return list(runtime.between_calls(platforms, lambda: self._fn(*arrays)))
 
 
 def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:

@@ -1508,6 +1508,36 @@ SURFACE_MUTANTS: list[Mutant] = [
         "shard for the whole array and fails in XLA",
     ),
     Mutant(
+        "fp8-quantizer-beside-a-call-in-flight",
+        "jaxreshard/quant.py",
+        (
+            (
+                "return list(runtime.between_calls(platforms, lambda: self._fn(*arrays)))",
+                "return list(self._fn(*arrays))",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::"
+            "test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices",
+        ),
+        "the fp8 quantizer's collectives are dispatched on CPU while a call (a started refit "
+        "on the worker) has its own in flight on the same devices",
+    ),
+    Mutant(
+        "api-start-at-shutdown-raises-the-executors-error",
+        "jaxreshard/api.py",
+        (
+            (
+                '    except RuntimeError:  # "cannot schedule new futures after (interpreter) '
+                'shutdown"',
+                "    except ZeroDivisionError:",
+            ),
+        ),
+        ("tests/test_async.py::test_a_refit_started_at_interpreter_shutdown_runs",),
+        "a refit started at interpreter shutdown (a training thread still running, an atexit "
+        "hook's final sync) raises concurrent.futures' raw RuntimeError",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

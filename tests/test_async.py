@@ -294,3 +294,45 @@ def test_calls_of_two_plans_made_at_once_on_two_threads_run_one_after_the_other(
     assert all(n % per_call[r] == 0 for r, n in runs), runs
     for out in outs.values():
         check(out, host, jnp.float32)
+
+
+SHUTDOWN_SCRIPT = """
+import atexit, os, sys, threading
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxreshard as jr
+
+devices = np.array(jax.devices())
+src_sharding = NamedSharding(Mesh(devices[:4].reshape(2, 2), ("fsdp", "tp")), P("fsdp", "tp"))
+dst = NamedSharding(Mesh(devices[4:], ("tp",)), P(None, "tp"))
+host = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+src = jax.device_put(host, src_sharding)
+plan = jr.plan(src, dst)
+plan.start(src).result()
+
+def final_sync(where):
+    out = plan.start(src).result()
+    same = np.array_equal(np.asarray(out), host) and out.sharding == dst
+    print(where, "ok" if same else "wrong", flush=True)
+
+atexit.register(final_sync, "atexit")
+later = threading.Timer(0.5, final_sync, ("thread",))  # still running when the main module ends
+later.start()
+"""
+
+
+def test_a_refit_started_at_interpreter_shutdown_runs(tmp_path):
+    """A refit started after the main module ended (a training thread still running, or a
+    final sync in an ``atexit`` hook), when ``concurrent.futures`` takes no new work, runs on
+    the caller's thread (a probe: it raised the executor's raw RuntimeError)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split()) == ["atexit", "ok", "ok", "thread"], done.stdout

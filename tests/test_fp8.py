@@ -101,6 +101,13 @@ def test_bytes_sent_are_values_plus_scales_half_a_bf16_refit():
     assert fp8.stats.bytes_sent <= 0.52 * bf16.stats.bytes_sent
     assert fp8.stats.bytes_sent == fp8.stats.bytes_lower_bound
     assert "float32[8, 8] scales" in fp8.describe()
+    # Past 20 fp8 leaves the list says how many it leaves out (a probe: it stopped silently).
+    many = {
+        f"w{i}": jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=src.sharding)
+        for i in range(25)
+    }
+    text = jr.plan(many, dst, dtype=jr.Fp8Blockwise()).describe()
+    assert "25 fp8 leaf" in text and "['w19']" in text and "... and 5 more" in text
 
 
 def test_blocks_straddling_source_shards_combine_their_partial_amax():
@@ -109,6 +116,33 @@ def test_blocks_straddling_source_shards_combine_their_partial_amax():
     dst = sharding(*DST, None, "tp")
     plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
     assert_matches_reference(plan(src), host, (128, 128), jnp.float8_e4m3fn, dst)
+
+
+def test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices():
+    """Blocks straddling source shards make the quantizer a collective program. On CPU it is
+    dispatched between calls, as a call's steps are (a probe of threads: dispatched from the
+    caller while a started refit ran on the worker, the two programs' collectives could
+    interleave on the devices until XLA aborted)."""
+    import threading
+
+    from jaxreshard.run import runtime
+
+    host = weights((384, 512), seed=4)
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, None, "tp")
+    plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
+    quantizer, dispatched = plan._quantizer, []
+    program = quantizer._fn
+    quantizer._fn = lambda *xs: dispatched.append(len(xs)) or program(*xs)
+    out = []
+    with runtime._CPU_CALLS:  # as a call running on another thread holds it
+        waiting = threading.Thread(target=lambda: out.append(plan(src)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not dispatched
+    waiting.join()
+    assert dispatched == [1]
+    assert_matches_reference(out[0], host, (128, 128), jnp.float8_e4m3fn, dst)
 
 
 def test_a_nan_block_and_a_tiny_block_straddling_source_shards_quantize_as_the_reference():

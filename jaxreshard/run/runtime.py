@@ -630,6 +630,23 @@ whose plans span different process groups can wait for each other across process
 ends in the order check's error (crossed calls, or the agreement timeout), not in a hang."""
 
 
+def between_calls(platforms: Iterable[str], dispatch: Callable[[], Any]) -> Any:
+    """Dispatch a program that runs beside the plans' calls and may hold collectives (the fp8
+    quantizer's max over the devices that split a block), as a call's steps are dispatched
+    where those wait for each other (CPU, `waits_between_steps`): under `_CPU_CALLS`, once
+    the last call's last step is done, and the next call's first transfer waits for it.
+    Dispatched from the caller's thread while a started refit ran on the worker (a probe of
+    threads), its collectives could interleave with the refit's on the devices and leave
+    both waiting until XLA aborts. Elsewhere it is only dispatched."""
+    if not waits_between_steps(platforms):
+        return dispatch()
+    with _CPU_CALLS:
+        _await(_LAST_STEP.arrays())
+        out = dispatch()
+        _LAST_STEP.remember([x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)])
+    return out
+
+
 def waits_between_steps(platforms: Iterable[str]) -> bool:
     """Whether a call waits, before each step with a transfer, for the previous step.
 
