@@ -1332,7 +1332,10 @@ class QuantizedPlan:
             if call:
                 self.inner.refuse(e)
             raise
-        pairs = self._quantizer([flat[i] for i in self.quantized])
+        quantize = functools.partial(self._quantizer, [flat[i] for i in self.quantized])
+        # After the refits started before, as a plain call is issued: its collectives (blocks
+        # straddling source shards) then come after theirs on every process alike.
+        pairs = _submit(quantize).result() if _IN_FLIGHT.busy() else quantize()
         inner = list(flat)
         for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):
             inner[i] = QuantizedArray(values, scales, fmt)

@@ -1524,6 +1524,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         "on the worker) has its own in flight on the same devices",
     ),
     Mutant(
+        "fp8-quantizer-issued-before-refits-in-flight",
+        "jaxreshard/api.py",
+        (
+            (
+                "pairs = _submit(quantize).result() if _IN_FLIGHT.busy() else quantize()",
+                "pairs = quantize()",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::"
+            "test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices",
+        ),
+        "an fp8 plan's quantizer is issued on the caller's thread ahead of refits started "
+        "before it, so processes can order their collectives differently",
+    ),
+    Mutant(
         "api-start-at-shutdown-raises-the-executors-error",
         "jaxreshard/api.py",
         (

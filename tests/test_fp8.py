@@ -133,7 +133,7 @@ def test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices():
     plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
     quantizer, dispatched = plan._quantizer, []
     program = quantizer._fn
-    quantizer._fn = lambda *xs: dispatched.append(len(xs)) or program(*xs)
+    quantizer._fn = lambda *xs: dispatched.append(threading.current_thread().name) or program(*xs)
     out = []
     with runtime._CPU_CALLS:  # as a call running on another thread holds it
         waiting = threading.Thread(target=lambda: out.append(plan(src)))
@@ -141,8 +141,16 @@ def test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices():
         waiting.join(0.5)
         assert waiting.is_alive() and not dispatched
     waiting.join()
-    assert dispatched == [1]
+    assert len(dispatched) == 1
     assert_matches_reference(out[0], host, (128, 128), jnp.float8_e4m3fn, dst)
+    # With refits in flight the quantizer is issued after them, on the worker, as a plain call
+    # is: every process then orders its collectives alike.
+    big = jax.device_put(weights((4096, 2048), seed=5), sharding(*SRC, "fsdp", "tp"))
+    busy = jr.plan(big, sharding(*DST, None, "tp")).start(big)
+    refit = plan.start(src)
+    busy.result()
+    assert_matches_reference(refit.result(), host, (128, 128), jnp.float8_e4m3fn, dst)
+    assert dispatched[-1].startswith("jaxreshard"), dispatched
 
 
 def test_a_nan_block_and_a_tiny_block_straddling_source_shards_quantize_as_the_reference():
