@@ -371,8 +371,9 @@ class Plan:
           - The programs queue on the devices behind work already enqueued there: a sampler
             that dispatches its next generation step after reading the previous one's tokens
             leaves room between steps; one that enqueues many steps ahead delays the refit
-            until they have run. On CPU, one that enqueues collectives on the same devices
-            and never waits can deadlock with the refit (XLA aborts after 40 s).
+            until they have run. On CPU, one that enqueues collectives, or piles up
+            multi-device programs, on the same devices without waiting can deadlock with the
+            refit (XLA aborts after 40 s; see the README).
         """
         flat, old = self._prepare(src_tree, donate)
         sources = [x for x in flat if isinstance(x, jax.Array)]
