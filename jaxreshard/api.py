@@ -699,10 +699,7 @@ class Plan:
                         f"is the same array as {self.paths[seen]}; each leaf needs its own buffers"
                     )
             if problem is None and sources is None and _DONATED.holds(x):
-                problem = (
-                    "is donated to a call in flight (or a Plan.start), which overwrites it: "
-                    "read that call's result (refit.result()) instead"
-                )
+                problem = _DONATED_IN_FLIGHT
             if problem is None and sources is not None and (self._may_alias or i in fallen):
                 if source_buffers is None:
                     source_buffers = _buffer_addresses(sources)
@@ -1051,9 +1048,13 @@ class _Produced:
 
 
 _PRODUCED = _Produced()
+_DONATED_IN_FLIGHT = (
+    "is donated to a call in flight (or a Plan.start), which overwrites it: read that call's "
+    "result (refit.result()) instead"
+)
 _WORKER: concurrent.futures.ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
-_LAST_SUBMITTED: concurrent.futures.Future | None = None
+_AT_SHUTDOWN = threading.Lock()
 
 
 def _worker() -> concurrent.futures.ThreadPoolExecutor:
@@ -1069,25 +1070,21 @@ def _submit(fn: Callable[[], Any]) -> concurrent.futures.Future:
     """Run ``fn`` on the worker, after what was submitted before. At interpreter shutdown
     (``concurrent.futures`` takes no new work then: a probe's training thread still calling
     ``start`` after the main module ended, or a final sync in an ``atexit`` hook, got its
-    raw RuntimeError) ``fn`` runs on the caller's thread, once the worker's last task is done,
-    and the future returned is already resolved."""
-    global _LAST_SUBMITTED
-    with _WORKER_LOCK:
-        last = _LAST_SUBMITTED
+    raw RuntimeError) ``fn`` runs on the caller's thread once the worker has finished what it
+    holds, one such caller at a time, and the future returned is already resolved."""
     try:
-        future = _worker().submit(fn)
-    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        if last is not None:
-            concurrent.futures.wait([last])
-        future = concurrent.futures.Future()
+        return _worker().submit(fn)
+    except RuntimeError as e:  # "cannot schedule new futures after (interpreter) shutdown"
+        if "shutdown" not in str(e):
+            raise
+    with _AT_SHUTDOWN:
+        _worker().shutdown(wait=True)
+        future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             future.set_result(fn())
         except Exception as e:
             future.set_exception(e)
         return future
-    with _WORKER_LOCK:
-        _LAST_SUBMITTED = future
-    return future
 
 
 def _deleted(x: Any) -> bool:
@@ -1321,6 +1318,10 @@ class QuantizedPlan:
                 # (a leaf this process holds none of may be a placeholder, as with `Plan`)
                 mine = bool(sharding.addressable_devices)
                 problem = _array_problem(flat[i], shape, dtype, sharding, not mine)
+                if problem is None and _DONATED.holds(flat[i]):
+                    # (a review: quantized once the call in flight had consumed it, the
+                    # process crashed)
+                    problem = _DONATED_IN_FLIGHT
                 if problem:
                     problems.append((self.paths[i], problem))
             if problems:
@@ -1333,10 +1334,7 @@ class QuantizedPlan:
             if call:
                 self.inner.refuse(e)
             raise
-        quantize = functools.partial(self._quantizer, [flat[i] for i in self.quantized])
-        # After the refits started before, as a plain call is issued: its collectives (blocks
-        # straddling source shards) then come after theirs on every process alike.
-        pairs = _submit(quantize).result() if _IN_FLIGHT.busy() else quantize()
+        pairs = self._quantizer([flat[i] for i in self.quantized])
         inner = list(flat)
         for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):
             inner[i] = QuantizedArray(values, scales, fmt)
@@ -1406,9 +1404,12 @@ def _plan_quantized(
             problems.append((paths[i], why))
             continue
         grid = want.scale_shape(shape)
-        s_src = quant.scale_sharding(x.sharding, shape, want)
+        # The quantizer computes over the source's mesh: Manual axes as Auto ones (a review:
+        # a block straddling shards over Manual axes failed inside JAX).
+        on_mesh = boundary.as_named(x.sharding, shape)
+        s_src = quant.scale_sharding(on_mesh, shape, want)
         s_dst = quant.scale_sharding(dst, shape, want)
-        values = jax.ShapeDtypeStruct(shape, want.fmt, sharding=x.sharding)
+        values = jax.ShapeDtypeStruct(shape, want.fmt, sharding=on_mesh)
         scales = jax.ShapeDtypeStruct(grid, jnp.float32, sharding=s_src)
         inner_src.append(QuantizedArray(values, scales, want))
         inner_dst.append(QuantizedArray(dst, s_dst, want))
@@ -1425,7 +1426,9 @@ def _plan_quantized(
         dtype=jax.tree_util.tree_unflatten(treedef, inner_dtype),
         **options,
     )
-    quantizer = Quantizer(formats, [a[2] for a in avals], src_scales)
+    quantizer = Quantizer(
+        formats, [v.values.sharding for v in inner_src if isinstance(v, QuantizedArray)], src_scales
+    )
     return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
 
 
@@ -1671,8 +1674,9 @@ _FIXES = {
     "dimension, mesh axes of that mesh, and axis sizes whose product divides the dimension "
     "(or leave that dimension unsharded with None)",
     "sharding": "give such leaves layouts jaxreshard moves (NamedSharding or "
-    "SingleDeviceSharding, nothing reduced or unreduced: see each reason), or, where the "
-    'reason allows it, plan with fallback="device_put" to send them through jax.device_put',
+    "SingleDeviceSharding, nothing reduced, unreduced or UNCONSTRAINED: see each reason), or, "
+    'where the reason allows it, plan with fallback="device_put" to send them through '
+    "jax.device_put",
     "sharding-only": "give such leaves layouts jaxreshard moves (NamedSharding or "
     "SingleDeviceSharding, nothing unreduced or UNCONSTRAINED: see each reason); "
     "jax.device_put does not move them either",
@@ -1702,7 +1706,7 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
             )
     else:
         raise _LeafProblem(
-            f"the source is {_a(type(x).__name__)}, not a jax.Array", "type", device_put_ok=True
+            f"the source is of type {type(x).__name__}, not a jax.Array", "type", device_put_ok=True
         )
     if isinstance(dst, PartitionSpec):
         raise _LeafProblem(
@@ -1712,13 +1716,14 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
         )
     if isinstance(dst, (jax.Array, jax.ShapeDtypeStruct)):
         raise _LeafProblem(
-            f"the destination is {_a(type(dst).__name__)}, not a jax.sharding.Sharding: give "
-            "its sharding (x.sharding)",
+            f"the destination is of type {type(dst).__name__}, not a jax.sharding.Sharding: "
+            "give its sharding (x.sharding)",
             "type",
         )
     if not isinstance(dst, Sharding):
         raise _LeafProblem(
-            f"the destination is {_a(type(dst).__name__)}, not a jax.sharding.Sharding", "type"
+            f"the destination is of type {type(dst).__name__}, not a jax.sharding.Sharding",
+            "type",
         )
     for side, s in (("source", sharding), ("destination", dst)):
         if isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh):
@@ -2170,11 +2175,6 @@ def _describe_devices(sharding: Any, devices: Sequence[int]) -> str:
         axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         return f"NamedSharding(mesh={axes}, devices=[{shown}], spec={sharding.spec})"
     return f"{type(sharding).__name__}(devices=[{shown}])"
-
-
-def _a(noun: str) -> str:
-    """``noun`` with its indefinite article ("an int", "a dict")."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _b(n: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -311,11 +312,18 @@ src = jax.device_put(host, src_sharding)
 plan = jr.plan(src, dst)
 plan.start(src).result()
 
+fresh = jr.plan(src, NamedSharding(dst.mesh, P("tp")))  # first called at exit: compiles then
+
 def final_sync(where):
     out = plan.start(src).result()
     same = np.array_equal(np.asarray(out), host) and out.sharding == dst
     print(where, "ok" if same else "wrong", flush=True)
 
+def first_call():
+    out = fresh(src)
+    print("first", "ok" if np.array_equal(np.asarray(out), host) else "wrong", flush=True)
+
+atexit.register(first_call)
 atexit.register(final_sync, "atexit")
 later = threading.Timer(0.5, final_sync, ("thread",))  # still running when the main module ends
 later.start()
@@ -325,14 +333,22 @@ later.start()
 def test_a_refit_started_at_interpreter_shutdown_runs(tmp_path):
     """A refit started after the main module ended (a training thread still running, or a
     final sync in an ``atexit`` hook), when ``concurrent.futures`` takes no new work, runs on
-    the caller's thread (a probe: it raised the executor's raw RuntimeError)."""
+    the caller's thread (a probe: it raised the executor's raw RuntimeError), and a plan's
+    first call there compiles its programs one after another (a review: it raised too)."""
     import subprocess
     import sys
 
     script = tmp_path / "shutdown.py"
     script.write_text(SHUTDOWN_SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert sorted(done.stdout.split()) == ["atexit", "ok", "ok", "thread"], done.stdout
+    assert sorted(done.stdout.split()) == ["atexit", "first", "ok", "ok", "ok", "thread"], (
+        done.stdout
+    )

@@ -144,7 +144,7 @@ def test_a_destination_that_is_not_a_sharding(src):
     bad["a"] = jnp.zeros(src["a"].shape, src["a"].dtype)
     with pytest.raises(
         jr.ReshardTypeError,
-        match=r"\['a'\].*is an ArrayImpl, not a jax.sharding.Sharding.*x\.sharding",
+        match=r"\['a'\].*is of type ArrayImpl, not a jax.sharding.Sharding.*x\.sharding",
     ):
         jr.plan(src, bad)
 

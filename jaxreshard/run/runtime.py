@@ -33,6 +33,7 @@ devices, and wraps only its own buffers.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # now: its first import registers an exit hook, refused at exit
 import contextlib
 import dataclasses
 import functools
@@ -870,8 +871,18 @@ def _in_parallel(jobs: Sequence[Callable[[], Any]]) -> None:
         with settings():
             _warm(job)
 
+    futures: list[concurrent.futures.Future] = []
     with concurrent.futures.ThreadPoolExecutor(workers, "jaxreshard-compile") as pool:
-        list(pool.map(warm, jobs))
+        try:
+            for job in jobs:
+                futures.append(pool.submit(warm, job))
+        except RuntimeError as e:  # interpreter shutdown (a first call in an atexit hook):
+            if "shutdown" not in str(e):  # no new threads, so the rest one after another
+                raise
+    for future in futures:
+        future.result()
+    for job in jobs[len(futures) :]:
+        _warm(job)
 
 
 def _thread_settings() -> Callable[[], contextlib.AbstractContextManager[Any]]:
