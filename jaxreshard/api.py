@@ -1400,6 +1400,17 @@ def _plan_quantized(
             continue
         shape = tuple(x.shape)
         why = quant.check_leaf(shape, want, dst)
+        if (
+            why is None
+            and jax.process_count() > 1
+            and quant.crosses_processes(shape, want, x.sharding)
+        ):
+            why = (
+                "its scales combine values of source shards held by different processes (a "
+                "per-tensor scale, or blocks straddling source shards): not supported under "
+                "jax.distributed yet, the quantizer's collective would run outside the calls' "
+                "order; give it a block size whose blocks each lie in one source shard"
+            )
         if why:
             problems.append((paths[i], why))
             continue

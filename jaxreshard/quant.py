@@ -218,6 +218,25 @@ def check_leaf(shape: Sequence[int], fmt: Fp8Blockwise, dst: Sharding) -> str | 
     return None
 
 
+def crosses_processes(shape: Sequence[int], fmt: Fp8Blockwise, src: Sharding) -> bool:
+    """Whether quantizing a leaf of ``shape`` held in ``src`` combines values of source shards
+    held by different processes: a per-tensor scale over a split source, or a block that
+    straddles source shards, where the source spans several processes. Its quantizer then
+    runs a collective across processes, which a call issues before the calls' order check
+    (`Plan` refuses such leaves under ``jax.distributed``: a probe hung)."""
+    if len({d.process_index for d in src.device_set}) < 2:
+        return False
+    spans = _spans(src, shape)
+    if fmt.block is None:
+        return len({tuple(v) for v in spans.values()}) > 1
+    blocks = fmt.blocks(shape)
+    return any(
+        start % b or stop % b
+        for device_spans in spans.values()
+        for (start, stop), b in zip(device_spans, blocks, strict=True)
+    )
+
+
 def _spans(sharding: Sharding, shape: Sequence[int]) -> dict[Any, list[tuple[int, int]]]:
     """Each device's ``(start, stop)`` along every dimension of an array of ``shape``."""
     return {

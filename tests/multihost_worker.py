@@ -162,6 +162,33 @@ def case_spanning() -> None:
     ok("spanning", checked=n, crossing_pieces=crossing)
 
 
+def case_fp8_spanning() -> None:
+    """An fp8 leaf whose source spans both processes: blocks inside one source shard move
+    (each process quantizes its own shards); blocks straddling shards, whose scales would
+    need a collective across processes before the calls' order check (a probe hung), are
+    refused by name on every process before anything runs."""
+    p0, p1 = BY_PROCESS
+    trainer = mesh(p0 + p1, (4, 2), ("fsdp", "tp"))
+    dst = NamedSharding(mesh(p1 + p0, (8,), ("tp",)), P(None, "tp"))
+    fp8 = jr.Fp8Blockwise(block=(128, 128))
+    src = NamedSharding(trainer, P("fsdp", "tp"))
+    full = data((512, 1024), 7)  # 128 rows per fsdp shard: every block in one shard
+    out = jr.plan(source(full, src), dst, dtype=fp8)(source(full, src))
+    err = np.abs(
+        np.asarray(out.dequantize().addressable_shards[0].data)
+        - full[out.values.addressable_shards[0].index]
+    )
+    assert float(err.max()) <= float(np.abs(full).max()) / 8, float(err.max())
+    straddling = data((384, 1024), 8)  # 96 rows per shard: blocks cross shard and process
+    try:
+        jr.plan({"w": source(straddling, src)}, {"w": dst}, dtype=fp8)
+    except jr.ReshardError as e:
+        assert "['w']: its scales combine values of source shards held by different" in str(e)
+    else:
+        raise AssertionError("a quantizer with a collective across processes was planned")
+    ok("fp8_spanning")
+
+
 def case_reshard_cached() -> None:
     """jr.reshard every step: planned and agreed once, cached (placeholders included)."""
     trainer = mesh(BY_PROCESS[0], (4,), ("x",))
@@ -574,7 +601,7 @@ def case_lost_in_transfer() -> None:
 
 
 SCENARIOS = {
-    "2x4": [case_split, case_spanning, case_reshard_cached, case_mismatch],
+    "2x4": [case_split, case_spanning, case_fp8_spanning, case_reshard_cached, case_mismatch],
     "keys": [case_key_kinds],  # alone: after a failed agreement, the next may fail too
     "4x2": [case_every_process, case_subset, case_topology, case_crossed],
     "order": [

@@ -1543,6 +1543,17 @@ SURFACE_MUTANTS: list[Mutant] = [
         "straddling shards fails inside JAX",
     ),
     Mutant(
+        "fp8-cross-process-quantizer-planned",
+        "jaxreshard/api.py",
+        (("            and jax.process_count() > 1\n", "            and False\n"),),
+        (
+            "tests/test_multihost.py::"
+            "test_fp8_scales_needing_a_collective_across_processes_are_refused_by_name",
+        ),
+        "an fp8 leaf whose scales need a collective across processes is planned: its "
+        "quantizer runs before the calls' order check, and a start beside a call hangs",
+    ),
+    Mutant(
         "runtime-first-call-at-shutdown-compiles-on-threads",
         "jaxreshard/run/runtime.py",
         (

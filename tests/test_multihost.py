@@ -374,6 +374,11 @@ def test_meshes_spanning_both_processes_in_different_orders(run_2x4):
 
 
 @pytest.mark.multiprocess
+def test_fp8_scales_needing_a_collective_across_processes_are_refused_by_name(run_2x4):
+    run_2x4.case_ok("fp8_spanning")
+
+
+@pytest.mark.multiprocess
 def test_reshard_with_placeholders_plans_and_agrees_once(run_2x4):
     """Three jr.reshard calls: one plan in the cache, one agreement (the worker asserts both:
     the cache grew by one and the agreement rounds of the process group by one)."""
