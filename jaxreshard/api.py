@@ -45,7 +45,7 @@ from jaxreshard.run.multihost import (
     order_check_enabled,
     refuse_call,
 )
-from jaxreshard.run.runtime import Runtime, host_syncs_per_call
+from jaxreshard.run.runtime import Runtime, host_syncs_per_call, refused_at_shutdown
 from jaxreshard.run.verify import Verifier, differing_shards
 
 MiB = 1 << 20
@@ -127,6 +127,12 @@ _WIDE_DTYPES = frozenset({"int64", "uint64", "float64", "complex128"})
 
 _DONATES_A_SOURCE = "is also passed as a source array; donating it would destroy the source"
 """Why a ``donate=`` leaf that is a source array is refused (moved and fallback leaves alike)."""
+
+_DONATED_IN_FLIGHT = (
+    "is donated to a call in flight (or a Plan.start), which overwrites it: read that call's "
+    "result (refit.result()) instead"
+)
+"""Why a source (of a plain or an fp8 plan) that a call in flight consumes is refused."""
 
 
 def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -1048,10 +1054,6 @@ class _Produced:
 
 
 _PRODUCED = _Produced()
-_DONATED_IN_FLIGHT = (
-    "is donated to a call in flight (or a Plan.start), which overwrites it: read that call's "
-    "result (refit.result()) instead"
-)
 _WORKER: concurrent.futures.ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
 _AT_SHUTDOWN = threading.Lock()
@@ -1075,7 +1077,7 @@ def _submit(fn: Callable[[], Any]) -> concurrent.futures.Future:
     try:
         return _worker().submit(fn)
     except RuntimeError as e:  # "cannot schedule new futures after (interpreter) shutdown"
-        if "shutdown" not in str(e):
+        if not refused_at_shutdown(e):
             raise
     with _AT_SHUTDOWN:
         _worker().shutdown(wait=True)
@@ -1377,7 +1379,7 @@ def _plan_quantized(
     paths = [keystr(p) for p, _ in flat]
     problems, quantized, formats, avals = [], [], [], []
     inner_src, inner_dst, inner_dtype = [], [], []
-    src_scales = []
+    src_values, src_scales = [], []
     for i, ((_, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
         if isinstance(want, Fp8Blockwise) and not own and not _blockable(x, want):
             want = None  # an entry for a subtree quantizes what it can; the rest keep theirs
@@ -1428,6 +1430,7 @@ def _plan_quantized(
         quantized.append(i)
         formats.append(want)
         avals.append((shape, x.dtype, x.sharding))
+        src_values.append(on_mesh)
         src_scales.append(s_src)
     if problems:
         raise quant.refuse(problems)
@@ -1437,9 +1440,7 @@ def _plan_quantized(
         dtype=jax.tree_util.tree_unflatten(treedef, inner_dtype),
         **options,
     )
-    quantizer = Quantizer(
-        formats, [v.values.sharding for v in inner_src if isinstance(v, QuantizedArray)], src_scales
-    )
+    quantizer = Quantizer(formats, src_values, src_scales)
     return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
 
 

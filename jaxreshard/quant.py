@@ -289,6 +289,7 @@ class Quantizer:
         # Sources in host memory (pinned_host) are quantized in device memory: XLA does not
         # compute on host-memory operands (its select_n refuses mixed memory spaces).
         on_device = [on_device_memory(s) for s in self.src_shardings]
+        self._platforms = {d.platform for s in self.src_shardings for d in s.device_set}
 
         def run(*xs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
             xs = tuple(
@@ -322,8 +323,7 @@ class Quantizer:
             else _as_planned(x, s)
             for x, s in zip(xs, self.src_shardings, strict=True)
         ]
-        platforms = {d.platform for s in self.src_shardings for d in s.device_set}
-        return list(runtime.between_calls(platforms, lambda: self._fn(*arrays)))
+        return list(runtime.between_calls(self._platforms, lambda: self._fn(*arrays)))
 
 
 def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:

@@ -1512,7 +1512,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/quant.py",
         (
             (
-                "return list(runtime.between_calls(platforms, lambda: self._fn(*arrays)))",
+                "return list(runtime.between_calls(self._platforms, lambda: self._fn(*arrays)))",
                 "return list(self._fn(*arrays))",
             ),
         ),

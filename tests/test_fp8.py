@@ -7,6 +7,8 @@ and the dequantized result lies within the format's rounding of each block's ama
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxreshard as jr
+from jaxreshard import api
+from jaxreshard.run import runtime
 
 TINY = np.finfo(np.float32).tiny  # float32's smallest normal
 
@@ -123,10 +127,6 @@ def test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices():
     dispatched between calls, as a call's steps are (a probe of threads: dispatched from the
     caller while a started refit ran on the worker, the two programs' collectives could
     interleave on the devices until XLA aborted)."""
-    import threading
-
-    from jaxreshard.run import runtime
-
     host = weights((384, 512), seed=4)
     src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
     dst = sharding(*DST, None, "tp")
@@ -148,10 +148,6 @@ def test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices():
 def test_a_source_donated_to_a_refit_in_flight_is_refused_before_quantizing():
     """As a plain plan refuses it (a review: the quantizer, waiting for the call in flight,
     then read a consumed buffer and the process crashed)."""
-    import threading
-
-    from jaxreshard import api
-
     host = weights((512, 512), seed=6)
     src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
     to_sampler = jr.plan(src, sharding(*DST, None, "tp"))

@@ -877,12 +877,19 @@ def _in_parallel(jobs: Sequence[Callable[[], Any]]) -> None:
             for job in jobs:
                 futures.append(pool.submit(warm, job))
         except RuntimeError as e:  # interpreter shutdown (a first call in an atexit hook):
-            if "shutdown" not in str(e):  # no new threads, so the rest one after another
+            if not refused_at_shutdown(e):  # no new threads, so the rest one after another
                 raise
     for future in futures:
         future.result()
     for job in jobs[len(futures) :]:
         _warm(job)
+
+
+def refused_at_shutdown(error: RuntimeError) -> bool:
+    """Whether ``concurrent.futures`` refused new work because the interpreter is shutting
+    down ("cannot schedule new futures after (interpreter) shutdown"), not for another
+    reason (no thread could start)."""
+    return "shutdown" in str(error)
 
 
 def _thread_settings() -> Callable[[], contextlib.AbstractContextManager[Any]]:
