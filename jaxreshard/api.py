@@ -1581,7 +1581,7 @@ def _cache_key(
         return None  # let plan() report it (a tracer has no .sharding to key by)
     try:  # fallback leaves (not arrays): their kind and shape are part of the signature
         signature = tuple(
-            (x.shape, x.dtype, _sharding_key(x.sharding))
+            (x.shape, x.dtype, _placement_key(x.sharding, len(x.shape)))
             if isinstance(x, arrays)
             else (type(x), np.shape(x), np.result_type(x))
             for x in leaves
@@ -1597,7 +1597,7 @@ def _cache_key(
             treedef,
             signature,
             dst_def,
-            # Destinations as given, not `_sharding_key`: the result carries the plan's
+            # Destinations as given, not `_placement_key`: the result carries the plan's
             # destination shardings, and JAX tells P("tp") and P("tp", None) apart.
             tuple(dst_leaves),
             dt_def,
@@ -1653,17 +1653,17 @@ def _check_options(bucket_bytes: Any, topology: Any, compiler_options: Any, fall
         )
 
 
-def _sharding_key(s: Any) -> Any:
-    """A cache key for a sharding, equal for specs that differ only by trailing Nones
-    (``P("fsdp", "tp", None)`` and ``P("fsdp", "tp")`` place data identically; JAX's own
-    equality tells them apart, and optimizer steps turn one into the other)."""
-    if isinstance(s, NamedSharding):
-        spec = list(s.spec)
-        while spec and spec[-1] is None:
-            spec.pop()
-        ids = boundary.logical_ids(s)
-        return ("named", s.mesh, tuple(spec), s.memory_kind, None if ids is None else tuple(ids))
-    return s
+def _placement_key(s: Any, ndim: int) -> Any:
+    """A cache key for a source sharding, equal for shardings that place an array of rank
+    ``ndim`` alike on the same devices in the same order: the test a plan's call applies
+    (`Sharding.is_equivalent_to`), so a hit is always a plan that takes the source.
+    ``P("fsdp", "tp", None)`` and ``P("fsdp", "tp")`` (optimizer steps turn one into the
+    other), and one mesh under other axis names, are one key; JAX's own equality tells them
+    apart."""
+    try:
+        return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, s.memory_kind)
+    except Exception:  # (not a sharding JAX can lay out at this rank: plan() reports it)
+        return s
 
 
 # ------------------------------------------------------------------------------- helpers

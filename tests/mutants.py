@@ -1581,6 +1581,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         "hook's final sync) raises concurrent.futures' raw RuntimeError",
     ),
     Mutant(
+        "api-cache-keys-sources-by-mesh",
+        "jaxreshard/api.py",
+        (
+            (
+                "        return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, s.memory_kind)",
+                "        return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, "
+                "s.memory_kind, s.mesh)",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::"
+            "test_one_layout_on_a_mesh_of_other_axis_names_shares_one_cached_plan",
+        ),
+        "the plan cache keys a source by its mesh: a source on the same devices under other "
+        "axis names plans and compiles again",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
@@ -1658,7 +1675,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         (
             (
                 "            tuple(dst_leaves),",
-                "            tuple(_sharding_key(d) for d in dst_leaves),",
+                "            tuple(_placement_key(d, 2) for d in dst_leaves),",
             ),
         ),
         ("tests/test_compiled.py::test_a_destination_spelled_two_ways_comes_back_as_asked",),

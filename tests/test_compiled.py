@@ -392,6 +392,28 @@ def test_one_layout_spelled_two_ways_shares_one_cached_plan():
     assert_exact(out, host, dst)
 
 
+def test_one_layout_on_a_mesh_of_other_axis_names_shares_one_cached_plan():
+    """A source re-made on a mesh of the same devices under other axis names (a checkpoint
+    restored onto the trainer's mesh as another library builds it) places data alike: the
+    second reshard plans and compiles nothing. A mesh of the same devices in another order
+    places it otherwise and gets a plan of its own."""
+    host = random_array((8, 4), "float32")
+    first = sharding(tuple(range(4)), (2, 2), ("a", "b"), "a", "b")
+    renamed = sharding(tuple(range(4)), (2, 2), ("fsdp", "tp"), "fsdp", "tp")
+    reordered = sharding((2, 3, 0, 1), (2, 2), ("a", "b"), "a", "b")
+    dst = sharding(*DST)
+    jr.clear_cache()
+    out = jax.block_until_ready(jr.reshard(jax.device_put(host, first), dst))
+    with COMPILES as again:
+        out = jr.reshard(jax.device_put(host, renamed), dst, donate=out)
+        jax.block_until_ready(out)
+    assert again.count == 0
+    assert_exact(out, host, dst)
+    moved = jax.device_put(host, reordered)
+    assert jr.cached_plan(moved, dst) is not jr.cached_plan(jax.device_put(host, first), dst)
+    assert_exact(jr.reshard(moved, dst), host, dst)
+
+
 def test_a_destination_spelled_two_ways_comes_back_as_asked():
     """Destinations are cached as given: the result of ``reshard(x, P("a"))`` after
     ``reshard(x, P("a", None))`` carries ``P("a")``, the sharding asked for (JAX's equality
