@@ -1585,7 +1585,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "        return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, s.memory_kind)",
+                "        return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, "
+                "s.memory_kind)",
                 "        return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, "
                 "s.memory_kind, s.mesh)",
             ),
