@@ -45,7 +45,12 @@ from jaxreshard.run.multihost import (
     order_check_enabled,
     refuse_call,
 )
-from jaxreshard.run.runtime import Runtime, host_syncs_per_call, refused_at_shutdown
+from jaxreshard.run.runtime import (
+    Runtime,
+    caller_settings_unset,
+    host_syncs_per_call,
+    refused_at_shutdown,
+)
 from jaxreshard.run.verify import Verifier, differing_shards
 
 MiB = 1 << 20
@@ -80,10 +85,7 @@ def _own_meshes(method: _F) -> _F:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         _refuse_tracers(args[1:], kwargs)  # (args[0]: the plan itself)
         with _compiled_programs(args[0].x64):
-            if jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty:
-                return method(*args, **kwargs)  # nothing to clear (and set_mesh refuses in jit)
-            with jax.set_mesh(None):
-                return method(*args, **kwargs)
+            return method(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
 
@@ -103,6 +105,13 @@ def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
     broadcasts. So these settings are at their defaults while a plan runs (on the calling
     thread: the caller's own code keeps them), which also keeps the programs' cache keys
     the same whatever the caller's settings."""
+    stack = contextlib.ExitStack()
+    # First the caller's own thread settings set aside (JAX keys its compile cache on them),
+    # so that a call under `jax.set_mesh` or `jax.default_matmul_precision` finds the
+    # programs compiled outside it; then the settings a plan's programs need.
+    stack.enter_context(caller_settings_unset())
+    if not (jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty):
+        stack.enter_context(jax.set_mesh(None))  # a process-wide mesh (see `_own_meshes`)
     changed = [
         (setting, neutral)
         for setting, value, neutral in (
@@ -114,9 +123,6 @@ def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
         )
         if value != neutral
     ]
-    if not changed:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
     for setting, neutral in changed:
         stack.enter_context(setting(neutral))
     return stack

@@ -1081,9 +1081,9 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         ),
         (
             "tests/test_leaves.py::test_debugging_settings_neither_stop_a_refit_nor_cost_the_"
-            "donated_tree[numpy_rank_promotion-raise]",
+            "donated_tree[numpy_rank_promotion-raise-process]",
         ),
-        "a plan's programs are traced under the caller's rank promotion setting, part of their "
+        "a plan's programs are traced under the process's rank promotion setting, part of their "
         "cache key: a call under 'raise' compiles them again",
     ),
     Mutant(
@@ -1599,6 +1599,33 @@ SURFACE_MUTANTS: list[Mutant] = [
         "axis names plans and compiles again",
     ),
     Mutant(
+        "api-programs-run-under-the-callers-thread-settings",
+        "jaxreshard/api.py",
+        (("    stack.enter_context(caller_settings_unset())", "    pass"),),
+        (
+            "tests/test_compiled.py::"
+            "test_a_refit_compiles_nothing_again_under_settings_the_caller_holds_alone",
+        ),
+        "a plan's programs run under the settings the caller's thread holds (a mesh, a matmul "
+        "precision), part of JAX's cache key: a call under another compiles them again",
+    ),
+    Mutant(
+        "runtime-context-meshes-kept",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "                if isinstance(v, config) and not isinstance(v, jax_config.State)",
+                "                if False",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::"
+            "test_a_refit_compiles_nothing_again_under_settings_the_caller_holds_alone",
+        ),
+        "the caller's jax.set_mesh (JAX's context values outside its config states) is not set "
+        "aside: a refit called inside it compiles its programs again",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
@@ -1649,13 +1676,13 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "    if not changed:\n        return contextlib.nullcontext()",
-                "    return contextlib.nullcontext()",
+                "        stack.enter_context(setting(neutral))",
+                "        pass",
             ),
         ),
         (
             "tests/test_leaves.py::"
-            "test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree[debug_nans-True]",
+            "test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree[debug_nans-True-process]",
         ),
         "a plan runs under the caller's jax.debug_nans: JAX re-runs an unpack holding a NaN "
         "on buffers it consumed",

@@ -80,6 +80,47 @@ def test_a_refit_loop_plans_and_compiles_only_on_its_first_call():
     assert_exact(out["w0"], host["w0"].astype(jnp.bfloat16), dst)
 
 
+CALLER_CONTEXTS = {
+    "set_mesh": lambda: jax.set_mesh(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))),
+    "default_matmul_precision": lambda: jax.default_matmul_precision("highest"),
+    "default_device": lambda: jax.default_device(jax.devices()[7]),
+    "numpy_dtype_promotion": lambda: jax.numpy_dtype_promotion("strict"),
+    "threefry_partitionable": lambda: jax.threefry_partitionable(
+        not jax.config.jax_threefry_partitionable
+    ),
+    "ensure_compile_time_eval": jax.ensure_compile_time_eval,
+}
+
+
+@pytest.mark.parametrize("context", sorted(CALLER_CONTEXTS))
+def test_a_refit_compiles_nothing_again_under_settings_the_caller_holds_alone(context):
+    """JAX keys its compile cache on settings a thread sets for itself (a mesh, a default
+    device, a matmul precision, ...). A plan's programs are its own code: first called
+    outside such a context, it compiles nothing when called inside one, and first called
+    inside one, nothing outside it or on `Plan.start`'s worker; every call runs under
+    ``jax.transfer_guard("disallow")`` (under ``jax.ensure_compile_time_eval`` a first call
+    built its tables through the host). Regression: under each, the packs, unpacks and
+    allocations compiled again (about a second for a small tree)."""
+    host, src = tree(3)
+    dst = {k: sharding(*DST) for k in src}
+    outside_first = jr.plan(src, dst)
+    out = jax.block_until_ready(outside_first(src))
+    with jax.transfer_guard("disallow"), CALLER_CONTEXTS[context](), COMPILES as inside:
+        out = jax.block_until_ready(outside_first(src, donate=out))
+        out = outside_first.start(src, donate=out).result()
+    assert inside.count == 0, inside.events
+    inside_first = jr.plan(src, dst)
+    with jax.transfer_guard("disallow"), CALLER_CONTEXTS[context]():
+        again = jax.block_until_ready(inside_first(src))
+    with jax.transfer_guard("disallow"), COMPILES as outside:
+        again = jax.block_until_ready(inside_first(src, donate=again))
+        again = inside_first.start(src, donate=again).result()
+    assert outside.count == 0, outside.events
+    for k in src:
+        assert_exact(out[k], host[k], dst[k])
+        assert_exact(again[k], host[k], dst[k])
+
+
 def test_a_refit_loops_trees_are_checked_in_one_quick_pass(monkeypatch):
     """A call checks its source and donate= trees leaf by leaf only where the quick pass has
     doubts: a refit loop's calls (the source, the previous result) never pay for the

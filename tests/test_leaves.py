@@ -6,7 +6,9 @@ Expected values come from NumPy copies of the sources taken before any reshard.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -514,6 +516,19 @@ def test_fallback_leaves_device_put_cannot_take_are_refused_when_planning():
             jr.plan({"w": w, "s": bad}, dst, fallback="device_put")
 
 
+@contextlib.contextmanager
+def process_wide(setting: str, value) -> Iterator[None]:
+    """``jax.config.update`` of ``jax_<setting>`` for the block (every thread's value)."""
+    name = f"jax_{setting}"
+    old = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, old)
+
+
+@pytest.mark.parametrize("scope", ["thread", "process"])
 @pytest.mark.parametrize(
     "setting, value",
     [
@@ -523,21 +538,23 @@ def test_fallback_leaves_device_put_cannot_take_are_refused_when_planning():
         ("numpy_rank_promotion", "raise"),
     ],
 )
-def test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree(setting, value):
+def test_debugging_settings_neither_stop_a_refit_nor_cost_the_donated_tree(setting, value, scope):
     """Regression: under ``jax.debug_nans`` / ``jax.debug_infs`` JAX re-ran an unpack whose
     result held a NaN (data, here) op by op on buffers it had consumed, so the call failed
     and the ``donate=`` tree was lost; under ``jax.disable_jit`` every call raised JAX's
     error about its AOT path; under ``jax.numpy_rank_promotion("raise")`` the same programs
     were traced and compiled again (the setting is part of their cache key). A plan runs its
     programs compiled, bit for bit, whatever the caller's debugging settings, and compiles
-    nothing more for them."""
+    nothing more for them: set for the calling thread (``with jax.debug_nans(True)``) or
+    for the process (``jax.config.update``)."""
     host = random_array((8, 8), "float32")  # NaN payloads and infinities included
     host[1, 1], host[2, 2] = np.nan, np.inf
     src = jax.device_put(host, sharding(*SRC, "dp"))
     dst = sharding(*DST, None, "tp")
     plan = jr.plan(src, dst)
     out = plan(src)
-    with getattr(jax, setting)(value), COMPILES:
+    scoped = getattr(jax, setting)(value) if scope == "thread" else process_wide(setting, value)
+    with scoped, COMPILES:
         out = plan(src, donate=out)
         jax.block_until_ready(out)
         assert COMPILES.count == 0

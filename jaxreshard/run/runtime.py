@@ -919,6 +919,76 @@ def _thread_settings() -> Callable[[], contextlib.AbstractContextManager[Any]]:
     return enter
 
 
+def caller_settings_unset() -> contextlib.AbstractContextManager[Any]:
+    """Set aside, for the calling thread, the JAX settings it has set for itself that JAX
+    keys its compile cache on (private API).
+
+    ``jax.set_mesh``, ``jax.default_device``, ``jax.default_matmul_precision``,
+    ``jax.numpy_dtype_promotion``, a legacy ``with mesh:`` and the like set a value for the
+    calling thread only, and a jitted program called under one is traced and compiled again.
+    A plan's programs are its own code, with their own meshes and shardings, and none of
+    these change what they compute; run with these values set aside (JAX's process-wide
+    values in force), a plan made outside such a context and called inside one (or on
+    another thread, as `Plan.start`'s worker) finds the programs its first call compiled.
+    Other thread settings (the transfer guards, ``jax.log_compiles``) are kept. Where JAX's
+    config states are not where this looks (another JAX version), nothing is set aside."""
+    settings = _keyed_settings()
+    if not settings:
+        return contextlib.nullcontext()
+    unset = _UNSET[0]
+    local = [(s, v) for s in settings if (v := s.get_local()) is not unset]
+    if not local:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for setting, _ in local:
+        setting.swap_local(unset)
+        hook = getattr(setting, "_update_thread_local_hook", None)
+        if hook is not None:
+            hook(None)
+    stack.callback(_put_back, local)
+    return stack
+
+
+def _put_back(local: Sequence[tuple[Any, Any]]) -> None:
+    """Restore thread settings `caller_settings_unset` set aside (as JAX's own context
+    managers leave them)."""
+    for setting, value in reversed(local):
+        setting.set_local(value)
+        hook = getattr(setting, "_update_thread_local_hook", None)
+        if hook is not None:
+            hook(value)
+
+
+_UNSET: list[Any] = [None]
+_KEYED: dict[int, tuple[Any, ...]] = {}
+
+
+def _keyed_settings() -> tuple[Any, ...]:
+    """JAX's thread-settable config values that are part of its trace context and compile
+    cache key: the config states it names as such, and the context managers' values
+    (meshes, devices, ``compute_on``) of its config module. Looked up again when JAX
+    registers more states (a module imported later)."""
+    try:
+        from jax._src import config as jax_config
+
+        states = jax_config.config_states
+        found = _KEYED.get(len(states))
+        if found is None:
+            config = jax_config.config_ext.Config
+            names = set(jax_config.config_ext.trace_context_names())
+            keyed = [s for name, s in states.items() if name in names]
+            keyed += [
+                v
+                for v in vars(jax_config).values()
+                if isinstance(v, config) and not isinstance(v, jax_config.State)
+            ]
+            found = _KEYED[len(states)] = tuple(dict.fromkeys(keyed))
+            _UNSET[0] = jax_config.config_ext.unset
+        return found
+    except Exception:  # pragma: no cover - another JAX layout
+        return ()
+
+
 def _compiled(fn: Any, avals: Sequence[Any]) -> Any:
     return fn.lower(*avals).compile()
 
