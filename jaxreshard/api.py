@@ -47,6 +47,7 @@ from jaxreshard.run.multihost import (
 )
 from jaxreshard.run.runtime import (
     Runtime,
+    bitcasts_per_call,
     caller_settings_unset,
     host_syncs_per_call,
     refused_at_shutdown,
@@ -237,6 +238,7 @@ class Plan:
             plan_stats(self.leaves, assignment, schedule, crosses=topology.crosses),
             lowered,
             host_syncs_per_call(lowered, platforms),
+            bitcasts_per_call(lowered, platforms),
         )
         self._runtime: Runtime | None = None
         # False while `jr.reshard`'s cache holds this plan outside the most recently used

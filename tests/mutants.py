@@ -281,6 +281,68 @@ PLANNER_MUTANTS = [
         "a unit's local copies do not count towards its copies: a plan of local copies is "
         "one program of every leaf, whose compile grows faster than its leaves",
     ),
+    Mutant(
+        "topology-profile-domains-of-absolute-slots",
+        "jaxreshard/planning/topology.py",
+        (("tuple(i // size for i in rel),", "tuple(i // size for i in slots),"),),
+        ("tests/test_topology.py::test_profile_domains_and_hosts_count_from_the_first_device",),
+        "Topology.profile(..., first_device=f) groups domains from id 0, not from f (16 h100 "
+        "devices from id 4: three domains of 4, 8 and 4)",
+    ),
+    Mutant(
+        "topology-profile-host-unclamped",
+        "jaxreshard/planning/topology.py",
+        (("host = min(p.host_size, size)", "host = p.host_size"),),
+        (
+            "tests/test_topology.py::"
+            "test_profile_domains_smaller_than_its_hosts_are_hosts_of_their_own",
+        ),
+        "Topology.profile with domains smaller than the profile's hosts keeps the hosts' size, "
+        "so a host spans two domains",
+    ),
+    Mutant(
+        "topology-cross-latency-at-nvlink-speed",
+        "jaxreshard/planning/topology.py",
+        (
+            (
+                "1: int(self.round_latency * self.inter_bandwidth)",
+                "1: int(self.round_latency * self.intra_bandwidth)",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::"
+            "test_a_rounds_latency_in_bytes_is_what_each_link_class_moves_meanwhile",
+        ),
+        "class_latency_bytes prices a round's latency across domains at NVLink speed, so the "
+        "schedule weighs a slow round as ten times the bytes it costs",
+    ),
+    Mutant(
+        "costmodel-round-robin-receivers-keyed-as-senders",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "load[-1 - d, cross] += nbytes  # receivers keyed apart from senders",
+                "load[d, cross] += nbytes  # receivers keyed apart from senders",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::"
+            "test_round_robin_prices_a_device_that_sends_and_receives_as_full_duplex",
+        ),
+        "the direct round-robin baseline adds a device's received bytes to its sent ones, as if "
+        "links were half duplex (a swap of halves priced at twice its time)",
+    ),
+    Mutant(
+        "costmodel-sole-holder-sends-over-nvlink-only",
+        "jaxreshard/tools/costmodel.py",
+        (('(n / (bi + bx), f"device {s} sends', '(n / bi, f"device {s} sends'),),
+        (
+            "tests/test_simulate.py::"
+            "test_physical_bound_lets_a_sole_holder_send_over_nvlink_and_nic_at_once",
+        ),
+        "the physical bound prices a sole holder's sends over NVLink alone, not NVLink and NIC "
+        "at once (the bound too high: 11 s where 10 s)",
+    ),
 ]
 
 MULTIHOST_MUTANTS = [
@@ -1624,6 +1686,133 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "the caller's jax.set_mesh (JAX's context values outside its config states) is not set "
         "aside: a refit called inside it compiles its programs again",
+    ),
+    Mutant(
+        "runtime-bf16-targets-written-through-fused-bitcasts",
+        "jaxreshard/run/runtime.py",
+        (("    return bits_dtype(dtype)\n", "    return None\n"),),
+        (
+            "tests/test_compiled.py::"
+            "test_on_cpu_a_leaf_cut_into_slabs_is_written_in_place_whatever_its_dtype",
+        ),
+        "an unpack writes a bfloat16 target through bitcasts fused with its writes: every "
+        "unpack rewrites the whole destination shard (a leaf in K slabs: K passes)",
+    ),
+    Mutant(
+        "runtime-bitcasts-compiled-as-copies",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                '                compiler_options=copy_options("cpu"),',
+                "                compiler_options=None,",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::"
+            "test_on_cpu_a_leaf_cut_into_slabs_is_written_in_place_whatever_its_dtype",
+        ),
+        "the bitcasts around an unpack compile with XLA's newer CPU emitters, which copy the "
+        "whole destination shard twice",
+    ),
+    Mutant(
+        "api-stats-miss-the-bitcasts",
+        "jaxreshard/api.py",
+        (("            bitcasts_per_call(lowered, platforms),\n", ""),),
+        (
+            "tests/test_compiled.py::"
+            "test_on_cpu_a_leaf_cut_into_slabs_is_written_in_place_whatever_its_dtype",
+        ),
+        "plan.stats counts no program or dispatch for the bitcasts around unpacks",
+    ),
+    Mutant(
+        "api-cache-ignores-memory-kind",
+        "jaxreshard/api.py",
+        (
+            (
+                "return (s._to_xla_hlo_sharding(ndim), s._internal_device_list, s.memory_kind)",
+                "return (s._to_xla_hlo_sharding(ndim), s._internal_device_list)",
+            ),
+        ),
+        (
+            "tests/test_cache.py::"
+            "test_a_source_in_host_memory_gets_a_plan_of_its_own_beside_one_in_device_memory",
+        ),
+        "the plan cache keys a source without its memory kind, so a pinned_host source of the "
+        "same mesh and spec is handed the device-memory plan (which refuses it)",
+    ),
+    Mutant(
+        "api-cache-ignores-bucket-bytes",
+        "jaxreshard/api.py",
+        (
+            (
+                "            bucket_bytes,\n            options,\n            fallback,\n",
+                "            options,\n            fallback,\n",
+            ),
+        ),
+        (
+            "tests/test_cache.py::"
+            "test_a_plan_asked_for_with_smaller_buckets_is_not_the_default_buckets_plan",
+        ),
+        "the plan cache ignores bucket_bytes, so a plan asked for with small buckets is the "
+        "cached default-bucket plan, staging far more than asked",
+    ),
+    Mutant(
+        "api-cache-ignores-shape",
+        "jaxreshard/api.py",
+        (
+            (
+                "(x.shape, x.dtype, _placement_key(x.sharding, len(x.shape)))",
+                "(x.dtype, _placement_key(x.sharding, len(x.shape)))",
+            ),
+        ),
+        ("tests/test_cache.py::test_sources_of_two_shapes_on_one_sharding_each_get_their_plan",),
+        "the plan cache keys a source without its shape, so a source of another shape on the "
+        "same sharding is handed the first shape's plan (which refuses it)",
+    ),
+    Mutant(
+        "api-label-names-the-first-leaf",
+        "jaxreshard/api.py",
+        (
+            (
+                'path = "" if self.moved[0] == 0 else f"{self.paths[self.moved[0]]}: "',
+                'path = "" if self.moved[0] == 0 else f"{self.paths[0]}: "',
+            ),
+        ),
+        (
+            "tests/test_errors.py::"
+            "test_a_plans_name_gives_the_first_moved_leafs_path_beside_its_layouts",
+        ),
+        "a plan's label (the order check's and a refused call's name for it) prints the first "
+        "leaf's path beside the first moved leaf's layouts, where a fallback leaf comes first",
+    ),
+    Mutant(
+        "api-mixed-problems-raise-type-error",
+        "jaxreshard/api.py",
+        (
+            (
+                'cls = ReshardTypeError if kinds == {"type"} else ReshardError',
+                'cls = ReshardTypeError if "type" in kinds else ReshardError',
+            ),
+        ),
+        (
+            "tests/test_errors.py::"
+            "test_a_tree_refused_for_a_type_and_for_a_layout_raises_the_plain_error_naming_both",
+        ),
+        "a refusal listing a type problem beside a layout problem is a ReshardTypeError, so an "
+        "`except TypeError` takes the layout problem too",
+    ),
+    Mutant(
+        "api-subtree-cast-takes-complex",
+        "jaxreshard/api.py",
+        (
+            (
+                "return own or bool(jnp.issubdtype(src, jnp.floating))",
+                "return own or bool(jnp.issubdtype(src, jnp.inexact))",
+            ),
+        ),
+        ("tests/test_leaves.py::test_a_dtype_for_a_subtree_leaves_its_complex_leaves_complex",),
+        "a dtype= entry standing for a subtree casts its complex leaves too (to bfloat16: their "
+        "imaginary parts dropped), not only its floating ones",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -155,6 +155,23 @@ def test_a_source_that_is_not_a_jax_array(src):
         jr.plan(src, dst_tree())
 
 
+def test_a_tree_refused_for_a_type_and_for_a_layout_raises_the_plain_error_naming_both(src):
+    """`ReshardTypeError` (a ``TypeError`` too) means every problem is one of type, so that an
+    ``except TypeError`` takes only those: a tree with one leaf that is not a ``jax.Array``
+    and another whose destination does not divide its shape raises exactly `ReshardError`,
+    naming both leaves; the type problem alone raises `ReshardTypeError`. Mutation check: any
+    type problem among others made the whole refusal a `ReshardTypeError`."""
+    src["a"] = np.zeros((8, 8), np.float32)  # not a jax.Array: a type problem
+    bad = dst_tree()
+    bad["b"]["c"] = sharding(tuple(range(4, 7)), (3,), ("tp",), "tp")  # 8 rows over 3: a layout
+    with pytest.raises(jr.ReshardError) as e:
+        jr.plan(src, bad)
+    assert type(e.value) is jr.ReshardError and not isinstance(e.value, TypeError)
+    assert "['a']" in str(e.value) and "['b']['c']" in str(e.value)
+    with pytest.raises(jr.ReshardTypeError, match=r"\['a'\].*not a jax.Array"):
+        jr.plan({"a": src["a"]}, {"a": sharding(*DST)})
+
+
 def test_a_deleted_source_array(src):
     src["b"]["c"].delete()
     with pytest.raises(jr.ReshardError, match=r"\['b'\]\['c'\].*deleted"):
@@ -419,3 +436,17 @@ def test_a_destination_dict_beside_an_ordered_dict_of_another_order_is_taken_by_
     out = jr.plan(ordered, dst)(ordered)
     assert_exact(out["a"], np.asarray(src["a"]), dst["a"])
     assert_exact(out["b"]["c"], np.asarray(src["b"]["c"]), dst["b"]["c"])
+
+
+def test_a_plans_name_gives_the_first_moved_leafs_path_beside_its_layouts(src):
+    """Under ``jax.distributed`` the order check and a refused call name a plan by its label:
+    leaf count, first and last path, then the first moved leaf's layouts behind that leaf's
+    path. A fallback leaf first in the tree (a host step counter sent by ``jax.device_put``)
+    is not that leaf: the path beside the layouts is ``['b']['c']``, the float32[8, 4] leaf's.
+    Mutation check: the first leaf's path (``['a']``, an int32 scalar) was printed beside the
+    moved leaf's layouts."""
+    tree = {"a": np.int32(3), "b": src["b"]}
+    dst = {"a": sharding(*DST[:3]), "b": {"c": sharding(*DST)}}  # the scalar replicated
+    label = jr.plan(tree, dst, fallback="device_put")._label
+    assert label.startswith("the plan of 2 leaves ['a'] ... ['b']['c'] (['b']['c']: float32[8, 4] ")
+    assert "['a']: " not in label

@@ -130,6 +130,25 @@ def test_one_dtype_casts_floating_leaves_and_a_dtype_tree_casts_what_it_names():
     assert out["params"]["w"].dtype == jnp.bfloat16 and out["params"]["step"].dtype == jnp.int32
 
 
+def test_a_dtype_for_a_subtree_leaves_its_complex_leaves_complex():
+    """A ``dtype=`` entry standing for a subtree casts only its floating leaves: under
+    ``{"params": bfloat16}`` a float32 leaf arrives as NumPy's ``astype`` to bfloat16 gives
+    it, and a complex64 leaf keeps its dtype and every bit (NaN payloads included), as
+    ``jax.device_put`` moves it. Mutation check: complex leaves were taken as floating and
+    cast to bfloat16 (their imaginary parts dropped)."""
+    w = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    c = random_array((8, 8), "complex64", seed=1)  # every bit pattern
+    params = {"w": jax.device_put(w, sharding(*SRC, "dp")), "c": jax.device_put(c, sharding(*SRC))}
+    src = {"params": params}
+    dst = sharding(*DST, None, "tp")
+    out = jr.plan(src, dst, dtype={"params": jnp.bfloat16})(src)
+    assert_exact(out["params"]["w"], w.astype(jnp.bfloat16), dst)
+    assert out["params"]["c"].dtype == np.complex64
+    assert_exact(out["params"]["c"], c, dst)
+    by_jax = np.asarray(jax.device_put(src["params"]["c"], dst))
+    assert np.asarray(out["params"]["c"]).tobytes() == by_jax.tobytes()
+
+
 def test_a_single_array_with_one_dtype_is_cast_whatever_its_dtype():
     x = jax.device_put(np.arange(16, dtype=np.int32).reshape(4, 4), sharding(*SRC, "dp"))
     out = jr.plan(x, sharding(*DST), dtype=jnp.int8)(x)

@@ -71,6 +71,14 @@ def test_a_round_costs_its_slowest_message_plus_latency():
     assert (cost.wire_bytes_cross, cost.wire_bytes_intra) == (50, 150)
 
 
+def test_a_rounds_latency_in_bytes_is_what_each_link_class_moves_meanwhile():
+    """`Topology.class_latency_bytes` (how the schedule weighs an extra round against padding
+    when it sizes chunks, per link class): a 2 s round latency is 200 B at 100 B/s inside a
+    domain (class 0) and 20 B at 10 B/s across (class 1). Mutation check: the class across
+    was priced at NVLink speed (200 B)."""
+    assert topo(latency=2.0).class_latency_bytes() == {0: 200, 1: 20}
+
+
 def test_modeled_time_adds_pack_unpack_buckets_and_local_copies_by_hand():
     """Links at half their peak: 100 B inside at 50 B/s (2 s), then 50 B across at 5 B/s (10 s).
     Pack: device 0 copies 100 B, then devices 0 and 1 50 B each at once: 2 + 1 s; unpack
@@ -303,6 +311,17 @@ def test_physical_bound_lets_every_nic_of_a_domain_import():
     assert costmodel.round_model_bound([lf], topo()).seconds == pytest.approx(12.8)
 
 
+def test_physical_bound_lets_a_sole_holder_send_over_nvlink_and_nic_at_once():
+    """Device 0 alone holds 1100 B that devices 1 and 2 (its domain) want in halves: however
+    the halves travel, device 0 sends all 1100 B, at best over its NVLink and NIC at once
+    (100 + 10 B/s): 10 s, the binding term (each receiver takes 550 B in 5 s). Mutation
+    check: the sole holder was priced over NVLink alone (11 s)."""
+    lf = uint8_leaf(1100, (0,), (), (1, 2), ("d",))
+    bound = costmodel.physical_bound([lf], topo())
+    assert bound.seconds == pytest.approx(10.0)
+    assert bound.binding.startswith("device 0 sends")
+
+
 def test_executor_floor_by_hand():
     """The same 128 B from domain 0 to each device of domain 1, links at half their peak
     (NVLink 50 B/s, NIC 5 B/s), copies at 50 B/s. Domain 1's NICs take the 128 B in
@@ -397,6 +416,17 @@ def test_baselines_charge_no_host_cost_and_round_robin_carries_its_turn():
     assert costmodel.m2n_like([lf], plan, t, dataclasses.replace(p, bucket_overhead=99.0)) == free
     quarters = uint8_leaf(128, (0, 1), (), (4, 5, 6, 7), ("d",))
     assert costmodel.direct_round_robin([quarters], t, p, chunk_bytes=1 << 20) == pytest.approx(6.4)
+
+
+def test_round_robin_prices_a_device_that_sends_and_receives_as_full_duplex():
+    """Links are full duplex (`Topology`: a device sends and, at the same time, receives):
+    devices 0 and 1 (one domain) swapping the halves of a 128-byte array each send 64 B and
+    receive 64 B over NVLink at 100 B/s, so the direct round-robin baseline takes 0.64 s, not
+    1.28 s. Mutation check: a device's received bytes were added to its sent ones."""
+    swap = uint8_leaf(128, (0, 1), ("s",), (1, 0), ("d",))
+    p = profile(intra_efficiency=1.0, inter_efficiency=1.0, bucket_overhead=0.0)
+    seconds = costmodel.direct_round_robin([swap], topo(), p, chunk_bytes=1 << 20)
+    assert seconds == pytest.approx(0.64)
 
 
 def test_nothing_to_move_costs_nothing():

@@ -104,6 +104,26 @@ def test_profile_domain_size_override_and_unknown_name():
         Topology.profile("a100", 8)
 
 
+def test_profile_domains_and_hosts_count_from_the_first_device():
+    """``Topology.profile(name, n, first_device=f)`` numbers its devices f, f + 1, ... and
+    groups them into domains and hosts of the profile's sizes counted from f (a sampler whose
+    ids start at 4 fills whole domains): 16 h100 devices from id 4 are two domains (and hosts)
+    of 8, ids 4-11 and 12-19. Mutation check: domains counted from id 0 made three, of 4, 8
+    and 4 devices."""
+    t = Topology.profile("h100", 16, first_device=4)
+    assert t.devices == tuple(range(4, 20))
+    assert t.members == {0: tuple(range(4, 12)), 1: tuple(range(12, 20))}
+    assert t.domains == t.hosts == (0,) * 8 + (1,) * 8
+
+
+def test_profile_domains_smaller_than_its_hosts_are_hosts_of_their_own():
+    """A host's devices are in one fast domain: with domains of 4 where an h100 host holds
+    8 devices, each domain is a host of its own (16 devices: 4 domains, 4 hosts, alike).
+    Mutation check: hosts kept the profile's 8 devices, each spanning two domains."""
+    t = Topology.profile("h100", 16, domain_size=4)
+    assert t.domains == t.hosts == (0,) * 4 + (1,) * 4 + (2,) * 4 + (3,) * 4
+
+
 def test_bad_topologies_are_rejected():
     with pytest.raises(ValueError, match="twice"):
         Topology.from_groups([[0, 1], [1, 2]])

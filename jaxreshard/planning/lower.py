@@ -878,14 +878,21 @@ def staging(lowered: Lowered) -> dict[int, int]:
     return peak
 
 
-def with_lowered(stats: PlanStats, lowered: Lowered, host_syncs: int = 0) -> PlanStats:
+def with_lowered(
+    stats: PlanStats,
+    lowered: Lowered,
+    host_syncs: int = 0,
+    runtime_programs: tuple[int, int] = (0, 0),
+) -> PlanStats:
     """``stats`` with what the lowering knows: staging as the runtime's pool holds it (the
-    peak over two calls, see `staging`), programs and dispatches per call; ``host_syncs`` is
-    the runtime's (it depends on the backend)."""
+    peak over two calls, see `staging`), programs and dispatches per call; ``host_syncs``
+    and ``runtime_programs`` (programs and dispatches per call the runtime adds on this
+    backend) are the runtime's."""
+    programs, dispatches = runtime_programs
     return dataclasses.replace(
         stats,
         staging_bytes=max(staging(lowered).values(), default=0),
-        programs=len(lowered.programs()),
-        dispatches=lowered.dispatches(),
+        programs=len(lowered.programs()) + programs,
+        dispatches=lowered.dispatches() + dispatches,
         host_syncs=host_syncs,
     )

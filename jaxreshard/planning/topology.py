@@ -436,9 +436,12 @@ class Topology:
         """A virtual cluster of a named kind (`PROFILES`).
 
         Device ids are slots of a cluster whose domains of ``domain_size`` (default: the
-        profile's) and hosts are numbered in order: slot ``i`` is in domain ``i // size``. Give
-        either ``num_devices`` (ids ``first_device ..``, consecutive) or ``ids`` (any slots,
-        e.g. a trainer on racks 0-1 and a sampler starting on rack 2: rack-aligned placement).
+        profile's) and hosts (the profile's host size, or the domain's where that is smaller:
+        a host never spans two domains) are numbered in order. Give either ``num_devices``
+        (ids ``first_device ..``, consecutive; domains and hosts counted from
+        ``first_device``: slot ``first_device + i`` is in domain ``i // domain_size``) or
+        ``ids`` (any slots, counted from 0: slot ``i`` is in domain ``i // domain_size``, e.g.
+        a trainer on racks 0-1 and a sampler starting on rack 2: rack-aligned placement).
         """
         if name not in PROFILES:
             raise ReshardError(f"unknown topology profile {name!r}; known: {sorted(PROFILES)}")

@@ -73,6 +73,7 @@ from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
 from jaxreshard.run.codec import (
     ZERO,
+    bits_dtype,
     bits_to_words,
     from_bits,
     read_bits,
@@ -139,6 +140,7 @@ class Runtime:
             self._mesh.setdefault(leaf.dst.mesh, s.mesh)
         self._packs: dict[Any, Callable[..., Any]] = {}
         self._unpacks: dict[Any, Callable[..., Any]] = {}
+        self._bitcasts: dict[Any, Callable[..., Any]] = {}
         self._transfers: dict[TransferProgram, Callable[..., Any]] = {}
         self._allocs: dict[Any, Callable[..., Any]] = {}
         self._alloc_fns: dict[tuple[int, ...], Callable[[], tuple[jax.Array, ...]]] = {}
@@ -228,7 +230,7 @@ class Runtime:
             clock.mark("transfer", list(received.values()))
         written = []
         for call in step.unpacks:
-            outs = call.fn(*call.table, *call.chunks(received), *call.arguments(src, dst))
+            outs = call.run(received, src, dst)
             call.store(outs, dst)
             written.extend(outs)
         clock.mark("unpack", dst.pending())
@@ -338,6 +340,11 @@ class Runtime:
                 if id(run.fn) not in seen:
                     seen.add(id(run.fn))
                     jobs.append(functools.partial(_compiled, run.fn, run.avals(self, src)))
+            for run in step.unpacks:
+                for fn, avals in run.bitcasts(self, src):
+                    if id(fn) not in seen:
+                        seen.add(id(fn))
+                        jobs.append(functools.partial(_compiled, fn, avals))
         _in_parallel(jobs)
 
     def _allocates(self, leaf: int) -> bool:
@@ -438,11 +445,34 @@ class Runtime:
             self._spec(o, self.dst_shardings[i], mesh)
             for o, i in zip(program.targets, call.targets, strict=True)
         )
+        platform = self.device[mesh.devices[0]].platform
+        held = tuple(held_as_bits(o.dtype, platform) for o in program.targets)
         key = (program, specs)
         fn = self._unpacks.get(key)
         if fn is None:
-            fn = self._unpacks[key] = _build_unpack(program, self.mesh(mesh), specs)
-        return _UnpackRun(self, call, fn)
+            fn = self._unpacks[key] = _build_unpack(program, self.mesh(mesh), specs, held)
+        return _UnpackRun(self, call, fn, held)
+
+    def bitcast_fn(
+        self, dtypes: tuple[Any, ...], shardings: tuple[Sharding, ...]
+    ) -> Callable[..., Any]:
+        """The compiled-once program that reinterprets donated arrays of ``shardings`` as
+        ``dtypes`` of the same width, in their own buffers (`held_as_bits`)."""
+        key = (dtypes, shardings)
+        fn = self._bitcasts.get(key)
+        if fn is None:
+
+            def bitcast(*xs: jax.Array) -> tuple[jax.Array, ...]:
+                pairs = zip(xs, dtypes, strict=True)
+                return tuple(lax.bitcast_convert_type(x, d) for x, d in pairs)
+
+            fn = self._bitcasts[key] = jax.jit(
+                bitcast,
+                donate_argnums=tuple(range(len(dtypes))),
+                out_shardings=shardings,
+                compiler_options=copy_options("cpu"),
+            )
+        return fn
 
     def dst_view(self, leaf: int) -> views.View:
         """Makes leaf ``leaf``'s destination array from its per-device buffers."""
@@ -773,7 +803,13 @@ class _TransferRun:
 class _UnpackRun:
     """One unpack call, resolved."""
 
-    def __init__(self, runtime: Runtime, call: UnpackCall, fn: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        call: UnpackCall,
+        fn: Callable[..., Any],
+        held: Sequence[np.dtype | None],
+    ) -> None:
         program = call.program
         self.fn = fn
         self.table = runtime.table(program.mesh, call.table)
@@ -783,6 +819,57 @@ class _UnpackRun:
         self.targets = call.targets
         self.source_views = _operand_views(program.sources, mesh)
         self.target_views = _operand_views(program.targets, mesh)
+        # Targets the program writes as their bits (`held_as_bits`): reinterpreted before it
+        # and back after it, in their own buffers, by two programs of bitcasts.
+        self.as_bits = [t for t, bits in enumerate(held) if bits is not None]
+        self.to_bits = self.from_bits = None
+        if self.as_bits:
+            shardings = tuple(
+                runtime.dst_shardings[self.targets[t]]
+                if self.target_views[t] is None
+                else self.target_views[t].sharding
+                for t in self.as_bits
+            )
+            dtypes = tuple(program.targets[t].dtype for t in self.as_bits)
+            self.to_bits = runtime.bitcast_fn(
+                tuple(np.dtype(held[t]) for t in self.as_bits), shardings
+            )
+            self.from_bits = runtime.bitcast_fn(tuple(jnp.dtype(d) for d in dtypes), shardings)
+            self._held = [held[t] for t in self.as_bits]
+
+    def run(
+        self,
+        received: Mapping[tuple[int, int], jax.Array],
+        src: _Sources,
+        dst: _Destinations,
+    ) -> Sequence[jax.Array]:
+        """Dispatch the call (and the bitcasts around it); returns the targets' new arrays."""
+        args = self.arguments(src, dst)
+        if not self.as_bits:
+            return self.fn(*self.table, *self.chunks(received), *args)
+        first = len(self.sources)
+        bits = self.to_bits(*(args[first + t] for t in self.as_bits))
+        for t, x in zip(self.as_bits, bits, strict=True):
+            args[first + t] = x
+        outs = list(self.fn(*self.table, *self.chunks(received), *args))
+        back = self.from_bits(*(outs[t] for t in self.as_bits))
+        for t, x in zip(self.as_bits, back, strict=True):
+            outs[t] = x
+        return outs
+
+    def bitcasts(self, runtime: Runtime, src: _Sources) -> list[tuple[Callable[..., Any], Any]]:
+        """The bitcast programs around the call and their arguments (to compile ahead)."""
+        if not self.as_bits:
+            return []
+        targets = [
+            _operand_aval(runtime, src, self.targets[t], "dst", self.target_views[t])
+            for t in self.as_bits
+        ]
+        bits = [
+            jax.ShapeDtypeStruct(a.shape, held, sharding=a.sharding)
+            for a, held in zip(targets, self._held, strict=True)
+        ]
+        return [(self.to_bits, targets), (self.from_bits, bits)]
 
     def chunks(self, received: Mapping[tuple[int, int], jax.Array]) -> list[jax.Array]:
         return [
@@ -813,6 +900,9 @@ class _UnpackRun:
             _operand_aval(runtime, src, leaf, "dst", view)
             for leaf, view in zip(self.targets, self.target_views, strict=True)
         ]
+        for t, held in zip(self.as_bits, getattr(self, "_held", ()), strict=True):
+            a = targets[t]
+            targets[t] = jax.ShapeDtypeStruct(a.shape, held, sharding=a.sharding)
         return [*self.table, *(view.aval for view in self.chunk_views), *sources, *targets]
 
     def store(self, outs: Sequence[jax.Array], dst: _Destinations) -> None:
@@ -1202,15 +1292,47 @@ def writes_in_place(dtype: Any, platform: str) -> bool:
     return True
 
 
+def held_as_bits(dtype: Any, platform: str) -> np.dtype | None:
+    """The unsigned type an unpack program writes targets of ``dtype`` as, where they are
+    passed to it as such: None for dtypes written as they are (`writes_in_place`).
+
+    A target XLA cannot write in place (bfloat16 and float8 on CPU) would otherwise be
+    rewritten whole by every program that writes part of it, through a temporary, because
+    the bitcasts to and from its bits fuse with the writes: a leaf cut into K slabs paid
+    K passes over its destination shard (a 64 MiB bfloat16 shard in 18 slabs: 4.2 s a call,
+    5x ``jax.device_put``). Reinterpreted as its bits by a program of its own, in its own
+    buffer (a free bitcast with the older CPU fusion emitters, `copy_options`), the target
+    is written in place as an integer array is. Complex and sub-byte types change shape or
+    width as bits, and keep the fused path."""
+    dtype = jnp.dtype(dtype)
+    if writes_in_place(dtype, platform) or copy_options(platform) is None:
+        return None
+    if jax.dtypes.itemsize_bits(dtype) < 8 or jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    return bits_dtype(dtype)
+
+
 def _build_unpack(
-    program: UnpackProgram, mesh: Mesh, specs: tuple[PartitionSpec, ...]
+    program: UnpackProgram,
+    mesh: Mesh,
+    specs: tuple[PartitionSpec, ...],
+    held: Sequence[np.dtype | None],
 ) -> Callable[..., Any]:
+    """The unpack program; a target with ``held`` bits is passed and returned as them."""
     n_slots, n_src = len(program.slots), len(program.sources)
     n_tgt = len(program.targets)
     has_table = program.columns > 0
     split = _split_spec(mesh)
     platform = mesh.devices.flat[0].platform
-    native = [writes_in_place(o.dtype, platform) for o in program.targets]
+    # Targets written as they are (in place; those held as bits included) or as bits.
+    native = [
+        writes_in_place(o.dtype, platform) or bits is not None
+        for o, bits in zip(program.targets, held, strict=True)
+    ]
+    # The dtype a target's parts become before they are written, and the program returns.
+    kept = [
+        o.dtype if bits is None else bits for o, bits in zip(program.targets, held, strict=True)
+    ]
 
     def unpack(*args: jax.Array) -> tuple[jax.Array, ...]:
         row = args[0][0] if has_table else None
@@ -1226,7 +1348,7 @@ def _build_unpack(
             raw = lax.slice(chunks[w.slot], (w.offset,), (w.offset + n,))
             part = words_to_bits(raw, dtype, w.shape)
             if native[w.target]:
-                part = from_bits(part, dtype)
+                part = from_bits(part, kept[w.target])
             out[w.target] = write_bits(out[w.target], part, _at(row, w.column, len(w.shape)))
         for c in program.copies:
             dtype = program.targets[c.target].dtype
@@ -1234,7 +1356,7 @@ def _build_unpack(
             at = _at(row, c.source_column, rank)
             part = read_bits(sources[c.source], at, c.shape, dtype, platform)
             if native[c.target]:
-                part = from_bits(part, dtype)
+                part = from_bits(part, kept[c.target])
             out[c.target] = write_bits(out[c.target], part, _at(row, c.target_column, rank))
         final = [
             x if n else from_bits(x, o.dtype)
@@ -1256,7 +1378,7 @@ def _build_unpack(
                 n = words_of(target.shard, target.dtype, word)
                 words = _gather(flat, row, r.column, n)
                 final[r.target] = from_bits(
-                    words_to_bits(words, target.dtype, target.shard), target.dtype
+                    words_to_bits(words, target.dtype, target.shard), kept[r.target]
                 )
         return tuple(final)
 
@@ -1361,6 +1483,23 @@ class _Clock:
         now = time.perf_counter()
         self.profile[phase] = self.profile.get(phase, 0.0) + now - self.t
         self.t = now
+
+
+def bitcasts_per_call(lowered: Lowered, platforms: Iterable[str]) -> tuple[int, int]:
+    """The programs (compiled once) and dispatches per call that the bitcasts around unpacks
+    add (`held_as_bits`): two around each unpack call with such a target, two per distinct
+    unpack program (calls of one program over equal shardings share theirs)."""
+    kinds = set(platforms)
+    if len(kinds) != 1:
+        return 0, 0
+    (platform,) = kinds
+    calls = [
+        call.program
+        for step in lowered.steps
+        for call in step.unpacks
+        if any(held_as_bits(o.dtype, platform) is not None for o in call.program.targets)
+    ]
+    return 2 * len(set(calls)), 2 * len(calls)
 
 
 def host_syncs_per_call(lowered: Lowered, platforms: Iterable[str]) -> int:
