@@ -1815,6 +1815,17 @@ SURFACE_MUTANTS: list[Mutant] = [
         "imaginary parts dropped), not only its floating ones",
     ),
     Mutant(
+        "lower-staging-first-call-only",
+        "jaxreshard/planning/lower.py",
+        (("    for _ in range(2):", "    for _ in range(1):"),),
+        (
+            "tests/test_compiled.py::"
+            "test_staging_held_inside_every_step_of_every_call_is_within_what_the_plan_reports",
+        ),
+        "the lowering simulates the staging pool over the first call only, so the plan "
+        "reports less staging than a second call, starting from the pool the first left, holds",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
