@@ -107,25 +107,29 @@ def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
     thread: the caller's own code keeps them), which also keeps the programs' cache keys
     the same whatever the caller's settings."""
     stack = contextlib.ExitStack()
-    # First the caller's own thread settings set aside (JAX keys its compile cache on them),
-    # so that a call under `jax.set_mesh` or `jax.default_matmul_precision` finds the
-    # programs compiled outside it; then the settings a plan's programs need.
-    stack.enter_context(caller_settings_unset())
-    if not (jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty):
-        stack.enter_context(jax.set_mesh(None))  # a process-wide mesh (see `_own_meshes`)
-    changed = [
-        (setting, neutral)
-        for setting, value, neutral in (
-            (jax.debug_nans, jax.config.jax_debug_nans, False),
-            (jax.debug_infs, jax.config.jax_debug_infs, False),
-            (jax.disable_jit, jax.config.jax_disable_jit, False),
-            (jax.numpy_rank_promotion, jax.config.jax_numpy_rank_promotion, "allow"),
-            (jax.enable_x64, bool(jax.config.jax_enable_x64), x64),
-        )
-        if value != neutral
-    ]
-    for setting, neutral in changed:
-        stack.enter_context(setting(neutral))
+    try:
+        # First the caller's own thread settings set aside (JAX keys its compile cache on
+        # them), so that a call under `jax.set_mesh` or `jax.default_matmul_precision` finds
+        # the programs compiled outside it; then the settings a plan's programs need.
+        stack.enter_context(caller_settings_unset())
+        if not (jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty):
+            stack.enter_context(jax.set_mesh(None))  # a process-wide mesh (`_own_meshes`)
+        changed = [
+            (setting, neutral)
+            for setting, value, neutral in (
+                (jax.debug_nans, jax.config.jax_debug_nans, False),
+                (jax.debug_infs, jax.config.jax_debug_infs, False),
+                (jax.disable_jit, jax.config.jax_disable_jit, False),
+                (jax.numpy_rank_promotion, jax.config.jax_numpy_rank_promotion, "allow"),
+                (jax.enable_x64, bool(jax.config.jax_enable_x64), x64),
+            )
+            if value != neutral
+        ]
+        for setting, neutral in changed:
+            stack.enter_context(setting(neutral))
+    except BaseException:
+        stack.close()  # (the caller never enters it: the caller's settings as they were)
+        raise
     return stack
 
 

@@ -822,6 +822,7 @@ class _UnpackRun:
         # Targets the program writes as their bits (`held_as_bits`): reinterpreted before it
         # and back after it, in their own buffers, by two programs of bitcasts.
         self.as_bits = [t for t, bits in enumerate(held) if bits is not None]
+        self._held = [held[t] for t in self.as_bits]
         self.to_bits = self.from_bits = None
         if self.as_bits:
             shardings = tuple(
@@ -835,7 +836,6 @@ class _UnpackRun:
                 tuple(np.dtype(held[t]) for t in self.as_bits), shardings
             )
             self.from_bits = runtime.bitcast_fn(tuple(jnp.dtype(d) for d in dtypes), shardings)
-            self._held = [held[t] for t in self.as_bits]
 
     def run(
         self,
@@ -900,7 +900,7 @@ class _UnpackRun:
             _operand_aval(runtime, src, leaf, "dst", view)
             for leaf, view in zip(self.targets, self.target_views, strict=True)
         ]
-        for t, held in zip(self.as_bits, getattr(self, "_held", ()), strict=True):
+        for t, held in zip(self.as_bits, self._held, strict=True):
             a = targets[t]
             targets[t] = jax.ShapeDtypeStruct(a.shape, held, sharding=a.sharding)
         return [*self.table, *(view.aval for view in self.chunk_views), *sources, *targets]
@@ -1022,20 +1022,23 @@ def caller_settings_unset() -> contextlib.AbstractContextManager[Any]:
     another thread, as `Plan.start`'s worker) finds the programs its first call compiled.
     Other thread settings (the transfer guards, ``jax.log_compiles``) are kept. Where JAX's
     config states are not where this looks (another JAX version), nothing is set aside."""
-    settings = _keyed_settings()
-    if not settings:
-        return contextlib.nullcontext()
-    unset = _UNSET[0]
+    settings, unset = _keyed_settings()
     local = [(s, v) for s in settings if (v := s.get_local()) is not unset]
     if not local:
         return contextlib.nullcontext()
+    done: list[tuple[Any, Any]] = []
     stack = contextlib.ExitStack()
-    for setting, _ in local:
-        setting.swap_local(unset)
-        hook = getattr(setting, "_update_thread_local_hook", None)
-        if hook is not None:
-            hook(None)
-    stack.callback(_put_back, local)
+    stack.callback(_put_back, done)
+    try:
+        for setting, value in local:
+            setting.swap_local(unset)
+            done.append((setting, value))
+            hook = getattr(setting, "_update_thread_local_hook", None)
+            if hook is not None:
+                hook(None)
+    except BaseException:
+        stack.close()  # (the caller never enters it: put back what was set aside)
+        raise
     return stack
 
 
@@ -1049,15 +1052,15 @@ def _put_back(local: Sequence[tuple[Any, Any]]) -> None:
             hook(value)
 
 
-_UNSET: list[Any] = [None]
-_KEYED: dict[int, tuple[Any, ...]] = {}
+_KEYED: dict[int, tuple[tuple[Any, ...], Any]] = {}
 
 
-def _keyed_settings() -> tuple[Any, ...]:
+def _keyed_settings() -> tuple[tuple[Any, ...], Any]:
     """JAX's thread-settable config values that are part of its trace context and compile
-    cache key: the config states it names as such, and the context managers' values
-    (meshes, devices, ``compute_on``) of its config module. Looked up again when JAX
-    registers more states (a module imported later)."""
+    cache key (the config states it names as such, and the context managers' values:
+    meshes, devices, ``compute_on``, of its config module), and JAX's marker of a value
+    not set for the thread. Looked up again when JAX registers more states (a module
+    imported later); none where JAX's config is not laid out so."""
     try:
         from jax._src import config as jax_config
 
@@ -1072,11 +1075,11 @@ def _keyed_settings() -> tuple[Any, ...]:
                 for v in vars(jax_config).values()
                 if isinstance(v, config) and not isinstance(v, jax_config.State)
             ]
-            found = _KEYED[len(states)] = tuple(dict.fromkeys(keyed))
-            _UNSET[0] = jax_config.config_ext.unset
+            found = (tuple(dict.fromkeys(keyed)), jax_config.config_ext.unset)
+            _KEYED[len(states)] = found
         return found
     except Exception:  # pragma: no cover - another JAX layout
-        return ()
+        return (), None
 
 
 def _compiled(fn: Any, avals: Sequence[Any]) -> Any:
