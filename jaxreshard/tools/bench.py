@@ -130,13 +130,19 @@ FSDP_ONLY = {  # dp x fsdp: everything split on its first dimension, replicated 
 
 @dataclasses.dataclass(frozen=True)
 class Tree:
-    """Leaf shapes and roles, by name (a flat dict is a pytree)."""
+    """Leaf shapes and roles, by name (a flat dict is a pytree), and the sources' dtype."""
 
     leaves: dict[str, tuple[tuple[int, ...], str]]
+    dtype: str = "float32"
 
     @property
     def nbytes_f32(self) -> int:
         return sum(4 * math.prod(shape) for shape, _ in self.leaves.values())
+
+    @property
+    def nbytes(self) -> int:
+        """The sources' bytes, in their dtype."""
+        return self.nbytes_f32 // 4 * jnp.dtype(self.dtype).itemsize
 
 
 def gpt_blocks(d: int, layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -385,6 +391,14 @@ SCENARIOS: dict[str, Scenario] = {
             family="disjoint",
         ),
         Scenario(
+            "disjoint_gpt32k_bf16",
+            "the whole tree in bf16 (d {a.gpt_d}, {a.gpt_layers} layers, vocab {a.gpt_vocab}): "
+            "a leaf cut into slabs, in a dtype XLA CPU writes as bits",
+            disjoint_layouts,
+            lambda a: dataclasses.replace(gpt32k(a, "all"), dtype="bfloat16"),
+            family="disjoint",
+        ),
+        Scenario(
             "colocated",
             "GPT tree of {a.size_mib:g} MiB, one device set in two orders",
             colocated_layouts,
@@ -489,8 +503,10 @@ def shardings(tree: Tree, layouts: Layouts, devices: Sequence[jax.Device]) -> tu
 
 
 def make_source(tree: Tree, src_shardings: dict[str, NamedSharding]) -> dict[str, jax.Array]:
-    """Build the source arrays on their devices (no host copy): distinct values per leaf."""
+    """Build the source arrays on their devices (no host copy): distinct values per leaf, in
+    the tree's dtype."""
     makers: dict[Any, Any] = {}
+    dtype = jnp.dtype(tree.dtype)
     out = {}
     for k, ((shape, _), leaf) in enumerate(zip(tree.leaves.values(), tree.leaves, strict=True)):
         sharding = src_shardings[leaf]
@@ -499,7 +515,7 @@ def make_source(tree: Tree, src_shardings: dict[str, NamedSharding]) -> dict[str
 
             def make(seed: jax.Array, shape: tuple[int, ...] = shape) -> jax.Array:
                 i = jax.lax.iota(jnp.int32, math.prod(shape)).reshape(shape)
-                return ((i * 7 + seed) % 4093).astype(jnp.float32)
+                return ((i * 7 + seed) % 4093).astype(dtype)
 
             makers[key] = jax.jit(make, out_shardings=sharding)
         out[leaf] = makers[key](jnp.int32(k))
@@ -508,7 +524,7 @@ def make_source(tree: Tree, src_shardings: dict[str, NamedSharding]) -> dict[str
 
 def _dst_bytes(tree: Tree, dst: dict[str, NamedSharding], dtype: Any) -> int:
     """Bytes of every destination shard, summed over the destination devices."""
-    itemsize = jnp.dtype(dtype or jnp.float32).itemsize
+    itemsize = jnp.dtype(dtype or tree.dtype).itemsize
     return sum(
         _index_size(idx, shape) * itemsize
         for k, (shape, _) in tree.leaves.items()
@@ -694,7 +710,7 @@ class GatherSlice(Strategy):
         self.keys = list(tree.leaves)
         replicated = {k: NamedSharding(s.mesh, P()) for k, s in src_shardings.items()}
         self.gather = jax.jit(lambda t: _cast(t, dtype), out_shardings=replicated)
-        itemsize = jnp.dtype(dtype if dtype is not None else jnp.float32).itemsize
+        itemsize = jnp.dtype(dtype if dtype is not None else tree.dtype).itemsize
         # Who serves which destination shard: (leaf, dst device) -> source device.
         self.serve: list[tuple[str, jax.Device, jax.Device, tuple[slice, ...]]] = []
         gathered = sliced = 0
@@ -1380,9 +1396,10 @@ def run_timing(
         "what": scenario.describe(args),
         "layouts": b.layouts.describe(),
         "leaves": len(b.tree.leaves),
-        "bytes": b.tree.nbytes_f32,
+        "bytes": b.tree.nbytes,
         "dst_bytes_total": b.dst_total,
-        "dst_dtype": jnp.dtype(scenario.dtype or jnp.float32).name,
+        "src_dtype": jnp.dtype(b.tree.dtype).name,
+        "dst_dtype": jnp.dtype(scenario.dtype or b.tree.dtype).name,
         "pairs": args.pairs,
         "warmup": args.warmup,
         "results": [dataclasses.asdict(b.results[s.name]) for s in b.strategies],
