@@ -1389,8 +1389,8 @@ SURFACE_MUTANTS: list[Mutant] = [
             "tests/test_compiled.py::"
             "test_the_first_call_compiles_its_programs_together_before_any_step_runs",
         ),
-        "the compile threads run without the caller's transfer guard and precision, so each "
-        "step compiles its program a second time",
+        "the compile threads run without the settings the call holds for its thread (the "
+        "plan's own x64), so each step compiles its program a second time",
     ),
     Mutant(
         "schedule-units-cut-in-tree-order-across-meshes",

@@ -225,8 +225,10 @@ def test_the_second_call_compiles_nothing_though_it_starts_from_the_pool_the_fir
 def test_the_first_call_compiles_its_programs_together_before_any_step_runs(monkeypatch):
     """A tree of distinct leaves makes many programs; the first call compiles them on a pool
     of threads before dispatching (XLA compiles outside the GIL), each once: the steps find
-    every pack, unpack and allocation compiled and compile nothing themselves, also under
-    settings the caller's thread holds alone (JAX keys its cache on some of them)."""
+    every pack, unpack and allocation compiled and compile nothing themselves, also where
+    the call holds a setting JAX keys its cache on for its thread alone: the plan's own
+    ``jax_enable_x64`` (made under ``jax.enable_x64(True)``, called outside it), which the
+    compile threads must hold too."""
     monkeypatch.setattr(runtime_module.os, "cpu_count", lambda: 4)  # a pool even on 1 core
     shapes = [(8, 12), (16,), (4, 6, 2), (24, 4)]
     src, dst = {}, {}
@@ -236,8 +238,9 @@ def test_the_first_call_compiles_its_programs_together_before_any_step_runs(monk
             sharding((0, 1, 2, 3), (2, 2), ("x", "y"), *(("x", "y", None)[: len(shape)])),
         )
         dst[f"l{i}"] = sharding((4, 5, 6, 7), (4,), ("t",), "t")
-    plan = jr.plan(src, dst, bucket_bytes=48)
-    assert plan.stats.buckets > 2
+    with jax.enable_x64(True):
+        plan = jr.plan(src, dst, bucket_bytes=48)
+    assert plan.stats.buckets > 2 and not jax.config.jax_enable_x64
     with jax.transfer_guard("disallow"), jax.default_matmul_precision("highest"):
         with COMPILES as first:
             out = plan(src)
