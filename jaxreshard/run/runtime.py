@@ -1490,8 +1490,9 @@ class _Clock:
 
 def bitcasts_per_call(lowered: Lowered, platforms: Iterable[str]) -> tuple[int, int]:
     """The programs (compiled once) and dispatches per call that the bitcasts around unpacks
-    add (`held_as_bits`): two around each unpack call with such a target, two per distinct
-    unpack program (calls of one program over equal shardings share theirs)."""
+    add (`held_as_bits`): two around each unpack call with such a target, and two programs
+    per distinct unpack program with one (at most: unpack programs whose such targets have
+    the same dtypes and shardings share their bitcast programs)."""
     kinds = set(platforms)
     if len(kinds) != 1:
         return 0, 0
