@@ -831,11 +831,9 @@ class _UnpackRun:
                 else self.target_views[t].sharding
                 for t in self.as_bits
             )
-            dtypes = tuple(program.targets[t].dtype for t in self.as_bits)
-            self.to_bits = runtime.bitcast_fn(
-                tuple(np.dtype(held[t]) for t in self.as_bits), shardings
-            )
-            self.from_bits = runtime.bitcast_fn(tuple(jnp.dtype(d) for d in dtypes), shardings)
+            dtypes = tuple(jnp.dtype(program.targets[t].dtype) for t in self.as_bits)
+            self.to_bits = runtime.bitcast_fn(tuple(self._held), shardings)
+            self.from_bits = runtime.bitcast_fn(dtypes, shardings)
 
     def run(
         self,
@@ -861,15 +859,24 @@ class _UnpackRun:
         """The bitcast programs around the call and their arguments (to compile ahead)."""
         if not self.as_bits:
             return []
-        targets = [
-            _operand_aval(runtime, src, self.targets[t], "dst", self.target_views[t])
-            for t in self.as_bits
+        targets = self._target_avals(runtime, src)
+        before = [targets[t] for t in self.as_bits]
+        after = self._as_bits(targets)
+        return [(self.to_bits, before), (self.from_bits, [after[t] for t in self.as_bits])]
+
+    def _target_avals(self, runtime: Runtime, src: _Sources) -> list[Any]:
+        """What `arguments` passes for the targets (in their own dtypes)."""
+        return [
+            _operand_aval(runtime, src, leaf, "dst", view)
+            for leaf, view in zip(self.targets, self.target_views, strict=True)
         ]
-        bits = [
-            jax.ShapeDtypeStruct(a.shape, held, sharding=a.sharding)
-            for a, held in zip(targets, self._held, strict=True)
-        ]
-        return [(self.to_bits, targets), (self.from_bits, bits)]
+
+    def _as_bits(self, targets: Sequence[Any]) -> list[Any]:
+        """``targets``' avals with those written as bits in their bits' dtype."""
+        out = list(targets)
+        for t, held in zip(self.as_bits, self._held, strict=True):
+            out[t] = jax.ShapeDtypeStruct(out[t].shape, held, sharding=out[t].sharding)
+        return out
 
     def chunks(self, received: Mapping[tuple[int, int], jax.Array]) -> list[jax.Array]:
         return [
@@ -896,13 +903,7 @@ class _UnpackRun:
             _operand_aval(runtime, src, leaf, "src", view)
             for leaf, view in zip(self.sources, self.source_views, strict=True)
         ]
-        targets = [
-            _operand_aval(runtime, src, leaf, "dst", view)
-            for leaf, view in zip(self.targets, self.target_views, strict=True)
-        ]
-        for t, held in zip(self.as_bits, self._held, strict=True):
-            a = targets[t]
-            targets[t] = jax.ShapeDtypeStruct(a.shape, held, sharding=a.sharding)
+        targets = self._as_bits(self._target_avals(runtime, src))
         return [*self.table, *(view.aval for view in self.chunk_views), *sources, *targets]
 
     def store(self, outs: Sequence[jax.Array], dst: _Destinations) -> None:
