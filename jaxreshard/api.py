@@ -262,6 +262,7 @@ class Plan:
                     [b.src for b in self.boundaries],
                     [b.dst for b in self.boundaries],
                     transfer_options=self.compiler_options,
+                    never_donated=[i for i, b in enumerate(self.boundaries) if b.stages_out],
                 )
             return self._runtime
 

@@ -1826,6 +1826,450 @@ SURFACE_MUTANTS: list[Mutant] = [
         "reports less staging than a second call, starting from the pool the first left, holds",
     ),
     Mutant(
+        "codec-bf16-ties-round-up",
+        "jaxreshard/run/codec.py",
+        (
+            (
+                "u + np.uint32(0x7FFF) + lsb",
+                "u + np.uint32(0x8000)",
+            ),
+        ),
+        (
+            "tests/test_reshard.py::test_integers_rounded_to_bfloat16_bit_for_bit_as_xla_co"
+            "nverts_them",
+        ),
+        "codec.py `_cast_bits`: an integer rounded to bfloat16 on CPU rounds ties up, not "
+        "to even (257 -> 258 where XLA gives 256)",
+    ),
+    Mutant(
+        "codec-complex-bits-of-the-whole-element",
+        "jaxreshard/run/codec.py",
+        (
+            (
+                'return np.dtype(f"uint{dtype.itemsize * 4}")',
+                'return np.dtype(f"uint{dtype.itemsize * 8}")',
+            ),
+        ),
+        ("tests/test_reshard.py::test_every_dtype_is_moved_bit_for_bit[by gathers-complex64]",),
+        "codec.py `bits_dtype`: a complex element's bits carried per part in a word as "
+        "wide as the whole element",
+    ),
+    Mutant(
+        "verify-columns-of-elements-not-words",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "origin = (*origin[:-1], _u32(origin[-1]) * np.uint32(k))",
+                "origin = (*origin[:-1], _u32(origin[-1]))",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_verify_passes_an_exact_result_whose_layouts_cut_wid"
+            "e_elements_columns_differently",
+        ),
+        "verify.py `box_checksum`: a box's first column counted in elements, not words, so "
+        "a 64-bit or complex leaf cut along its last dimension fails an exact result",
+    ),
+    Mutant(
+        "verify-row-stride-of-the-shard",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "stride *= int(global_shape[d])",
+                "stride *= int(lead[d])",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_verify_passes_an_exact_result_whose_layouts_cut_a_m"
+            "iddle_dimension_differently",
+        ),
+        "verify.py `box_checksum`: rows numbered by the box's own extents, not the global "
+        "array's, so a rank-3 leaf cut along a middle dimension fails an exact result",
+    ),
+    Mutant(
+        "layout-intersect-keeps-empty",
+        "jaxreshard/planning/layout.py",
+        (
+            (
+                "        if lo >= hi:\n            return None",
+                "        if lo > hi:\n            return None",
+            ),
+        ),
+        (
+            "tests/test_layout.py::test_overlapping_on_a_layout_that_is_not_a_grid_skips_bo"
+            "xes_that_only_touch",
+        ),
+        "layout.py `intersect`: boxes that only touch meet in an empty box, so "
+        "`overlapping` on a layout that is not a grid yields them",
+    ),
+    Mutant(
+        "layout-axis-used-twice-taken",
+        "jaxreshard/planning/layout.py",
+        (
+            (
+                "    if len(used) != len(set(used)):",
+                "    if len(used) < len(set(used)):",
+            ),
+        ),
+        ("tests/test_layout.py::test_from_mesh_refuses_a_spec_naming_an_axis_twice_as_jax_does",),
+        "layout.py `normalize_spec`: a spec naming one mesh axis twice (JAX refuses it) is taken",
+    ),
+    Mutant(
+        "layout-empty-mesh-axis-taken",
+        "jaxreshard/planning/layout.py",
+        (
+            (
+                "any(n < 1 for n in mesh_shape)",
+                "any(n < 0 for n in mesh_shape)",
+            ),
+        ),
+        ("tests/test_layout.py::test_from_mesh_refuses_a_mesh_axis_of_size_zero",),
+        "layout.py `Layout.from_mesh`: a mesh axis of size 0 is taken",
+    ),
+    Mutant(
+        "boundary-view-cache-ignores-weak-type",
+        "jaxreshard/run/boundary.py",
+        (
+            (
+                "key = (x.shape, x.dtype, sharding, weak_type)",
+                "key = (x.shape, x.dtype, sharding)",
+            ),
+        ),
+        ("tests/test_leaves.py::test_each_call_gets_its_own_sources_weak_type",),
+        "boundary.py `Crossing._view`: views cached without their weak type, so a weak "
+        "result takes the strong source view's",
+    ),
+    Mutant(
+        "boundary-memory-copy-key-ignores-kind",
+        "jaxreshard/run/boundary.py",
+        (
+            (
+                "key = (d, kinds, tuple(",
+                "key = (d, tuple(",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_host_memory_to_host_memory_on_the_same_devices_land"
+            "s_in_host_memory",
+        ),
+        "boundary.py `_MemoryCopies`: copy programs cached without the memory kind, so "
+        "host -> host on the same devices lands in device memory",
+    ),
+    Mutant(
+        "boundary-manual-destination-not-rewrapped",
+        "jaxreshard/run/boundary.py",
+        (
+            (
+                "named = isinstance(self.user_dst, NamedSharding) and not _manual(self.user_dst)",
+                "named = isinstance(self.user_dst, NamedSharding)",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_a_destination_over_manual_mesh_axes_gets_the_shardi"
+            "ng_it_asked_for",
+        ),
+        "boundary.py `Boundary.rewraps`: a destination over Manual axes is not re-wrapped "
+        "(the result carries the Auto sharding)",
+    ),
+    Mutant(
+        "quant-zero-block-scale-tiny",
+        "jaxreshard/quant.py",
+        (
+            (
+                "scale = jnp.where(amax > 0,",
+                "scale = jnp.where(amax >= 0,",
+            ),
+        ),
+        ("tests/test_fp8.py::test_a_zero_size_leaf_scaled_per_tensor_moves_with_scale_one",),
+        "quant.py `quantize`: an all-zero block gets the least scale, not 1",
+    ),
+    Mutant(
+        "quant-zero-block-size-taken",
+        "jaxreshard/quant.py",
+        (
+            (
+                "and b >= 1\n",
+                "and b >= 0\n",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_bad_fp8_format_is_refused_with_its_fix[block]",),
+        "quant.py `_sizes`: a block size of 0 is taken",
+    ),
+    Mutant(
+        "quant-replicated-scales-in-device-memory",
+        "jaxreshard/quant.py",
+        (
+            (
+                "        return NamedSharding(sharding.mesh, PartitionSpec(), "
+                "memory_kind=sharding.memory_kind)",
+                "        return NamedSharding(sharding.mesh, PartitionSpec())",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::test_replicated_fp8_scales_of_a_host_memory_destination_lan"
+            "d_beside_their_values",
+        ),
+        "quant.py `scale_sharding`: replicated scales of a host-memory destination land in "
+        "device memory",
+    ),
+    Mutant(
+        "api-cache-ignores-fallback",
+        "jaxreshard/api.py",
+        (
+            (
+                "            options,\n            fallback,\n",
+                "            options,\n",
+            ),
+        ),
+        (
+            "tests/test_cache.py::test_a_plan_cached_with_the_device_put_fallback_is_not_gi"
+            "ven_to_a_call_without_it",
+        ),
+        "api.py `_cache_key`: the cache ignores `fallback`, so a call without it gets a "
+        "device_put-fallback plan",
+    ),
+    Mutant(
+        "api-cache-ignores-compiler-options",
+        "jaxreshard/api.py",
+        (
+            (
+                "key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, "
+                "options), fallback)",
+                "key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, "
+                "(topology,), fallback)",
+            ),
+        ),
+        (
+            "tests/test_cache.py::test_a_plan_cached_without_compiler_options_is_not_given_"
+            "to_a_call_with_them",
+        ),
+        "api.py `cached_plan`: the cache ignores `compiler_options`",
+    ),
+    Mutant(
+        "api-bucket-bytes-zero-taken",
+        "jaxreshard/api.py",
+        (
+            (
+                "or not 1 <= bucket_bytes <= MAX_BUCKET_BYTES",
+                "or not 0 <= bucket_bytes <= MAX_BUCKET_BYTES",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_bad_option_is_refused_with_its_fix[bucket_bytes]",),
+        "api.py `_check_options`: bucket_bytes=0 taken",
+    ),
+    Mutant(
+        "api-bucket-bytes-bool-taken",
+        "jaxreshard/api.py",
+        (
+            (
+                "        isinstance(bucket_bytes, bool)\n        or not isinstance",
+                "        not isinstance",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_boolean_bucket_bytes_is_refused",),
+        "api.py `_check_options`: bucket_bytes=True taken as 1 byte",
+    ),
+    Mutant(
+        "api-cache-evicts-one-early",
+        "jaxreshard/api.py",
+        (
+            (
+                "while len(_CACHE) > _CACHE_SIZE:",
+                "while len(_CACHE) >= _CACHE_SIZE:",
+            ),
+        ),
+        ("tests/test_cache.py::test_the_reshard_cache_keeps_its_256_most_recently_used_plans",),
+        "api.py `cached_plan`: the cache keeps 255 plans, not 256",
+    ),
+    Mutant(
+        "api-call-ignores-source-dtype",
+        "jaxreshard/api.py",
+        (
+            (
+                "if tuple(x.shape) != tuple(shape) or x.dtype != dtype:",
+                "if tuple(x.shape) != tuple(shape):",
+            ),
+        ),
+        ("tests/test_errors.py::test_a_plan_applied_to_arrays_of_another_shape_dtype_or_sharding",),
+        "api.py `_array_problem`: a call's source of another dtype is not refused",
+    ),
+    Mutant(
+        "api-host-bool-leaves-refused",
+        "jaxreshard/api.py",
+        (
+            (
+                "return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, "
+                "jnp.bool_))",
+                "return bool(jnp.issubdtype(dtype, jnp.number))",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_numpy_boolean_leaves_go_through_device_put_as_it_pl"
+            "aces_them",
+        ),
+        "api.py `_on_device`: boolean host leaves (and a bool dtype= entry) refused",
+    ),
+    Mutant(
+        "runtime-empty-alloc-key-ignores-dtype",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "key = (spec.dst.shard_shape, spec.dst_dtype, tuple(d.id for d in devices))",
+                "key = (spec.dst.shard_shape, tuple(d.id for d in devices))",
+            ),
+        ),
+        ("tests/test_leaves.py::test_zero_size_leaves_of_two_dtypes_arrive_with_their_own_dtypes",),
+        "runtime.py `_alloc_empty`: empty destinations cached without their dtype",
+    ),
+    Mutant(
+        "runtime-partly-donated-taken-as-all",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "self.donated_all = donate is not None and all(x is not None for x in donate)",
+                "self.donated_all = donate is not None",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_destinations_in_host_memory_land_there_under_the_tr"
+            "ansfer_guard",
+        ),
+        "runtime.py `_Destinations`: a donate= tree with None entries (host-memory "
+        "destinations) counts as all donated, so those are never allocated",
+    ),
+    Mutant(
+        "views-weak-type-dropped",
+        "jaxreshard/run/views.py",
+        (
+            (
+                "base = _core.ShapedArray(self.shape, self.dtype, weak_type=weak_type)",
+                "base = _core.ShapedArray(self.shape, self.dtype)",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_weakly_typed_leaves_arrive_weakly_typed_as_device_p"
+            "ut_keeps_them",
+        ),
+        "views.py `View`: views made strongly typed whatever their weak_type",
+    ),
+    Mutant(
+        "route-pool-overfills",
+        "jaxreshard/planning/route.py",
+        (
+            (
+                "        if out and total + nbytes <= pool_bytes:",
+                "        if out and total <= pool_bytes:",
+            ),
+        ),
+        ("tests/test_topology.py::test_leaves_are_pooled_only_up_to_the_pool_bytes",),
+        "route.py `_pooled`: a run joins the pool while the pool so far is within "
+        "pool_bytes, however large the run",
+    ),
+    Mutant(
+        "stats-fan-receiver-counted-per-fan-member",
+        "jaxreshard/planning/schedule.py",
+        (
+            (
+                "        for d in dsts:\n            recv_by[d] += n\n",
+                "        for d in dsts:\n            recv_by[d] += n * len(dsts)\n",
+            ),
+        ),
+        (
+            "tests/test_topology.py::test_a_leaf_smaller_than_a_share_per_device_is_importe"
+            "d_by_fewer_devices_in_turn",
+        ),
+        "schedule.py `plan_stats`: a fan's receiver counted once per member of the fan",
+    ),
+    Mutant(
+        "stats-relayed-cross-misses-fans",
+        "jaxreshard/planning/schedule.py",
+        (
+            (
+                "            cross += crossing\n            relayed_cross += crossing\n",
+                "            cross += crossing\n",
+            ),
+        ),
+        ("tests/test_topology.py::test_devices_alone_in_their_domain_chained_run_bit_exact",),
+        "schedule.py `plan_stats`: fans crossing domains left out of bytes_relayed_cross_domain",
+    ),
+    Mutant(
+        "stats-wire-ignores-messages",
+        "jaxreshard/planning/schedule.py",
+        (
+            (
+                "wire += sum(size * messages for size, messages in rounds)",
+                "wire += sum(size for size, messages in rounds)",
+            ),
+        ),
+        ("tests/test_planner.py::test_small_replicated_leaves_ride_on_pairs_already_in_use",),
+        "schedule.py `plan_stats`: bytes_wire counts each round size once, not once per message",
+    ),
+    Mutant(
+        "verify-pieces-keep-the-boxs-origin",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "return _moved(start, d, offset), _with(shape, d, n), _moved(origin, d, offset)",
+                "return _moved(start, d, offset), _with(shape, d, n), origin",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_a_checksum_taken_in_pieces_is_the_formula[new-emitters-"
+            "16-shape0-box0-float32]",
+        ),
+        "verify.py `box_checksum_of`: every piece of a box cut into pieces is hashed at "
+        "the box's origin, not its own, so rows and columns are numbered wrong",
+    ),
+    Mutant(
+        "verify-last-piece-dropped",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "return acc + piece(*part(whole * k, tail)) if tail else acc",
+                "return acc",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_a_checksum_taken_in_pieces_is_the_formula[new-emitters-"
+            "16-shape1-box1-bfloat16]",
+        ),
+        "verify.py `box_checksum_of`: a box whose pieces do not divide it evenly loses its "
+        "shorter last piece",
+    ),
+    Mutant(
+        "verify-bf16-sliced-as-values",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "as_bits = x.dtype == dtype and not _sliced_exactly(dtype)",
+                "as_bits = False",
+            ),
+        ),
+        (
+            "tests/test_verify.py::test_a_checksum_taken_in_pieces_is_the_formula[old-emitters-"
+            "262144-shape1-box1-bfloat16]",
+        ),
+        "verify.py `box_checksum_of`: bfloat16 pieces sliced as values, which XLA's older "
+        "CPU emitters (and the newer ones, in a loop) compute through float32, quietening "
+        "NaN payloads",
+    ),
+    Mutant(
+        "api-never-donated-leaves-not-compiled-ahead",
+        "jaxreshard/api.py",
+        (
+            (
+                "never_donated=[i for i, b in enumerate(self.boundaries) if b.stages_out],",
+                "never_donated=(),",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_a_refit_loop_with_host_memory_destinations_compiles_nothing_after_its_first_call",
+        ),
+        "the runtime is not told which destinations a donated call still allocates (host "
+        "memory), so the second call of a refit loop compiles their zero-filling program",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

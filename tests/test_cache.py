@@ -9,7 +9,9 @@ arguments themselves.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from arrays import assert_exact, random_array, sharding
 
 import jaxreshard as jr
@@ -68,3 +70,48 @@ def test_sources_of_two_shapes_on_one_sharding_each_get_their_plan():
     for rows in (64, 128):
         host = np.arange(rows * 16, dtype=np.float32).reshape(rows, 16)
         assert_exact(jr.reshard(jax.device_put(host, src), dst), host, dst)
+
+
+def test_a_plan_cached_with_the_device_put_fallback_is_not_given_to_a_call_without_it():
+    """A typed key to a GSPMDSharding is sent by ``jax.device_put`` only on request: asked
+    for without ``fallback=``, after a call with it, it is still refused."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    jr.clear_cache()
+    src = jax.device_put(jax.random.split(jax.random.key(0), 8), sharding(*SRC))
+    named = sharding(tuple(range(8)), (8,), ("x",), "x")
+    other = GSPMDSharding(tuple(named._device_assignment), named._to_xla_hlo_sharding(1))
+    jr.reshard(src, other, fallback="device_put")
+    with pytest.raises(jr.ReshardError, match="typed PRNG key with a GSPMDSharding"):
+        jr.reshard(src, other)
+    jr.clear_cache()
+
+
+def test_a_plan_cached_without_compiler_options_is_not_given_to_a_call_with_them():
+    jr.clear_cache()
+    src = jax.device_put(random_array((16, 8), "float32"), sharding(*SRC, "f"))
+    dst = sharding(*DST, "t")
+    options = {"xla_cpu_enable_fast_math": False}
+    plain = jr.cached_plan(src, dst)
+    tuned = jr.cached_plan(src, dst, compiler_options=options)
+    assert tuned is not plain and tuned.compiler_options == options
+    assert plain.compiler_options == {}
+    assert jr.cached_plan(src, dst, compiler_options=dict(options)) is tuned
+    jr.clear_cache()
+
+
+def test_the_reshard_cache_keeps_its_256_most_recently_used_plans():
+    """256 plans are kept (README: "the 256 most recently used"); a 257th pushes out the
+    least recently used one only."""
+    jr.clear_cache()
+    src_s, dst = sharding(*SRC, "f"), sharding(*DST, "t")
+    structs = [
+        jax.ShapeDtypeStruct((8 * (i + 1), 4), jnp.float32, sharding=src_s) for i in range(257)
+    ]
+    plans = [jr.cached_plan(s, dst) for s in structs[:256]]
+    assert jr.cached_plan(structs[0], dst) is plans[0]  # all 256 kept; the first used again
+    jr.cached_plan(structs[256], dst)  # pushes out the least recently used: the second
+    assert jr.cached_plan(structs[2], dst) is plans[2]
+    assert jr.cached_plan(structs[0], dst) is plans[0]
+    assert jr.cached_plan(structs[1], dst) is not plans[1]
+    jr.clear_cache()

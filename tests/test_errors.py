@@ -450,3 +450,12 @@ def test_a_plans_name_gives_the_first_moved_leafs_path_beside_its_layouts(src):
     label = jr.plan(tree, dst, fallback="device_put")._label
     assert label.startswith("the plan of 2 leaves ['a'] ... ['b']['c'] (['b']['c']: float32[8, 4] ")
     assert "['a']: " not in label
+
+
+def test_a_boolean_bucket_bytes_is_refused():
+    """``True`` is an int to Python, not a number of bytes."""
+    src = jax.device_put(random_array((16, 8), "float32"), sharding(*SRC))
+    for flag in (True, np.bool_(True)):
+        with pytest.raises(jr.ReshardError, match="bucket_bytes") as e:
+            jr.plan(src, sharding(*DST), bucket_bytes=flag)
+        assert "How to fix" in str(e.value)

@@ -376,3 +376,14 @@ def test_a_source_in_host_memory_quantizes_as_in_device_memory(kind):
         out = jr.plan(src, dst, dtype=jr.Fp8Blockwise(block=(128, 128)))(src)
     assert_matches_reference(out["w"], host, (128, 128), jnp.float8_e4m3fn, dst)
     assert src["w"].sharding.memory_kind == kind and not src["w"].is_deleted()
+
+
+def test_replicated_fp8_scales_of_a_host_memory_destination_land_beside_their_values():
+    """Per-tensor scales are replicated on the values' devices, in the values' memory."""
+    host = np.random.default_rng(8).standard_normal((16, 8)).astype(np.float32)
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, "tp").with_memory_kind("pinned_host")
+    out = jr.plan(src, dst, dtype=jr.Fp8Blockwise(block=None))(src)
+    assert out.values.sharding == dst
+    assert out.scales.sharding.memory_kind == "pinned_host"
+    assert out.scales.sharding.device_set == dst.device_set and out.scales.shape == ()

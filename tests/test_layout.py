@@ -2,6 +2,7 @@
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -130,3 +131,29 @@ def test_contiguous_runs_by_hand():
     assert contiguous_runs(((0, 128), (0, 64)), (128, 128)) == 128  # half the columns: rows
     assert contiguous_runs(((0, 128), (0, 64)), (256, 64)) == 1  # whole rows: one run
     assert contiguous_runs((), ()) == 1  # a scalar
+
+
+def test_overlapping_on_a_layout_that_is_not_a_grid_skips_boxes_that_only_touch():
+    """Boxes that share only an edge hold no common element: a hand-built layout that is not
+    a grid (scanned, not searched) yields only the box the query really meets."""
+    top = ((0, 2), (0, 4))
+    layout = Layout((4, 4), (0, 1, 2), (top, ((2, 4), (0, 2)), ((2, 4), (2, 4))))
+    assert list(layout.overlapping(top)) == [(top, (0,), top)]
+    assert [h for h, _, _ in layout.overlapping(((1, 3), (1, 2)))] == [top, ((2, 4), (0, 2))]
+
+
+def test_from_mesh_refuses_a_spec_naming_an_axis_twice_as_jax_does():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    with pytest.raises(Exception, match="duplicate"):  # JAX's own refusal of the same spec
+        NamedSharding(mesh, P("x", "x")).devices_indices_map((8, 8))
+    with pytest.raises(LayoutError, match="uses a mesh axis twice"):
+        Layout.from_mesh((8, 8), (4,), ("x",), range(4), ("x", "x"))
+    with pytest.raises(LayoutError, match="uses a mesh axis twice"):
+        Layout.from_mesh((16, 8), (2, 2), ("x", "y"), range(4), (("x", "y", "x"),))
+
+
+def test_from_mesh_refuses_a_mesh_axis_of_size_zero():
+    with pytest.raises(LayoutError, match="negative or empty sizes"):
+        Layout.from_mesh((8,), (0,), ("x",), [], (None,))
+    with pytest.raises(LayoutError, match="negative or empty sizes"):
+        Layout.from_mesh((8,), (2, 0), ("x", "y"), [], ("y",))

@@ -327,6 +327,27 @@ def test_sources_in_host_memory_are_read_from_there_and_kept():
     np.testing.assert_array_equal(np.asarray(src["w"]), host)
 
 
+def test_a_refit_loop_with_host_memory_destinations_compiles_nothing_after_its_first_call():
+    """Regression (an edge-case probe): a call with donate= still makes fresh arrays for the
+    destinations in host memory (their buffers cannot be written in place), a list of
+    leaves the first call, which allocates all of them, had not compiled: the second call of
+    a refit loop compiled a zero-filling program."""
+    host = random_array((64,), "float32", 4)
+    src = {
+        "host": jax.device_put(host, sharding(*SRC, "dp").with_memory_kind("pinned_host")),
+        "w": jax.device_put(random_array((256,), "float32", 5), sharding(*SRC, "tp")),
+    }
+    dst = {"host": sharding(*DST, "tp").with_memory_kind("unpinned_host"), "w": sharding(*DST)}
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    with COMPILES:
+        for _ in range(3):
+            out = plan(src, donate=out)
+    assert COMPILES.count == 0, COMPILES.events
+    assert out["host"].sharding == dst["host"]
+    assert np.asarray(out["host"]).tobytes() == host.tobytes()
+
+
 @pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
 def test_host_memory_to_host_memory(kind):
     host = random_array((8, 8), "float32")
@@ -635,3 +656,52 @@ def test_a_named_sharding_with_permuted_logical_devices_places_data_as_jax_does(
         plan = jr.plan(want, dst)
         assert_exact(plan(want), host, dst)
         assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_host_memory_to_host_memory_on_the_same_devices_lands_in_host_memory(kind):
+    """A source in host memory moved to host memory of the same devices (the copy into
+    device memory and the copy back have the same shapes on the same devices) arrives in
+    host memory, as ``jax.device_put`` places it."""
+    host = random_array((16, 8), "float32", 7)
+    src_s = sharding(*SRC, "dp", "tp").with_memory_kind(kind)
+    dst_s = sharding(*SRC, "tp", "dp").with_memory_kind(kind)
+    src = jax.device_put(host, src_s)
+    out = jr.plan(src, dst_s)(src)
+    want = jax.device_put(src, dst_s)
+    assert out.sharding.memory_kind == want.sharding.memory_kind == kind
+    assert out.sharding == dst_s
+    assert np.asarray(out).tobytes() == host.tobytes()
+
+
+def test_numpy_boolean_leaves_go_through_device_put_as_it_places_them():
+    """A NumPy boolean mask (a host leaf) is sent by ``jax.device_put`` on request, and a
+    leaf may take ``bool`` as its ``dtype=`` entry, as ``astype`` casts it."""
+    dst = sharding(*DST, "tp")
+    mask = np.array([True, False, True, True, False, False, True, False])
+    src = {"mask": mask, "w": jax.device_put(random_array((8,), "float32"), sharding(*SRC))}
+    out = jr.plan(src, {"mask": dst, "w": dst}, fallback="device_put")(src)
+    want = jax.device_put(mask, dst)
+    assert out["mask"].dtype == want.dtype == jnp.bool_ and out["mask"].sharding == dst
+    assert np.array_equal(np.asarray(out["mask"]), mask)
+    ints = jax.device_put(np.array([0, 1, 2, 0, 3, 0, 0, 5], np.int32), sharding(*SRC))
+    cast = jr.plan(ints, dst, dtype=bool)(ints)
+    assert cast.dtype == jnp.bool_
+    assert np.array_equal(np.asarray(cast), np.asarray(ints.astype(bool)))
+
+
+def test_zero_size_leaves_of_two_dtypes_arrive_with_their_own_dtypes():
+    """Empty leaves of one shard shape but different dtypes each get a fresh destination of
+    their own dtype, as ``jax.device_put`` gives them."""
+    dst = sharding(*DST, None, "tp")
+    host = {
+        "f": np.zeros((0, 8), np.float32),
+        "i": np.zeros((0, 8), np.int32),
+        "h": np.zeros((0, 8), jnp.bfloat16),
+    }
+    src = {k: jax.device_put(v, sharding(*SRC, None, "tp")) for k, v in host.items()}
+    out = jr.plan(src, {k: dst for k in host})(src)
+    for k, x in out.items():
+        want = jax.device_put(src[k], dst)
+        assert x.dtype == want.dtype == host[k].dtype, k
+        assert x.shape == (0, 8) and x.sharding == dst, k

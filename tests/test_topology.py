@@ -629,3 +629,13 @@ def test_random_layouts_and_domains_on_virtual_devices(
         profile = dataclasses.replace(p, **dict.fromkeys(fixed, 0.0))
         modeled = modeled_time(schedule, topology, profile, leaves=leaves, local=assignment.local)
         assert modeled.seconds >= executor_floor(leaves, topology, profile).seconds * (1 - 1e-12)
+
+
+def test_leaves_are_pooled_only_up_to_the_pool_bytes():
+    """With ``pool_bytes`` of two leaves, the first two of three consecutive leaves are
+    shared out as one (two importers each, a quarter of the pair per device); the third,
+    which would take the pool past its bytes, is shared out on its own (four importers)."""
+    leaves = [leaf_spec((64, 32), SRC, ON_B, path=f"norm{i}") for i in range(3)]
+    _, assignment, _ = check_virtual(leaves, TWO_BY_FOUR, pool_bytes=2 * ARRAY_BYTES)
+    assert len(_imports(assignment, 0)) == len(_imports(assignment, 1)) == 2
+    assert _imports(assignment, 2) == {d: ARRAY_BYTES // 4 for d in (4, 5, 6, 7)}

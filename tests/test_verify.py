@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from arrays import random_array, sharding
+from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
 
 import jaxreshard as jr
-from jaxreshard.run import views
+from jaxreshard.run import runtime, verify, views
 from jaxreshard.run.verify import box_checksum
 
 SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
@@ -264,6 +264,73 @@ def test_the_checksum_of_a_box_is_the_sum_of_its_parts():
         assert int(box_checksum(swapped, (0, 0), x.shape)) != int(whole)
 
 
+def _np_checksum(x: np.ndarray, origin: tuple[int, ...], global_shape: tuple[int, ...]) -> int:
+    """The module docstring's formula in NumPy, for elements of 32 bits or fewer (an oracle)."""
+    bits = np.atleast_1d(x).view(f"uint{8 * x.dtype.itemsize}").astype(np.uint64)
+    index = np.indices(x.shape, dtype=np.int64).reshape(x.ndim, x.size)
+    index += np.asarray(origin, np.int64).reshape(x.ndim, 1)
+    cols = index[-1] if x.ndim else np.zeros(1, np.int64)
+    rows = (
+        np.ravel_multi_index(tuple(index[:-1]), global_shape[:-1])
+        if x.ndim > 1
+        else np.zeros_like(cols)
+    )
+    col_hash = _np_mix(cols.astype(np.uint64) ^ 0x9E3779B9)
+    weight = (2 * _np_mix(rows.astype(np.uint64)) + 1) & 0xFFFFFFFF
+    terms = (_np_mix(bits.reshape(-1) ^ col_hash) * weight) & 0xFFFFFFFF
+    return int(terms.sum() % 2**32)
+
+
+@pytest.mark.parametrize(
+    ("shape", "box", "dtype"),
+    [
+        ((6, 9, 7), ((1, 5), (2, 9), (0, 7)), "float32"),  # rows one at a time, then chunks
+        ((4, 40), ((0, 4), (3, 38)), "bfloat16"),  # chunks of rows and a shorter last one
+        ((101,), ((4, 99),), "int8"),  # a long row cut along its columns
+        ((3, 2, 1, 50), ((1, 3), (0, 2), (0, 1), (10, 50)), "uint16"),
+        ((), (), "float32"),
+    ],
+)
+@pytest.mark.parametrize("chunk", [16, 1 << 18])
+@pytest.mark.parametrize(
+    "options", [None, runtime.CPU_COPY_OPTIONS], ids=["new-emitters", "old-emitters"]
+)
+def test_a_checksum_taken_in_pieces_is_the_formula(shape, box, dtype, chunk, options, monkeypatch):
+    """Large boxes are summed a piece at a time (`CHUNK_WORDS`, made small here so that
+    small boxes are cut too, along every dimension, with ragged last pieces): the result is
+    the formula's, computed in NumPy, whether the box is the whole array or read out of it,
+    with XLA's CPU emitters old and new (random bfloat16 bits hold NaNs, whose payloads a
+    slice of values in a loop quietened)."""
+    monkeypatch.setattr(verify, "CHUNK_WORDS", chunk)
+    full = random_array(shape, dtype, 11)
+    origin = tuple(s for s, _ in box)
+    part = full[tuple(slice(s, e) for s, e in box)]
+    want = _np_checksum(part, origin, shape)
+    whole = jax.jit(lambda x: box_checksum(x, origin, shape), compiler_options=options)
+    assert int(whole(jnp.asarray(part))) == want
+    start, extent = origin, tuple(e - s for s, e in box)
+    read = jax.jit(
+        lambda x: verify.box_checksum_of(x, start, extent, origin, shape),
+        compiler_options=options,
+    )
+    assert int(read(full)) == want
+
+
+def test_a_changed_word_is_found_when_the_checksums_are_taken_in_pieces(monkeypatch):
+    monkeypatch.setattr(verify, "CHUNK_WORDS", 8)
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    plan.verify(src, out)
+
+    def flip(a):
+        a.view(np.uint32).reshape(-1)[-1] ^= 1
+        return a
+
+    with pytest.raises(jr.ReshardError, match=r"\['w'\](.|\n)*device 6"):
+        plan.verify(src, {**out, "w": with_shard(out["w"], 6, flip)})
+
+
 def test_verify_reads_no_array_to_the_host():
     _, src, dst = tree()
     plan = jr.plan(src, dst)
@@ -352,3 +419,30 @@ def test_a_later_verify_compiles_nothing_whatever_the_sources_weak_type():
     with COMPILES:
         plan.verify({"x": strong}, out)
     assert COMPILES.events == []
+
+
+def test_verify_passes_an_exact_result_whose_layouts_cut_wide_elements_columns_differently():
+    """A complex64 element is two 32-bit words side by side: a source cut in 2 along the last
+    dimension and a destination cut in 4 (and the other way) verify an exact result."""
+    host = random_array((8, 16), "complex64", 3)
+    halves = sharding((0, 1), (2,), ("x",), None, "x")
+    quarters = sharding((4, 5, 6, 7), (4,), ("x",), None, "x")
+    for src_s, dst_s in ((halves, quarters), (quarters, halves)):
+        src = jax.device_put(host, src_s)
+        plan = jr.plan(src, dst_s)
+        out = plan(src, verify=True)
+        plan.verify(src, out)
+        assert_exact(out, host, dst_s)
+
+
+def test_verify_passes_an_exact_result_whose_layouts_cut_a_middle_dimension_differently():
+    """Rows are numbered in the global array: a rank-3 leaf cut in 2 along its middle
+    dimension on the sources and in 3 on the destinations verifies an exact result."""
+    host = random_array((4, 6, 8), "float32", 5)
+    src_s = sharding((0, 1), (2,), ("x",), None, "x")
+    dst_s = sharding((4, 5, 6), (3,), ("y",), None, "y")
+    src = jax.device_put(host, src_s)
+    plan = jr.plan(src, dst_s)
+    out = plan(src, verify=True)
+    plan.verify(src, out)
+    assert_exact(out, host, dst_s)

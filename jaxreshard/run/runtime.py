@@ -120,8 +120,12 @@ class Runtime:
         src_shardings: Sequence[Sharding],
         dst_shardings: Sequence[NamedSharding],
         transfer_options: Mapping[str, Any] | None = None,
+        never_donated: Iterable[int] = (),
     ) -> None:
         self.leaves = tuple(leaves)
+        # Leaves a call with donate= still allocates (destinations in another memory kind,
+        # `run.boundary`): the first call compiles their allocation too.
+        self._never_donated = frozenset(never_donated)
         self.transfer_options = dict(transfer_options or {})
         self.lowered = lowered
         self.src_shardings = tuple(src_shardings)
@@ -320,7 +324,8 @@ class Runtime:
         runs, one after another; XLA compiles outside the GIL, so a tree of many distinct
         leaves (hundreds of programs) compiles about as many times faster as the host has
         cores. What is compiled here is what the steps then call: the staging and (``fresh``:
-        no donated destination) destination allocations, and each jitted pack and unpack at
+        no donated destination) destination allocations, the allocations a call with donate=
+        still makes (destinations that are never donated), and each jitted pack and unpack at
         the arguments of its first step, which JAX keeps under the key a call looks up, so
         the steps only dispatch. This warms caches and decides nothing: an argument that
         differs from the one compiled here (a weak type, say) compiles at its step as before,
@@ -332,10 +337,11 @@ class Runtime:
         ]
         seen: set[int] = set()
         for step in self._steps or ():
-            if fresh and step.fresh:
-                full = [i for i in step.fresh if self._allocates(i)]
-                if full:
-                    jobs.append(functools.partial(_compiled, self._alloc_fn(full), ()))
+            full = [i for i in step.fresh if self._allocates(i)]
+            kept = [i for i in full if i in self._never_donated]  # what donate= allocates
+            for leaves in dict.fromkeys(tuple(x) for x in ([full] if fresh else []) + [kept]):
+                if leaves:
+                    jobs.append(functools.partial(_compiled, self._alloc_fn(leaves), ()))
             for run in (*step.packs, *step.unpacks):
                 if id(run.fn) not in seen:
                     seen.add(id(run.fn))
