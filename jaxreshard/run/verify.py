@@ -89,14 +89,15 @@ def _mix(words: jax.Array) -> jax.Array:
     return h ^ (h >> np.uint32(16))
 
 
-CHUNK_WORDS = 1 << 18
-"""Words a checksum sums in one piece (1 MiB of 32-bit words). XLA's CPU backend writes a
+CHUNK_WORDS = 1 << 16
+"""Words a checksum sums in one piece (256 KiB of 32-bit words). XLA's CPU backend writes a
 reduction's hashed words to a temporary array before it sums them (it rewrites large
 reductions as trees of windowed ones, which the hash does not fuse into), so a box summed in
-one piece wrote, and page-faulted, a temporary as large as itself: 1.0 GB/s for a 64 MiB box on
-one device here, 7.3 GB/s in pieces of this size, a loop of them whose temporary stays in
-cache (a plain sum runs at about 23 GB/s). On the bench's disjoint trees `plan.verify` went from
-2.4x the refit to 1.35x (fp32) and from 3.1x to 0.72x (bf16)."""
+one piece wrote, and page-faulted, a temporary as large as itself: about 1 GB/s for a 64 MiB box
+on one device here. In pieces, a loop whose temporary stays in cache, `plan.verify` of the
+bench's disjoint trees (8 devices on 2 cores; fp32, then bf16) took 0.82x and 0.76x the refit
+with pieces of 2**16 words, 0.70x and 0.79x with 2**15, 0.86x and 0.83x with 2**14, 1.29x and
+0.69x with 2**18, 1.98x and 2.12x with 2**20, and 2.4x and 3.1x in one piece."""
 
 
 def box_checksum(x: jax.Array, origin: Sequence[Any], global_shape: Sequence[int]) -> jax.Array:
