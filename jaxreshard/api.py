@@ -381,7 +381,11 @@ class Plan:
             naming it. One deleted while the refit's programs are dispatched on it can crash
             the process (JAX segfaults so with plain ``jax.jit`` calls too).
           - ``donate=`` is consumed: do not use that tree after ``start``. Until the refit is
-            done, a call that donates it again or reads it as a source raises `ReshardError`.
+            done, a call that donates it again or reads it as a source raises `ReshardError`
+            (as does one that reads an array over its buffers once the refit consumed them).
+          - Leaves sent by ``jax.device_put`` (``fallback=``) are copied before ``start``
+            returns, under the caller's ``jax.transfer_guard``: a NumPy source may change
+            afterwards.
           - Refits are issued in the order they are started, one at a time, on one worker
             thread per process; a plain call made while refits are in flight is issued after
             them (on that thread, the caller waiting). Under ``jax.distributed`` every
@@ -395,6 +399,12 @@ class Plan:
             refit (XLA aborts after 40 s; see the README).
         """
         flat, old = self._prepare(src_tree, donate)
+        try:
+            copies = self._fallback_copies(flat)
+        except ReshardError as e:
+            _DONATED.release(old)
+            self.refuse(e)
+            raise
         sources = [x for x in flat if isinstance(x, jax.Array)]
         _IN_FLIGHT.add(sources)
 
@@ -418,7 +428,7 @@ class Plan:
                     self.refuse(early, on_worker=True)
                     raise early
                 try:
-                    out = self._move(flat, old, None)
+                    out = self._move(flat, old, None, copies)
                     jax.block_until_ready(out)
                     return out
                 except Exception as e:
@@ -443,7 +453,9 @@ class Plan:
         flat, old = self._prepare(src_tree, donate, verify)
         try:
             if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
-                return _submit(functools.partial(self._move, flat, old, profile)).result()
+                copies = self._fallback_copies(flat)
+                move = functools.partial(self._move, flat, old, profile, copies)
+                return _submit(move).result()
             return self._move(flat, old, profile)
         finally:
             _DONATED.release(old)
@@ -513,24 +525,37 @@ class Plan:
             return None
         return functools.partial(check_order, self.identity, self._label)
 
-    def _move(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
+    def _move(
+        self,
+        flat: list[Any],
+        old: list[Any] | None,
+        profile: dict | None,
+        copies: dict[int, jax.Array] | None = None,
+    ) -> Any:
         with _compiled_programs(self.x64):  # (also here: refits run on a worker thread)
-            return self._move_now(flat, old, profile)
+            return self._move_now(flat, old, profile, copies)
 
-    def _move_now(self, flat: list[Any], old: list[Any] | None, profile: dict | None) -> Any:
+    def _move_now(
+        self,
+        flat: list[Any],
+        old: list[Any] | None,
+        profile: dict | None,
+        copies: dict[int, jax.Array] | None = None,
+    ) -> Any:
+        # Sources checked again: a call behind refits in flight (run on the worker, after
+        # them) may get an array over the buffers of a tree one of them consumed.
+        gone = [(self.paths[i], "deleted") for i in self.moved if _deleted(flat[i])]
+        if gone:
+            raise leaf_error(
+                "these source leaves were deleted before the call read them",
+                gone,
+                "pass arrays that stay alive until the call returns, and not arrays over the "
+                "buffers of a tree donated to a call or refit in flight",
+            )
         out: list[Any] = [None] * len(flat)
-        # Fallback leaves first (named in a log line when the plan was made): checked like the
-        # others, they should not fail, but if one does nothing has been donated yet.
-        for i, dst in self.fallback:
-            try:
-                out[i] = self._fallback_copy(i, flat[i], dst)
-            except Exception as e:  # (nothing is donated yet: fallback leaves go first)
-                raise leaf_error(
-                    "jax.device_put refused these fallback leaves",
-                    [(self.paths[i], str(e).splitlines()[0])],
-                    "give the leaf a destination jax.device_put takes, or make it a jax.Array "
-                    "on a NamedSharding so that the plan moves it",
-                ) from e
+        # Fallback leaves first (``copies``: made already, on the caller's thread).
+        for i, x in (self._fallback_copies(flat) if copies is None else copies).items():
+            out[i] = x
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:
@@ -547,6 +572,26 @@ class Plan:
             if old is not None and isinstance(old[i], jax.Array) and not old[i].is_deleted():
                 old[i].delete()
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def _fallback_copies(self, flat: Sequence[Any]) -> dict[int, jax.Array]:
+        """The fallback leaves' results (named in a log line when the plan was made). Checked
+        like the others, they should not fail, but if one does nothing has been donated yet.
+        A call whose move runs on the worker thread (`start`, or a call behind refits in
+        flight) makes them on the caller's thread first: they read host values (a NumPy
+        array the caller may change after `start` returns) under the caller's
+        ``jax.transfer_guard``, as a plain call does."""
+        out = {}
+        for i, dst in self.fallback:
+            try:
+                out[i] = self._fallback_copy(i, flat[i], dst)
+            except Exception as e:  # (nothing is donated yet: fallback leaves go first)
+                raise leaf_error(
+                    "jax.device_put refused these fallback leaves",
+                    [(self.paths[i], str(e).splitlines()[0])],
+                    "give the leaf a destination jax.device_put takes, or make it a jax.Array "
+                    "on a NamedSharding so that the plan moves it",
+                ) from e
+        return out
 
     def _fallback_copy(self, i: int, value: Any, dst: Sharding) -> jax.Array:
         """Leaf ``i``'s result through ``jax.device_put`` (``fallback="device_put"``), cast as
@@ -1349,7 +1394,14 @@ class QuantizedPlan:
             if call:
                 self.inner.refuse(e)
             raise
-        pairs = self._quantizer([flat[i] for i in self.quantized])
+        try:
+            pairs = self._quantizer(
+                [flat[i] for i in self.quantized], [self.paths[i] for i in self.quantized]
+            )
+        except ReshardError as e:
+            if call:
+                self.inner.refuse(e)
+            raise
         inner = list(flat)
         for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):
             inner[i] = QuantizedArray(values, scales, fmt)

@@ -300,10 +300,16 @@ class Quantizer:
 
         self._fn = jax.jit(run, out_shardings=tuple(zip(values_out, scale_shardings, strict=True)))
 
-    def __call__(self, xs: Sequence[Any]) -> list[tuple[Any, Any]]:
+    def __call__(
+        self, xs: Sequence[Any], paths: Sequence[str] | None = None
+    ) -> list[tuple[Any, Any]]:
         """Each leaf's (values, scales). Under ``jax.distributed`` a leaf this process holds
         none of may be a ``jax.ShapeDtypeStruct``; a process that holds none of any leaf runs
-        nothing (the program is not its to run) and gets placeholders of the results."""
+        nothing (the program is not its to run) and gets placeholders of the results.
+
+        Raises `ReshardError` naming the leaves (``paths``) deleted while the program waited
+        for the plans' calls in flight (`runtime.between_calls`): one donated meanwhile,
+        through another array over the same buffers, would be read after it was freed."""
         if not xs:
             return []
         if not any(s.addressable_devices for s in self.src_shardings):
@@ -323,7 +329,20 @@ class Quantizer:
             else _as_planned(x, s)
             for x, s in zip(xs, self.src_shardings, strict=True)
         ]
-        return list(runtime.between_calls(self._platforms, lambda: self._fn(*arrays)))
+        names = list(paths) if paths is not None else [f"[{k}]" for k in range(len(xs))]
+
+        def dispatch() -> Any:
+            gone = [k for k, x in enumerate(xs) if isinstance(x, jax.Array) and x.is_deleted()]
+            if gone:
+                raise leaf_error(
+                    "these source leaves were deleted before the fp8 quantizer read them",
+                    [(names[k], "deleted (or donated to a call in flight)") for k in gone],
+                    "pass arrays that stay alive until the call returns, and not arrays over "
+                    "the buffers of a tree donated to a call or refit in flight",
+                )
+            return self._fn(*arrays)
+
+        return list(runtime.between_calls(self._platforms, dispatch))
 
 
 def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:

@@ -1207,8 +1207,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/integrations/tunix.py",
         (
             (
-                "                _FALLBACK, _DONATE_TARGET = options",
-                "                pass",
+                "            _FALLBACK, _DONATE_TARGET = options  # direct call",
+                "            pass  # direct call",
             ),
         ),
         (
@@ -1574,8 +1574,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/quant.py",
         (
             (
-                "return list(runtime.between_calls(self._platforms, lambda: self._fn(*arrays)))",
-                "return list(self._fn(*arrays))",
+                "return list(runtime.between_calls(self._platforms, dispatch))",
+                "return list(dispatch())",
             ),
         ),
         (
@@ -2268,6 +2268,69 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "the runtime is not told which destinations a donated call still allocates (host "
         "memory), so the second call of a refit loop compiles their zero-filling program",
+    ),
+    Mutant(
+        "api-start-reads-host-leaves-on-the-worker",
+        "jaxreshard/api.py",
+        (
+            (
+                "        try:\n            copies = self._fallback_copies(flat)\n",
+                "        try:\n            copies = None\n",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_host_leaves_are_read_as_start_returns_under_the_callers_transfer_guard",
+        ),
+        "`Plan.start` leaves the fallback leaves' device_put to the worker thread, which reads a "
+        "NumPy source when it reaches the refit (after the caller changed it) and outside the "
+        "caller's transfer guard",
+    ),
+    Mutant(
+        "api-sources-not-checked-again-on-the-worker",
+        "jaxreshard/api.py",
+        (
+            (
+                'gone = [(self.paths[i], "deleted") for i in self.moved if _deleted(flat[i])]',
+                "gone = []",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_an_array_over_the_buffers_of_a_tree_donated_in_flight_is_refused_when_read"
+            "[False]",
+        ),
+        "a call run behind refits in flight reads its sources unchecked, so an array over the "
+        "buffers a refit consumed raises JAX's RuntimeError, not a ReshardError naming it",
+    ),
+    Mutant(
+        "tunix-installed-keeps-its-options-after-the-block",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "        with _LOCK:  # the options in force before the block, back (they are "
+                "also what a\n            _FALLBACK, _DONATE_TARGET = options  # direct call of "
+                "reshard_pytree takes)\n        if not was:\n            uninstall()",
+                "        if was:\n            with _LOCK:\n                _FALLBACK, "
+                "_DONATE_TARGET = options\n        else:\n            uninstall()",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_installed_over_no_adapter_puts_back_the_options_a_direct_call_takes",
+        ),
+        "`installed` entered with no adapter installed uninstalls it after the block but keeps "
+        "the block's options, which a direct call of reshard_pytree then takes",
+    ),
+    Mutant(
+        "tunix-install-takes-any-options",
+        "jaxreshard/integrations/tunix.py",
+        (("    _check_install_options(fallback, donate_target)\n", ""),),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_bad_options_are_refused_by_install_not_at_the_first_sync",
+        ),
+        "`install` takes any fallback= or donate_target=; a typo surfaces at every later sync",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

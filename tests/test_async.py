@@ -224,6 +224,61 @@ def test_a_plain_call_made_while_refits_are_in_flight_runs_after_them():
     check(now, host0)
 
 
+def test_host_leaves_are_read_as_start_returns_under_the_callers_transfer_guard(monkeypatch):
+    """Regression (a probe): a NumPy leaf sent by ``jax.device_put`` (``fallback=``) was read
+    by the worker thread when it reached the refit, so a caller that reused its host buffer
+    after ``start`` returned got the new values, not what ``plan(src)`` returns; and that
+    copy ran outside the caller's ``jax.transfer_guard``."""
+    _, src0 = trees(0)
+    first = jr.plan(src0, DST_SHARDING)
+    gate, move = threading.Event(), first._move
+    monkeypatch.setattr(first, "_move", lambda *a: (gate.wait(30), move(*a))[1])
+    host = np.arange(8, dtype=np.float32)
+    src = {"w": src0["w0"], "host": host}
+    plan = jr.plan(src, {"w": DST_SHARDING, "host": sharding(*DST)}, fallback="device_put")
+    busy = first.start(src0)  # the worker waits at the gate meanwhile
+    refit = plan.start(src)
+    host[:] = -1
+    gate.set()
+    busy.result()
+    np.testing.assert_array_equal(np.asarray(refit.result()["host"]), np.arange(8))
+    with jax.transfer_guard("disallow_explicit"):
+        for call in (plan, plan.start):
+            with pytest.raises(jr.ReshardError, match=r"jax\.device_put refused"):
+                call(src)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_an_array_over_the_buffers_of_a_tree_donated_in_flight_is_refused_when_read(
+    fp8, monkeypatch
+):
+    """Regression (a probe): an array over the buffers of a tree donated to a refit in flight
+    (``jax.device_put`` onto the same devices under other axis names makes no copy) passed
+    the checks, which know donated trees by identity. Read once the refit had consumed the
+    buffers, a plain plan raised JAX's RuntimeError, and an fp8 plan's quantizer crashed the
+    process. Both refuse it, naming the leaf; the refit is unharmed."""
+    host, src = trees(0)
+    plan = jr.plan(src, DST_SHARDING)
+    spare = plan(src)
+    devices = np.array(jax.devices()[4:]).reshape(2, 2)
+    renamed = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("x", "y")), P(None, "y"))
+    alias = jax.device_put(spare["w0"], renamed)
+    assert {s.data.unsafe_buffer_pointer() for s in alias.addressable_shards} == {
+        s.data.unsafe_buffer_pointer() for s in spare["w0"].addressable_shards
+    }
+    dtype = jr.Fp8Blockwise(block=None) if fp8 else None
+    back = jr.plan(alias, sharding(*SRC, "fsdp", "tp"), dtype=dtype)
+    refit = plan.start(src, donate=spare)
+    if fp8:  # the quantizer reads its sources once the refit in flight has run
+        between = jr.quant.runtime.between_calls
+        monkeypatch.setattr(
+            jr.quant.runtime, "between_calls", lambda *a: (refit.result(), between(*a))[1]
+        )
+    with pytest.raises(jr.ReshardError, match=r"(?s)were deleted before .*<root>: deleted"):
+        back(alias)
+    check(refit.result(), host, jnp.float32)
+
+
 def test_repr():
     _, src = trees(0)
     refit = jr.plan(src, DST_SHARDING).start(src)

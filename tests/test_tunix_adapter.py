@@ -402,3 +402,29 @@ def test_counters_count_refused_calls_and_only_calls_jaxreshard_moved():
     with pytest.raises(jr_tunix.ReshardError):
         tunix_reshard.reshard_pytree({"n": np.ones(4, np.float32)}, {"n": sharding(*ROLLOUT)})
     assert jr_tunix.counters()["calls"] == 2
+
+
+def test_installed_over_no_adapter_puts_back_the_options_a_direct_call_takes():
+    """Regression (a probe): ``installed(fallback=None)`` entered with no adapter installed
+    left ``fallback=None`` behind it, so a later direct call of ``reshard_pytree`` refused
+    the NumPy leaf it had sent through ``jax.device_put`` before the block."""
+    jr_tunix.install()  # the default options, then no adapter
+    jr_tunix.uninstall()
+    with jr_tunix.installed(fallback=None, donate_target=True):
+        assert jr_tunix.is_installed()
+    assert not jr_tunix.is_installed()
+    host = np.arange(8, dtype=np.float32)
+    out = jr_tunix.reshard_pytree({"w": host}, {"w": sharding(*ROLLOUT)})
+    np.testing.assert_array_equal(np.asarray(out["w"]), host)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [({"fallback": "device-put"}, "fallback must be"), ({"donate_target": "yes"}, "True or False")],
+)
+def test_bad_options_are_refused_by_install_not_at_the_first_sync(options, says):
+    for install in (jr_tunix.install, lambda **o: jr_tunix.installed(**o).__enter__()):
+        with pytest.raises(jr_tunix.ReshardError, match=says) as e:
+            install(**options)
+        assert "How to fix" in str(e.value)
+        assert not jr_tunix.is_installed()

@@ -139,8 +139,10 @@ def install(*, fallback: str | None = "device_put", donate_target: bool = False)
         Targets that cannot receive the result (another dtype, shardings instead of arrays)
         are left alone.
 
-    Calling it again changes the options; the original is kept once.
+    Calling it again changes the options; the original is kept once. Bad options are
+    refused here (`ReshardError`), not at the first sync.
     """
+    _check_install_options(fallback, donate_target)
     from tunix.rl import reshard as tunix_reshard  # imported only here
 
     global _ORIGINAL, _FALLBACK, _DONATE_TARGET
@@ -182,11 +184,20 @@ def installed(
     try:
         yield
     finally:
-        if was:  # the options in force before the block, back
-            with _LOCK:
-                _FALLBACK, _DONATE_TARGET = options
-        else:
+        with _LOCK:  # the options in force before the block, back (they are also what a
+            _FALLBACK, _DONATE_TARGET = options  # direct call of reshard_pytree takes)
+        if not was:
             uninstall()
+
+
+def _check_install_options(fallback: Any, donate_target: Any) -> None:
+    api._check_options(None, None, None, fallback)
+    if not isinstance(donate_target, bool):
+        raise ReshardError(
+            f"donate_target must be True or False, got {donate_target!r}\nHow to fix: pass "
+            "donate_target=True to reuse the target arrays' buffers for the result, or leave "
+            "it out"
+        )
 
 
 def counters() -> dict[str, int]:
