@@ -525,15 +525,11 @@ class Plan:
             return None
         return functools.partial(check_order, self.identity, self._label)
 
-    def _move(
-        self,
-        flat: list[Any],
-        old: list[Any] | None,
-        profile: dict | None,
-        copies: dict[int, jax.Array] | None = None,
-    ) -> Any:
-        with _compiled_programs(self.x64):  # (also here: refits run on a worker thread)
-            return self._move_now(flat, old, profile, copies)
+    def _move(self, *args: Any) -> Any:
+        """`_move_now` under the plan's compile settings (also here: refits run on a worker
+        thread)."""
+        with _compiled_programs(self.x64):
+            return self._move_now(*args)
 
     def _move_now(
         self,
