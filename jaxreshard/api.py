@@ -593,7 +593,12 @@ class Plan:
         """Leaf ``i``'s result through ``jax.device_put`` (``fallback="device_put"``), cast as
         planned: a copy even where the sharding is already the destination's (device_put
         would return the source itself, and donating that result would delete the
-        source)."""
+        source). A NumPy value is copied on the host first: jax 0.10.2's ``device_put`` of a
+        NumPy array onto CPU devices other than the first returned arrays that went on reading
+        its buffer (a later change of the NumPy array showed in them, after
+        ``block_until_ready`` too, ``may_alias=False`` or not)."""
+        if isinstance(value, (np.ndarray, np.generic)):
+            value = np.array(value, copy=True)
         out = jax.device_put(value, dst, may_alias=False)
         cast = self._fallback_avals[i][2] if i in self._fallback_avals else None
         return out if cast is None else out.astype(cast)

@@ -2333,6 +2333,17 @@ SURFACE_MUTANTS: list[Mutant] = [
         "`install` takes any fallback= or donate_target=; a typo surfaces at every later sync",
     ),
     Mutant(
+        "api-fallback-numpy-leaf-not-copied-first",
+        "jaxreshard/api.py",
+        (("            value = np.array(value, copy=True)\n", "            pass\n"),),
+        (
+            "tests/test_leaves.py::"
+            "test_a_numpy_leafs_result_keeps_its_values_when_the_numpy_array_changes_afterwards",
+        ),
+        "a NumPy fallback leaf goes to jax.device_put as it is, whose CPU results (jax 0.10.2) "
+        "go on reading its buffer: the result changes with the caller's array",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

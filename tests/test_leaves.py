@@ -327,6 +327,19 @@ def test_sources_in_host_memory_are_read_from_there_and_kept():
     np.testing.assert_array_equal(np.asarray(src["w"]), host)
 
 
+def test_a_numpy_leafs_result_keeps_its_values_when_the_numpy_array_changes_afterwards():
+    """Regression (a probe of `Plan.start`): jax 0.10.2's ``device_put`` of a NumPy array onto
+    CPU devices other than the first returned arrays that went on reading its buffer, so a
+    fallback leaf's result changed with the caller's NumPy array after the call had
+    returned (``block_until_ready`` and ``may_alias=False`` notwithstanding)."""
+    plan = jr.plan({"h": np.zeros(1024, np.float32)}, {"h": sharding(*DST)}, fallback="device_put")
+    for _ in range(20):  # (the reads went one way or the other, at random)
+        host = np.arange(1024, dtype=np.float32)
+        out = jax.block_until_ready(plan({"h": host}))
+        host[:] = -1
+        np.testing.assert_array_equal(np.asarray(out["h"]), np.arange(1024))
+
+
 def test_a_refit_loop_with_host_memory_destinations_compiles_nothing_after_its_first_call():
     """Regression (an edge-case probe): a call with donate= still makes fresh arrays for the
     destinations in host memory (their buffers cannot be written in place), a list of
