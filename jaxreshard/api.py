@@ -597,7 +597,7 @@ class Plan:
         NumPy array onto CPU devices other than the first returned arrays that went on reading
         its buffer (a later change of the NumPy array showed in them, after
         ``block_until_ready`` too, ``may_alias=False`` or not)."""
-        if isinstance(value, (np.ndarray, np.generic)):
+        if isinstance(value, np.ndarray):
             value = np.array(value, copy=True)
         out = jax.device_put(value, dst, may_alias=False)
         cast = self._fallback_avals[i][2] if i in self._fallback_avals else None

@@ -132,7 +132,7 @@ def box_checksum_of(
     as_bits = x.dtype == dtype and not _sliced_exactly(dtype)
 
     def piece(start: Sequence[Any], shape: Sequence[int], origin: Sequence[Any]) -> jax.Array:
-        part = _same_width_bits(x) if as_bits else x
+        part = to_bits(x) if as_bits else x
         if tuple(shape) != tuple(x.shape):
             part = lax.dynamic_slice(part, [jnp.int32(s) for s in start], tuple(shape))
         if x.dtype != dtype:
@@ -167,13 +167,6 @@ def _sliced_exactly(dtype: np.dtype) -> bool:
     if not jnp.issubdtype(dtype, jnp.floating):
         return True  # integers, booleans, complex numbers
     return dtype in (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
-
-
-def _same_width_bits(x: jax.Array) -> jax.Array:
-    """A real floating-point ``x`` as the unsigned integers of its width (a bitcast, whose
-    `_words` are ``x``'s)."""
-    bits = jax.dtypes.itemsize_bits(x.dtype)
-    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}"))
 
 
 def _moved(at: Sequence[Any], d: int, by: Any) -> list[Any]:
