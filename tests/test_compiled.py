@@ -102,6 +102,30 @@ def test_on_cpu_a_leaf_cut_into_slabs_is_written_in_place_whatever_its_dtype(dty
     assert plan.stats.dispatches == plan.lowered.dispatches() + 2 * calls
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_wide_leaf_is_packed_into_slots_held_as_rows(dtype):
+    """XLA's CPU loop copying a strided box into a flat buffer computes each element's place
+    from its flat index (2-4 GB/s); written as rows of a 2-D slot from the shard viewed as
+    rows, it copies row by row (README, "Where the time goes"). A wide leaf's pack programs
+    take and return their slots as rows of 256 words (donated: nothing copies a whole slot),
+    and the unpacks read the same buffers."""
+    host = random_array((256, 1024), dtype)
+    src = jax.device_put(host, sharding(*SRC))
+    plan = jr.plan(src, sharding(*DST), bucket_bytes=1 << 16)
+    assert_exact(plan(src), host, sharding(*DST))
+    sources = runtime_module._Sources(plan.runtime, [src])
+    word = {"bfloat16": "u16", "float32": "u32"}[dtype]
+    packs = {id(c.fn): c for step in plan.runtime._steps for c in step.packs}
+    assert packs and plan.stats.buckets > 1
+    for c in packs.values():
+        text = c.fn.lower(*c.avals(plan.runtime, sources)).compile().as_text()
+        entry = text[text.index("\nENTRY") :]
+        head = entry[: entry.index("{")]
+        slots = re.findall(rf"{word}\[(\d+(?:,\d+)*)\]", head)
+        assert slots and all(s.endswith(",256") for s in slots), head
+        assert "copy(" not in entry
+
+
 def test_a_refit_loop_plans_and_compiles_only_on_its_first_call():
     host, src = tree(4)
     dst = sharding(*DST)

@@ -92,7 +92,43 @@ def check(leaves, **options):
             assert all(len(row) == call.program.columns for row in call.table)
         if step.transfer is not None:
             assert sum(s.nbytes for s in step.slots) <= bucket
+    assert_boxes_are_whole_rows(lowered)
     return schedule, lowered
+
+
+def assert_boxes_are_whole_rows(lowered):
+    """Every staging slot is flat or held as rows of 128 or 256 words, and every box a
+    device packs into a slot with rows is whole rows of the slot (its offset and size) and,
+    unless it is one run of its shard's words (read flat, then cut into rows), of its shard
+    viewed as rows of that many words (its start and width in the last dimension, and that
+    dimension): what the runtime's row copies read and write. A slot's gathered head is
+    whole rows too."""
+    for step in lowered.steps:
+        for slot in step.slots:
+            assert slot.width in (1, 128, 256), slot
+            assert slot.words % slot.width == 0, slot
+        for call in step.packs:
+            program = call.program
+            for row in call.table:
+                for r in program.reads:
+                    width = program.slots[r.slot].width
+                    if width == 1:
+                        continue
+                    word = np.dtype(program.slots[r.slot].word).itemsize
+                    per = np.dtype(r.wire).itemsize // word  # words an element
+                    last = r.column + len(r.shape) - 1
+                    shard = program.operands[r.operand].shard
+                    start = row[r.column : last + 1]
+                    assert r.shape, r
+                    assert r.offset % width == 0 and per * math.prod(r.shape) % width == 0, r
+                    corners = [(s, s + n - 1) for s, n in zip(start, r.shape, strict=True)]
+                    ends = np.ravel_multi_index(tuple(corners), shard)  # per dimension
+                    if ends[1] - ends[0] + 1 == math.prod(r.shape):  # one run of words
+                        continue
+                    for words in (per * shard[-1], per * r.shape[-1], per * row[last]):
+                        assert words % width == 0, (r, width, row)
+            for g in program.gathers:
+                assert g.words % program.slots[g.slot].width == 0, g
 
 
 CASES = {

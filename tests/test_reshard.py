@@ -494,3 +494,71 @@ def test_integers_rounded_to_bfloat16_bit_for_bit_as_xla_converts_them():
     xla = jax.jit(lambda x: to_bits(x.astype(jnp.bfloat16)))
     for v in values:
         assert np.array_equal(np.asarray(ours(v)), np.asarray(xla(v))), v.dtype
+
+
+# ------------------------------------------------------------------ staging slots held as rows
+
+
+def _row_widths(plan) -> set[int]:
+    return {slot.width for step in plan.lowered.steps for slot in step.slots}
+
+
+WIDE = {  # layouts of a (32, 1024)-wide leaf: every box is whole rows of 16 words or more
+    "disjoint fsdp2xtp2 -> tp4": (CASES[0].src, CASES[0].dst),
+    "colocated, other mesh and device order": (CASES[4].src, CASES[4].dst),
+    "destination inside the source": (CASES[9].src, CASES[9].dst),
+}
+
+
+@pytest.mark.parametrize("layouts", WIDE)
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float32", "int8", "complex64", "int4", "bool", "float8_e4m3fn"]
+)
+def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts):
+    """Where every box a slot carries is whole rows of its shard (a wide leaf of a regular
+    layout), the pack copies it row by row into a slot held as rows (`lower.Slot.width`):
+    the same words in the same order as a flat slot, checked bit for bit for every width
+    of element (complex values as two words, int4 and bool as a byte)."""
+    src_layout, dst_layout = WIDE[layouts]
+    host = random_array((32, 1024), dtype, seed=3)
+    src = jax.device_put(host, sharding(*src_layout))
+    dst = sharding(*dst_layout)
+    plan = jr.plan(src, dst, bucket_bytes=max(1, host.nbytes // 8))  # two buckets a device
+    assert max(_row_widths(plan)) > 1 and plan.stats.buckets > 1
+    assert_exact(plan(src), host, dst)
+    assert_exact(plan(src, donate=plan(src)), host, dst)
+
+
+def test_rows_carry_casts_and_words_narrower_than_an_element():
+    """A bfloat16 cast of float32 rows (the senders cast each row), and float32 leaves in
+    one bucket with bfloat16 ones (each float32 element two 16-bit words of a row)."""
+    src_sh, dst = sharding(*CASES[0].src), sharding(*CASES[0].dst)
+    host = {
+        "f32": random_array((32, 512), "float32", 1),
+        "bf16": random_array((32, 512), "bfloat16", 2),
+        "int32": random_array((64, 256), "int32", 3),
+    }
+    tree = {k: jax.device_put(v, src_sh) for k, v in host.items()}
+    dsts = {k: dst for k in tree}
+    for dtype in (None, {"f32": jnp.bfloat16, "bf16": None, "int32": None}):
+        plan = jr.plan(tree, dsts, dtype=dtype)
+        words = {s.word for step in plan.lowered.steps for s in step.slots}
+        assert words == {"uint16"} and max(_row_widths(plan)) > 1
+        out = plan(tree)
+        cast = (dtype or {}).get("f32") or jnp.float32
+        want = np.asarray(jax.jit(lambda x, c=cast: x.astype(c))(host["f32"]))
+        assert_exact(out["f32"], want, dst)
+        assert_exact(out["bf16"], host["bf16"], dst)
+        assert_exact(out["int32"], host["int32"], dst)
+
+
+def test_boxes_that_are_not_whole_rows_keep_their_slots_flat(monkeypatch):
+    """A leaf whose boxes are 250 elements wide, each a copy of its own, packs into flat
+    slots, as before; exact."""
+    monkeypatch.setattr(schedule, "GATHER_BYTES", 0)
+    host = random_array((16, 1000), "float32", 4)
+    src = jax.device_put(host, sharding(*CASES[0].src))
+    dst = sharding(*CASES[0].dst)
+    plan = jr.plan(src, dst)
+    assert _row_widths(plan) == {1}
+    assert_exact(plan(src), host, dst)
