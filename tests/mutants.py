@@ -2344,6 +2344,40 @@ SURFACE_MUTANTS: list[Mutant] = [
         "go on reading its buffer: the result changes with the caller's array",
     ),
     Mutant(
+        "runtime-rows-start-not-divided",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "    start = (*at[:-1], at[-1] // np.int32(n), ZERO)\n",
+                "    start = (*at[:-1], at[-1], ZERO)\n",
+            ),
+        ),
+        ("tests/test_reshard.py::test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit",),
+        "a box read as rows starts at its start in elements, not in rows of its shard's view: "
+        "a box off the shard's first column packs other columns",
+    ),
+    Mutant(
+        "runtime-rows-elements-a-row-in-words",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "    n = slot.width * np.dtype(slot.word).itemsize // wire_itemsize(wire)",
+                "    n = slot.width",
+            ),
+        ),
+        ("tests/test_reshard.py::test_rows_carry_casts_and_words_narrower_than_an_element",),
+        "a row of the shard's view holds a slot row's width in elements, not in words: an "
+        "element of several words (float32 in a 16-bit slot, complex) makes rows too long",
+    ),
+    Mutant(
+        "lower-rows-strided-box-not-checked",
+        "jaxreshard/planning/lower.py",
+        (("        if not contiguous(shape, held.shard_shape):\n", "        if False:\n"),),
+        ("tests/test_lower.py::test_lowered_programs_rebuild_every_destination_shard",),
+        "a slot gets rows wherever its boxes' words and offsets allow, though a box that is "
+        "not one run of its shard's words is read from its shard cut into rows of that width",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -507,6 +507,10 @@ WIDE = {  # layouts of a (32, 1024)-wide leaf: every box is whole rows of 16 wor
     "disjoint fsdp2xtp2 -> tp4": (CASES[0].src, CASES[0].dst),
     "colocated, other mesh and device order": (CASES[4].src, CASES[4].dst),
     "destination inside the source": (CASES[9].src, CASES[9].dst),
+    "rows -> columns (boxes at four starts in a shard's row)": (
+        (A, (4,), ("x",), "x"),
+        (B, (4,), ("tp",), None, "tp"),
+    ),
 }
 
 
@@ -514,11 +518,13 @@ WIDE = {  # layouts of a (32, 1024)-wide leaf: every box is whole rows of 16 wor
 @pytest.mark.parametrize(
     "dtype", ["bfloat16", "float32", "int8", "complex64", "int4", "bool", "float8_e4m3fn"]
 )
-def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts):
+def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts, monkeypatch):
     """Where every box a slot carries is whole rows of its shard (a wide leaf of a regular
     layout), the pack copies it row by row into a slot held as rows (`lower.Slot.width`):
     the same words in the same order as a flat slot, checked bit for bit for every width
-    of element (complex values as two words, int4 and bool as a byte)."""
+    of element (complex values as two words, int4 and bool as a byte); every piece a copy
+    of its own, as a large leaf's are."""
+    monkeypatch.setattr(schedule, "GATHER_BYTES", 0)
     src_layout, dst_layout = WIDE[layouts]
     host = random_array((32, 1024), dtype, seed=3)
     src = jax.device_put(host, sharding(*src_layout))
@@ -529,18 +535,21 @@ def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts)
     assert_exact(plan(src, donate=plan(src)), host, dst)
 
 
-def test_rows_carry_casts_and_words_narrower_than_an_element():
+def test_rows_carry_casts_and_words_narrower_than_an_element(monkeypatch):
     """A bfloat16 cast of float32 rows (the senders cast each row), and float32 leaves in
-    one bucket with bfloat16 ones (each float32 element two 16-bit words of a row)."""
+    one bucket with bfloat16 ones (each float32 element two 16-bit words of a row); every
+    piece a copy of its own (these leaves are small enough to move by gathers)."""
+    monkeypatch.setattr(schedule, "GATHER_BYTES", 0)
     src_sh, dst = sharding(*CASES[0].src), sharding(*CASES[0].dst)
     host = {
         "f32": random_array((32, 512), "float32", 1),
         "bf16": random_array((32, 512), "bfloat16", 2),
         "int32": random_array((64, 256), "int32", 3),
+        "f32 narrow": random_array((32, 256), "float32", 4),  # boxes of 64 elements, 128 words
     }
     tree = {k: jax.device_put(v, src_sh) for k, v in host.items()}
     dsts = {k: dst for k in tree}
-    for dtype in (None, {"f32": jnp.bfloat16, "bf16": None, "int32": None}):
+    for dtype in (None, {"f32": jnp.bfloat16, "bf16": None, "int32": None, "f32 narrow": None}):
         plan = jr.plan(tree, dsts, dtype=dtype)
         words = {s.word for step in plan.lowered.steps for s in step.slots}
         assert words == {"uint16"} and max(_row_widths(plan)) > 1
@@ -550,6 +559,7 @@ def test_rows_carry_casts_and_words_narrower_than_an_element():
         assert_exact(out["f32"], want, dst)
         assert_exact(out["bf16"], host["bf16"], dst)
         assert_exact(out["int32"], host["int32"], dst)
+        assert_exact(out["f32 narrow"], host["f32 narrow"], dst)
 
 
 def test_boxes_that_are_not_whole_rows_keep_their_slots_flat(monkeypatch):
