@@ -2378,6 +2378,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         "not one run of its shard's words is read from its shard cut into rows of that width",
     ),
     Mutant(
+        "lower-rows-of-64-words-everywhere",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        floor = MIN_CAST_SLOT_WIDTH if casts.get(key) else MIN_SLOT_WIDTH\n",
+                "        floor = MIN_CAST_SLOT_WIDTH\n",
+            ),
+        ),
+        (
+            "tests/test_lower.py::"
+            "test_slots_of_casting_messages_take_rows_of_64_words_where_others_stay_flat",
+        ),
+        "slots take rows of 64 words whether or not their messages cast, where the older "
+        "emitters of a plain pack copy such rows no faster than a flat slot",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -97,7 +97,7 @@ def check(leaves, **options):
 
 
 def assert_boxes_are_whole_rows(lowered):
-    """Every staging slot is flat or held as rows of 128 or 256 words, and every box a
+    """Every staging slot is flat or held as rows of 64-256 words, and every box a
     device packs into a slot with rows is whole rows of the slot (its offset and size) and,
     unless it is one run of its shard's words (read flat, then cut into rows), of its shard
     viewed as rows of that many words (its start and width in the last dimension, and that
@@ -105,7 +105,7 @@ def assert_boxes_are_whole_rows(lowered):
     whole rows too."""
     for step in lowered.steps:
         for slot in step.slots:
-            assert slot.width in (1, 128, 256), slot
+            assert slot.width in (1, 64, 128, 256), slot
             assert slot.words % slot.width == 0, slot
         for call in step.packs:
             program = call.program
@@ -722,3 +722,24 @@ def test_a_small_leaf_moved_over_several_steps_keeps_what_the_others_wrote():
     _, lowered = check(leaves, bucket_bytes=96)
     assert len(lowered.steps) > 1
     assert any(u.flat_targets for u in _programs(lowered, "unpacks"))
+
+
+def _widths(lowered) -> set[int]:
+    return {slot.width for step in lowered.steps for slot in step.slots}
+
+
+def test_slots_take_rows_of_256_words_where_every_box_allows_them():
+    """A d-1024 model's boxes are whole rows of 256 words (or runs of words) of their shards:
+    every slot is held as rows of 256 words (`lower.MAX_SLOT_WIDTH`)."""
+    _, lowered = check(gpt(FSDP_TP, TP4, layers=1, d=1024), bucket_bytes=1 << 22)
+    assert _widths(lowered) == {256}
+
+
+def test_slots_of_casting_messages_take_rows_of_64_words_where_others_stay_flat():
+    """A d-768 model's column-parallel boxes allow rows of 64 words at most: flat slots for a
+    plain move (rows that narrow copy no faster under the older CPU emitters its packs use),
+    rows of 64 words where every message casts (its packs compile with the newer emitters,
+    under which they pay)."""
+    _, same = check(gpt(FSDP_TP, TP4, layers=1, d=768, dtype="bfloat16"), bucket_bytes=1 << 22)
+    _, cast = check(gpt(FSDP_TP, TP4, layers=1, d=768, dst_dtype="bfloat16"), bucket_bytes=1 << 22)
+    assert _widths(same) == {1} and _widths(cast) == {64}

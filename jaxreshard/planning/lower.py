@@ -69,6 +69,11 @@ CPU (one device, boxes of half a shard's columns), rows of 64 words copied no fa
 flat slot (3.3-5.4 GB/s against 3.0-5.9, and half its speed on small boxes), rows of 128 or
 256 words 1.7-6x faster (8.6-20.5 GB/s)."""
 
+MIN_CAST_SLOT_WIDTH = 64
+"""`MIN_SLOT_WIDTH` for slots whose every message casts: their packs compile with XLA's newer
+CPU fusion emitters (`runtime.program_options`), under which a flat slot is slower still and
+rows of 64 words already pay (the `cast` bench tree's pack: 31.0 -> 17.7 ms)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
@@ -405,12 +410,14 @@ def _slot_widths(
 ) -> dict[tuple[int, str], int]:
     """The row width (`Slot.width`) of the slots of each size ``(words, word)``: the largest
     power of two, at most `MAX_SLOT_WIDTH`, such that every message any slot of that size
-    carries is whole rows (`_message_rows`); 1 where that is below `MIN_SLOT_WIDTH`.
+    carries is whole rows (`_message_rows`); 1 where that is below `MIN_SLOT_WIDTH`
+    (`MIN_CAST_SLOT_WIDTH` where every message casts).
 
     One width per size, not per slot, so that the staging pool (which keeps buffers by
     `Slot`) hands a later step, and the next call, the buffers of an earlier one as before.
     """
     rows: dict[tuple[int, str], int] = {}
+    casts: dict[tuple[int, str], bool] = {}
     for bucket in buckets:
         w = _word_bytes(leaves, (seg for m in bucket.messages for seg in m.segments))
         word = f"uint{8 * w}"
@@ -420,11 +427,18 @@ def _slot_widths(
             key = (bucket.slot_bytes[m.slot] // w, word)
             segments = _gathered_first(m.segments, small)
             rows[key] = math.gcd(rows[key], _message_rows(leaves, small, m.src, segments, w))
+            casts[key] = casts.get(key, True) and any(_casts(leaves[g.leaf], g) for g in segments)
     widths = {}
     for key, g in rows.items():
         width = min(g & -g, MAX_SLOT_WIDTH)  # the largest power of two dividing g
-        widths[key] = width if width >= MIN_SLOT_WIDTH else 1
+        floor = MIN_CAST_SLOT_WIDTH if casts.get(key) else MIN_SLOT_WIDTH
+        widths[key] = width if width >= floor else 1
     return widths
+
+
+def _casts(leaf: LeafSpec, segment: Segment) -> bool:
+    """Whether the sender converts ``segment`` to another dtype (a relay forwards it as is)."""
+    return not segment.from_dst and leaf.src_dtype != leaf.dst_dtype
 
 
 def _message_rows(
