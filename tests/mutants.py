@@ -2394,6 +2394,17 @@ SURFACE_MUTANTS: list[Mutant] = [
         "emitters of a plain pack copy such rows no faster than a flat slot",
     ),
     Mutant(
+        "verify-one-program-sums-every-box",
+        "jaxreshard/run/verify.py",
+        (("GROUP_JOBS = 4\n", "GROUP_JOBS = 1 << 30\n"),),
+        (
+            "tests/test_verify.py::"
+            "test_verify_of_many_leaves_of_one_shape_compiles_a_few_programs_not_one_term_a_leaf",
+        ),
+        "a checksum program sums every box of its shape on its device at once: the terms "
+        "compiled grow with the leaves (1024 leaves compiled for minutes)",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
