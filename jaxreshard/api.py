@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import keystr
 
-from jaxreshard.errors import ReshardError, ReshardTypeError, leaf_error
+from jaxreshard.errors import ReshardError, ReshardTypeError, deleted_sources_error, leaf_error
 from jaxreshard.planning.layout import Layout, LayoutError, normalize_spec
 from jaxreshard.planning.lower import Lowered, lower, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, planner_options, route
@@ -540,14 +540,9 @@ class Plan:
     ) -> Any:
         # Sources checked again: a call behind refits in flight (run on the worker, after
         # them) may get an array over the buffers of a tree one of them consumed.
-        gone = [(self.paths[i], "deleted") for i in self.moved if _deleted(flat[i])]
+        gone = [self.paths[i] for i in self.moved if _deleted(flat[i])]
         if gone:
-            raise leaf_error(
-                "these source leaves were deleted before the call read them",
-                gone,
-                "pass arrays that stay alive until the call returns, and not arrays over the "
-                "buffers of a tree donated to a call or refit in flight",
-            )
+            raise deleted_sources_error("the call", gone)
         out: list[Any] = [None] * len(flat)
         # Fallback leaves first (``copies``: made already, on the caller's thread).
         for i, x in (self._fallback_copies(flat) if copies is None else copies).items():

@@ -35,3 +35,15 @@ def leaf_error(
         lines.append(f"  ... and {len(problems) - limit} more")
     lines.append(f"How to fix: {fix}")
     return cls("\n".join(lines))
+
+
+def deleted_sources_error(reader: str, paths: Sequence[str]) -> ReshardError:
+    """The error for source leaves (``paths``) found deleted when ``reader`` came to read them:
+    deleted by the caller, or donated meanwhile to a call in flight through another array
+    over the same buffers."""
+    return leaf_error(
+        f"these source leaves were deleted before {reader} read them",
+        [(path, "deleted (or donated to a call in flight)") for path in paths],
+        "pass arrays that stay alive until the call returns, and not arrays over the buffers "
+        "of a tree donated to a call or refit in flight",
+    )

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from jaxreshard.errors import ReshardError, leaf_error
+from jaxreshard.errors import ReshardError, deleted_sources_error, leaf_error
 from jaxreshard.run import runtime, views
 from jaxreshard.run.boundary import on_device_memory
 
@@ -334,12 +334,7 @@ class Quantizer:
         def dispatch() -> Any:
             gone = [k for k, x in enumerate(xs) if isinstance(x, jax.Array) and x.is_deleted()]
             if gone:
-                raise leaf_error(
-                    "these source leaves were deleted before the fp8 quantizer read them",
-                    [(names[k], "deleted (or donated to a call in flight)") for k in gone],
-                    "pass arrays that stay alive until the call returns, and not arrays over "
-                    "the buffers of a tree donated to a call or refit in flight",
-                )
+                raise deleted_sources_error("the fp8 quantizer", [names[k] for k in gone])
             return self._fn(*arrays)
 
         return list(runtime.between_calls(self._platforms, dispatch))

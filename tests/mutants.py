@@ -2291,7 +2291,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                'gone = [(self.paths[i], "deleted") for i in self.moved if _deleted(flat[i])]',
+                "gone = [self.paths[i] for i in self.moved if _deleted(flat[i])]",
                 "gone = []",
             ),
         ),
