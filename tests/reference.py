@@ -28,6 +28,11 @@ def leaf_spec(shape, src, dst, dtype="float32", dst_dtype=None, path="x") -> Lea
     )
 
 
+def slot_widths(lowered: Lowered) -> set[int]:
+    """The row widths (`Slot.width`) of every staging slot of a lowered plan (1: flat)."""
+    return {slot.width for step in lowered.steps for slot in step.slots}
+
+
 def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 

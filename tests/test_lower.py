@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import assert_lowered_exact, leaf_spec
+from reference import assert_lowered_exact, leaf_spec, slot_widths
 
 from jaxreshard.planning.lower import (
     PackProgram,
@@ -724,15 +724,11 @@ def test_a_small_leaf_moved_over_several_steps_keeps_what_the_others_wrote():
     assert any(u.flat_targets for u in _programs(lowered, "unpacks"))
 
 
-def _widths(lowered) -> set[int]:
-    return {slot.width for step in lowered.steps for slot in step.slots}
-
-
 def test_slots_take_rows_of_256_words_where_every_box_allows_them():
     """A d-1024 model's boxes are whole rows of 256 words (or runs of words) of their shards:
     every slot is held as rows of 256 words (`lower.MAX_SLOT_WIDTH`)."""
     _, lowered = check(gpt(FSDP_TP, TP4, layers=1, d=1024), bucket_bytes=1 << 22)
-    assert _widths(lowered) == {256}
+    assert slot_widths(lowered) == {256}
 
 
 def test_slots_of_casting_messages_take_rows_of_64_words_where_others_stay_flat():
@@ -742,4 +738,4 @@ def test_slots_of_casting_messages_take_rows_of_64_words_where_others_stay_flat(
     under which they pay)."""
     _, same = check(gpt(FSDP_TP, TP4, layers=1, d=768, dtype="bfloat16"), bucket_bytes=1 << 22)
     _, cast = check(gpt(FSDP_TP, TP4, layers=1, d=768, dst_dtype="bfloat16"), bucket_bytes=1 << 22)
-    assert _widths(same) == {1} and _widths(cast) == {64}
+    assert slot_widths(same) == {1} and slot_widths(cast) == {64}

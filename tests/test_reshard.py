@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
+from reference import slot_widths
 
 import jaxreshard as jr
 from jaxreshard.planning import schedule
@@ -499,10 +500,6 @@ def test_integers_rounded_to_bfloat16_bit_for_bit_as_xla_converts_them():
 # ------------------------------------------------------------------ staging slots held as rows
 
 
-def _row_widths(plan) -> set[int]:
-    return {slot.width for step in plan.lowered.steps for slot in step.slots}
-
-
 WIDE = {  # layouts of a (32, 1024)-wide leaf: every box is whole rows of 16 words or more
     "disjoint fsdp2xtp2 -> tp4": (CASES[0].src, CASES[0].dst),
     "colocated, other mesh and device order": (CASES[4].src, CASES[4].dst),
@@ -530,7 +527,7 @@ def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts,
     src = jax.device_put(host, sharding(*src_layout))
     dst = sharding(*dst_layout)
     plan = jr.plan(src, dst, bucket_bytes=max(1, host.nbytes // 8))  # two buckets a device
-    assert max(_row_widths(plan)) > 1 and plan.stats.buckets > 1
+    assert max(slot_widths(plan.lowered)) > 1 and plan.stats.buckets > 1
     assert_exact(plan(src), host, dst)
     assert_exact(plan(src, donate=plan(src)), host, dst)
 
@@ -552,7 +549,7 @@ def test_rows_carry_casts_and_words_narrower_than_an_element(monkeypatch):
     for dtype in (None, {"f32": jnp.bfloat16, "bf16": None, "int32": None, "f32 narrow": None}):
         plan = jr.plan(tree, dsts, dtype=dtype)
         words = {s.word for step in plan.lowered.steps for s in step.slots}
-        assert words == {"uint16"} and max(_row_widths(plan)) > 1
+        assert words == {"uint16"} and max(slot_widths(plan.lowered)) > 1
         out = plan(tree)
         cast = (dtype or {}).get("f32") or jnp.float32
         want = np.asarray(jax.jit(lambda x, c=cast: x.astype(c))(host["f32"]))
@@ -570,5 +567,5 @@ def test_boxes_that_are_not_whole_rows_keep_their_slots_flat(monkeypatch):
     src = jax.device_put(host, sharding(*CASES[0].src))
     dst = sharding(*CASES[0].dst)
     plan = jr.plan(src, dst)
-    assert _row_widths(plan) == {1}
+    assert slot_widths(plan.lowered) == {1}
     assert_exact(plan(src), host, dst)

@@ -348,10 +348,11 @@ def lower(
     small = frozenset(i for i, leaf in enumerate(leaves) if gathered(leaf, gather_bytes))
     union = tuple(sorted({d for b in schedule.buckets for m in b.messages for d in (m.src, m.dst)}))
     position = {d: i for i, d in enumerate(union)}
-    by_unit: dict[int, list[Bucket]] = defaultdict(list)
-    for b in schedule.buckets:
-        by_unit[b.unit].append(b)
-    widths = _slot_widths(leaves, small, schedule.buckets)
+    laid = [_Laid.of(leaves, small, b) for b in schedule.buckets]
+    by_unit: dict[int, list[_Laid]] = defaultdict(list)
+    for b in laid:
+        by_unit[b.bucket.unit].append(b)
+    widths = _slot_widths(leaves, small, laid)
     steps: list[Step] = []
     for u, unit in enumerate(schedule.units):
         buckets = by_unit.get(u, [])
@@ -374,26 +375,43 @@ def _bits_itemsize(leaf: LeafSpec) -> int:
     return leaf.itemsize // 2 if leaf.dst_dtype.startswith("complex") else leaf.itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class _Laid:
+    """A bucket with what both its slot widths and its step read: its word size in bytes
+    (`_word_bytes`) and each message's segments as the slot lays them (`_gathered_first`)."""
+
+    bucket: Bucket
+    w: int
+    segments: tuple[list[Segment], ...]
+
+    @classmethod
+    def of(cls, leaves: Sequence[LeafSpec], small: frozenset[int], bucket: Bucket) -> _Laid:
+        w = _word_bytes(leaves, (seg for m in bucket.messages for seg in m.segments))
+        return cls(bucket, w, tuple(_gathered_first(m.segments, small) for m in bucket.messages))
+
+    @property
+    def word(self) -> str:
+        return f"uint{8 * self.w}"
+
+
 def _step(
     leaves: Sequence[LeafSpec],
     small: frozenset[int],
-    bucket: Bucket | None,
+    laid: _Laid | None,
     local: Sequence[LocalCopy],
     unit: int,
     fresh: tuple[int, ...],
     position: Mapping[int, int],
     widths: Mapping[tuple[int, str], int],
 ) -> Step:
-    if bucket is None:
+    if laid is None:
         unpacks = _unpacks(leaves, small, {}, local, 1)
         return Step(unit, fresh, (), (), None, unpacks)
-    w = _word_bytes(leaves, (seg for m in bucket.messages for seg in m.segments))
-    word = f"uint{8 * w}"
+    bucket, w, word = laid.bucket, laid.w, laid.word
     slots = tuple(Slot(n // w, word, widths[n // w, word]) for n in bucket.slot_bytes)
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
-    for m in bucket.messages:
-        segments = _gathered_first(m.segments, small)
+    for m, segments in zip(bucket.messages, laid.segments, strict=True):
         sent[m.src][m.slot] = segments
         got[m.dst][m.slot] = segments
     perms = tuple(
@@ -406,7 +424,7 @@ def _step(
 
 
 def _slot_widths(
-    leaves: Sequence[LeafSpec], small: frozenset[int], buckets: Iterable[Bucket]
+    leaves: Sequence[LeafSpec], small: frozenset[int], buckets: Iterable[_Laid]
 ) -> dict[tuple[int, str], int]:
     """The row width (`Slot.width`) of the slots of each size ``(words, word)``: the largest
     power of two, at most `MAX_SLOT_WIDTH`, such that every message any slot of that size
@@ -418,14 +436,12 @@ def _slot_widths(
     """
     rows: dict[tuple[int, str], int] = {}
     casts: dict[tuple[int, str], bool] = {}
-    for bucket in buckets:
-        w = _word_bytes(leaves, (seg for m in bucket.messages for seg in m.segments))
-        word = f"uint{8 * w}"
+    for laid in buckets:
+        bucket, w, word = laid.bucket, laid.w, laid.word
         for n in bucket.slot_bytes:
             rows.setdefault((n // w, word), n // w)
-        for m in bucket.messages:
+        for m, segments in zip(bucket.messages, laid.segments, strict=True):
             key = (bucket.slot_bytes[m.slot] // w, word)
-            segments = _gathered_first(m.segments, small)
             rows[key] = math.gcd(rows[key], _message_rows(leaves, small, m.src, segments, w))
             casts[key] = casts.get(key, True) and any(_casts(leaves[g.leaf], g) for g in segments)
     widths = {}

@@ -1245,7 +1245,9 @@ def _unpack_needs_newer_emitters(program: UnpackProgram) -> bool:
     where it casts, and where it reads slots held as rows. The older emitters read a slot of
     rows as flat words computing each word's place in its row, per element (a bfloat16 tree's
     unpack took 41 ms against 21 ms from flat slots); the newer ones copy as fast as from a
-    flat slot (22 ms), at about twice the compile time per copy."""
+    flat slot (22 ms). They compile a copy in about twice the time (`CPU_COPY_OPTIONS`), but
+    the first call of the bench's 8- and 32-layer trees did not grow measurably (its programs
+    compile on threads, `Runtime._compile_ahead`)."""
     return _unpack_casts(program) or any(slot.width > 1 for slot in program.slots)
 
 
