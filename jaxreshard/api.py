@@ -12,7 +12,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import keystr
 
-from jaxreshard.errors import ReshardError, ReshardTypeError, deleted_sources_error, leaf_error
+from jaxreshard.errors import (
+    ReshardError,
+    ReshardTypeError,
+    deleted_sources_error,
+    leaf_error,
+    merged_error,
+)
 from jaxreshard.planning.layout import Layout, LayoutError, normalize_spec
 from jaxreshard.planning.lower import Lowered, lower, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, planner_options, route
@@ -307,16 +313,25 @@ class Plan:
         Raises:
           ReshardError: naming every leaf and device whose shard differs from its source.
         """
-        flat = self._check_src(src_tree)
-        out = self._check_arrays(
-            out_tree,
-            "the result tree",
-            self._dst_avals,
-            "these result leaves do not match the plan",
-            "pass verify the tree this plan returned for src_tree (its destination shapes, "
-            "dtypes and shardings), not deleted",
-            fallbacks=False,
-        )
+        errors = []
+        try:
+            flat = self._check_src(src_tree)
+        except ReshardError as e:
+            errors.append(e)
+        try:
+            out = self._check_arrays(
+                out_tree,
+                "the result tree",
+                self._dst_avals,
+                "these result leaves do not match the plan",
+                "pass verify the tree this plan returned for src_tree (its destination shapes, "
+                "dtypes and shardings), not deleted",
+                fallbacks=False,
+            )
+        except ReshardError as e:
+            errors.append(e)
+        if errors:  # (the bad leaves of both trees in one error)
+            raise merged_error(errors)
         src = self._crossing.sources([flat[i] for i in self.moved])
         results = self._crossing.inner([out[i] for i in self.moved])
         self._verifier.refuse_distributed()  # (before the fallback leaves' copies are made)
@@ -471,8 +486,7 @@ class Plan:
                     "sums would need combining across processes); nothing was moved\nHow to "
                     "fix: call the plan without verify=, or verify in a single-controller run"
                 )
-            flat = self._check_src(src_tree)
-            old = self._check_donate(donate, flat) if donate is not None else None
+            flat, old = self._check_call(src_tree, donate)
         except ReshardError as e:
             self.refuse(e)
             raise
@@ -489,6 +503,23 @@ class Plan:
                 ],
                 "donate each result once: wait for the call or refit.result() that took it, "
                 "then donate what that returned",
+            )
+            self.refuse(e)
+            raise e
+        # Checked again now that the claim is held: a call in flight that held these leaves
+        # until its claim ended (another thread donating the same tree) has consumed them
+        # since `_check_donate` found them alive, and XLA handed a consumed buffer crashes.
+        gone = [self.paths[i] for i, x in enumerate(old or ()) if _deleted(x)]
+        if gone:
+            _DONATED.release(old)
+            e = leaf_error(
+                "these donate= leaves were donated to another call meanwhile",
+                [
+                    (path, "deleted by a call that finished after this one checked it")
+                    for path in gone
+                ],
+                "donate each result once: a tree donated from two threads must be handed from "
+                "one call to the next (donate what the call that took it returned)",
             )
             self.refuse(e)
             raise e
@@ -662,6 +693,24 @@ class Plan:
         )
 
     # --------------------------------------------------------------------------- checking
+
+    def _check_call(self, src_tree: Any, donate: Any) -> tuple[list[Any], list[Any] | None]:
+        """`_check_src` and `_check_donate` (with ``donate``), raising one error naming the bad
+        leaves of both trees."""
+        errors, flat, old = [], None, None
+        try:
+            flat = self._check_src(src_tree)
+        except ReshardError as e:
+            errors.append(e)
+        if donate is not None:
+            try:  # (a source array donated is found by identity, whatever the tree's shape)
+                src = jax.tree_util.tree_leaves(src_tree) if flat is None else flat
+                old = self._check_donate(donate, src)
+            except ReshardError as e:
+                errors.append(e)
+        if errors:
+            raise merged_error(errors)
+        return flat, old
 
     def _check_src(self, src_tree: Any) -> list[Any]:
         return self._check_arrays(
@@ -1147,6 +1196,64 @@ def _deleted(x: Any) -> bool:
     return isinstance(x, jax.Array) and x.is_deleted()
 
 
+class _Checked(NamedTuple):
+    """`_checked_leaves`: each moved leaf's aval, boundary and spec, the moved and the fallback
+    leaves' indices (a fallback with its destination and aval), and the error naming every
+    leaf that can be neither (None if there is none)."""
+
+    avals: list[Any]
+    leaves: list[LeafSpec]
+    boundaries: list[Any]
+    moved: list[int]
+    fallen: list[tuple[int, Sharding, Any]]
+    error: ReshardError | None
+
+
+def _checked_leaves(
+    flat: Sequence[tuple[Any, Any]],
+    dsts: Sequence[Any],
+    dtypes: Sequence[Any],
+    named: Sequence[bool],
+    fallback: str | None,
+) -> _Checked:
+    """`plan`'s per-leaf checks over ``flat`` (``(path, leaf)`` pairs, with their destination,
+    dtype entry and whether that entry is the leaf's own)."""
+    problems, avals, leaves, boundaries, moved, fallen = [], [], [], [], [], []
+    for i, ((path, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
+        try:
+            aval, edge, leaf = _leaf_spec(keystr(path), x, dst, want, own)
+        except _LeafProblem as e:
+            if fallback == "device_put" and e.device_put_ok and isinstance(dst, Sharding):
+                try:
+                    fallen.append((i, dst, _fallback_aval(x, dst, want, own)))
+                except _LeafProblem as f:
+                    problems.append((keystr(path), str(f), f.kind))
+            else:
+                # A sharding no fallback moves either gets a fix that does not offer one.
+                offers = e.kind != "sharding" or e.device_put_ok
+                problems.append((keystr(path), str(e), e.kind if offers else "sharding-only"))
+            continue
+        avals.append(aval)
+        boundaries.append(edge)
+        leaves.append(leaf)
+        moved.append(i)
+    error = None
+    if problems:
+        kinds = {k for _, _, k in problems}
+        if "sharding" in kinds:
+            kinds.discard("sharding-only")
+        cls = ReshardTypeError if kinds == {"type"} else ReshardError
+        error = leaf_error(
+            "cannot plan a reshard for these leaves",
+            [(p, m) for p, m, _ in problems],
+            _FIXES[sorted(kinds)[0]]
+            if len(kinds) == 1
+            else " / ".join(_FIXES[k] for k in sorted(kinds)),
+            cls=cls,
+        )
+    return _Checked(avals, leaves, boundaries, moved, fallen, error)
+
+
 def plan(
     src_tree: Any,
     dst_shardings: Any,
@@ -1230,38 +1337,11 @@ def plan(
             compiler_options=compiler_options,
             fallback=fallback,
         )
-    problems, avals, leaves, boundaries, moved, fallen = [], [], [], [], [], []
-    for i, ((path, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
-        try:
-            aval, edge, leaf = _leaf_spec(keystr(path), x, dst, want, own)
-        except _LeafProblem as e:
-            if fallback == "device_put" and e.device_put_ok and isinstance(dst, Sharding):
-                try:
-                    fallen.append((i, dst, _fallback_aval(x, dst, want, own)))
-                except _LeafProblem as f:
-                    problems.append((keystr(path), str(f), f.kind))
-            else:
-                # A sharding no fallback moves either gets a fix that does not offer one.
-                offers = e.kind != "sharding" or e.device_put_ok
-                problems.append((keystr(path), str(e), e.kind if offers else "sharding-only"))
-            continue
-        avals.append(aval)
-        boundaries.append(edge)
-        leaves.append(leaf)
-        moved.append(i)
-    if problems:
-        kinds = {k for _, _, k in problems}
-        if "sharding" in kinds:
-            kinds.discard("sharding-only")
-        cls = ReshardTypeError if kinds == {"type"} else ReshardError
-        raise leaf_error(
-            "cannot plan a reshard for these leaves",
-            [(p, m) for p, m, _ in problems],
-            _FIXES[sorted(kinds)[0]]
-            if len(kinds) == 1
-            else " / ".join(_FIXES[k] for k in sorted(kinds)),
-            cls=cls,
-        )
+    checked = _checked_leaves(flat, dsts, dtypes, named, fallback)
+    if checked.error is not None:
+        raise checked.error
+    avals, leaves, boundaries = checked.avals, checked.leaves, checked.boundaries
+    moved, fallen = checked.moved, checked.fallen
     if fallen:
         log.warning(
             "jaxreshard: %d leaves go through jax.device_put (fallback='device_put'): %s",
@@ -1380,7 +1460,8 @@ class QuantizedPlan:
                     problem = _DONATED_IN_FLIGHT
                 if problem:
                     problems.append((self.paths[i], problem))
-            if problems:
+            if problems:  # (with the other leaves' problems, which the inner plan names next)
+                problems += self._other_problems(flat)
                 raise leaf_error(
                     "these source leaves do not match the plan",
                     problems,
@@ -1402,6 +1483,24 @@ class QuantizedPlan:
         for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):
             inner[i] = QuantizedArray(values, scales, fmt)
         return jax.tree_util.tree_unflatten(self.treedef, inner)
+
+    def _other_problems(self, flat: Sequence[Any]) -> list[tuple[str, str]]:
+        """The problems of the source leaves that are not fp8, against the inner plan's avals
+        (the inner tree has two leaves, values and scales, at each fp8 leaf)."""
+        expected = dict(zip(self.inner.moved, self.inner.src_avals, strict=True))
+        quantized, j, problems = set(self.quantized), 0, []
+        for i, x in enumerate(flat):
+            if i in quantized:
+                j += 2
+                continue
+            if j in expected:
+                shape, dtype, sharding = expected[j]
+                mine = bool(sharding.addressable_devices)
+                problem = _array_problem(x, shape, dtype, sharding, not mine)
+                if problem:
+                    problems.append((self.paths[i], problem))
+            j += 1
+        return problems
 
     def describe(self) -> str:
         """The inner plan's summary, and the fp8 leaves' values and scales."""
@@ -1441,6 +1540,7 @@ def _plan_quantized(
     problems, quantized, formats, avals = [], [], [], []
     inner_src, inner_dst, inner_dtype = [], [], []
     src_values, src_scales = [], []
+    plain: list[tuple[tuple[Any, Any], Any, Any]] = []  # the other leaves, as the inner plan
     for i, ((_, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
         if isinstance(want, Fp8Blockwise) and not own and not _blockable(x, want):
             want = None  # an entry for a subtree quantizes what it can; the rest keep theirs
@@ -1452,6 +1552,7 @@ def _plan_quantized(
             array = isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
             takes = want is not None and (own or (array and _takes_cast(x.dtype, own)))
             inner_dtype.append(want if takes else None)
+            plain.append((flat[i], dst, inner_dtype[-1]))
             continue
         if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or not jnp.issubdtype(
             x.dtype, jnp.floating
@@ -1493,8 +1594,15 @@ def _plan_quantized(
         avals.append((shape, x.dtype, x.sharding))
         src_values.append(on_mesh)
         src_scales.append(s_src)
-    if problems:
-        raise quant.refuse(problems)
+    if problems:  # (with the other leaves' problems, which the inner plan would name next)
+        others = _checked_leaves(
+            [f for f, _, _ in plain],
+            [d for _, d, _ in plain],
+            [w for _, _, w in plain],
+            [True] * len(plain),
+            options.get("fallback"),
+        )
+        raise merged_error([quant.refuse(problems), *filter(None, [others.error])])
     inner = plan(
         jax.tree_util.tree_unflatten(treedef, inner_src),
         jax.tree_util.tree_unflatten(treedef, inner_dst),

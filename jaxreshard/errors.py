@@ -47,3 +47,13 @@ def deleted_sources_error(reader: str, paths: Sequence[str]) -> ReshardError:
         "pass arrays that stay alive until the call returns, and not arrays over the buffers "
         "of a tree donated to a call or refit in flight",
     )
+
+
+def merged_error(errors: Sequence[ReshardError]) -> ReshardError:
+    """One error carrying every error of ``errors`` (each with its leaves and its fix), so that
+    a call with bad leaves found by different checks names them all at once: a
+    `ReshardTypeError` where every one is."""
+    if len(errors) == 1:
+        return errors[0]
+    cls = ReshardTypeError if all(isinstance(e, ReshardTypeError) for e in errors) else ReshardError
+    return cls("\n".join(str(e) for e in errors))

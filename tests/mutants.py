@@ -1161,16 +1161,6 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "verify leaves fallback='device_put' leaves unchecked: a wrong one passes",
     ),
     Mutant(
-        "verify-traces-weak-types",
-        "jaxreshard/run/verify.py",
-        (('    if not getattr(x, "weak_type", False):', "    if True:"),),
-        (
-            "tests/test_verify.py::"
-            "test_a_later_verify_compiles_nothing_whatever_the_sources_weak_type",
-        ),
-        "verify's programs are traced for the call's weak types: a later verify compiles again",
-    ),
-    Mutant(
         "await-raises-on-a-freed-result",
         "jaxreshard/run/runtime.py",
         (
@@ -2403,6 +2393,41 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a checksum program sums every box of its shape on its device at once: the terms "
         "compiled grow with the leaves (1024 leaves compiled for minutes)",
+    ),
+    Mutant(
+        "api-donation-claimed-after-another-call-consumed-it",
+        "jaxreshard/api.py",
+        (
+            (
+                "        gone = [self.paths[i] for i, x in enumerate(old or ()) if _deleted(x)]\n",
+                "        gone = []\n",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_a_tree_donated_by_two_threads_is_refused_once_the_other_call_consumed_it",
+        ),
+        "a call claims a donate= tree another thread's call consumed after this one checked it, "
+        "and hands XLA deleted buffers (two threads donating one tree crashed the process)",
+    ),
+    Mutant(
+        "api-fp8-call-names-only-its-fp8-leaves",
+        "jaxreshard/api.py",
+        (("                problems += self._other_problems(flat)\n", ""),),
+        ("tests/test_errors.py::test_bad_leaves_found_by_different_checks_are_named_in_one_error",),
+        "a call of an fp8 plan with bad fp8 and bad plain source leaves names only the fp8 ones",
+    ),
+    Mutant(
+        "api-call-names-only-its-bad-sources",
+        "jaxreshard/api.py",
+        (
+            (
+                "            raise merged_error(errors)\n        return flat, old",
+                "            raise errors[0]\n        return flat, old",
+            ),
+        ),
+        ("tests/test_errors.py::test_bad_leaves_found_by_different_checks_are_named_in_one_error",),
+        "a call with bad source and bad donate= leaves names only the sources",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

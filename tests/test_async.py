@@ -150,6 +150,75 @@ def test_a_result_donated_to_a_refit_in_flight_is_neither_donated_again_nor_read
     assert not any(x.is_deleted() for x in again.values())
 
 
+TWO_THREADS_SCRIPT = """
+import os, threading
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxreshard as jr
+from jaxreshard import api
+
+devices = np.array(jax.devices())
+src_s = NamedSharding(Mesh(devices[:4].reshape(2, 2), ("fsdp", "tp")), P("fsdp", "tp"))
+dst_s = NamedSharding(Mesh(devices[4:], ("tp",)), P(None, "tp"))
+host = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+src = {"w0": jax.device_put(host, src_s)}
+plan = jr.plan(src, {"w0": dst_s})
+spare = plan(src)
+checked, consumed = threading.Event(), threading.Event()
+claim = api._DONATED.claim
+
+def late_claim(old):
+    if threading.current_thread().name == "T":
+        checked.set()
+        consumed.wait(timeout=60)
+    return claim(old)
+
+api._DONATED.claim = late_claim
+errors = []
+
+def other():
+    try:
+        plan(src, donate=spare)
+    except jr.ReshardError as e:
+        errors.append(str(e))
+
+t = threading.Thread(target=other, name="T")
+t.start()
+assert checked.wait(timeout=60)
+out = plan(src, donate=spare)  # consumes the spare while T waits to claim it
+consumed.set()
+t.join(timeout=120)
+assert spare["w0"].is_deleted() and np.array_equal(np.asarray(out["w0"]), host)
+print(errors[0] if errors else "T was not refused")
+"""
+
+
+def test_a_tree_donated_by_two_threads_is_refused_once_the_other_call_consumed_it(tmp_path):
+    """Regression (two threads running ``cur = plan(src, donate=cur)`` crashed the process
+    with a segfault): a call that checked its donate= tree while another call still held it,
+    and claimed it once that call had consumed it, handed XLA deleted buffers. Made
+    deterministic (in a process of its own: the bug kills the process): thread T passes its
+    checks, the main thread's call consumes the tree, then T claims it. T is refused, naming
+    the leaf; the main thread's result is intact."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_threads.py"
+    script.write_text(TWO_THREADS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "donated to another call meanwhile" in done.stdout, done.stdout
+    assert "['w0']" in done.stdout
+
+
 def test_errors_inside_the_move_resurface_from_result(monkeypatch):
     _, src = trees(0)
     plan = jr.plan(src, DST_SHARDING)

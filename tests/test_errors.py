@@ -459,3 +459,35 @@ def test_a_boolean_bucket_bytes_is_refused():
         with pytest.raises(jr.ReshardError, match="bucket_bytes") as e:
             jr.plan(src, sharding(*DST), bucket_bytes=flag)
         assert "How to fix" in str(e.value)
+
+
+def test_bad_leaves_found_by_different_checks_are_named_in_one_error():
+    """Regression (an adversarial probe): where bad leaves fell to different checks, the
+    error named only the first check's, and the caller met the others one fix at a time: an
+    fp8 leaf and a plain one, a source and a donate= leaf, a source and a result leaf, an
+    fp8 format a destination cuts and a destination that does not fit. Nothing moves, the
+    donate= tree survives."""
+    x = jax.device_put(random_array((8, 16), "float32"), sharding(*SRC))
+    dst = {"a": sharding(*DST), "b": sharding(*DST)}
+
+    def names_both(call):
+        with pytest.raises(jr.ReshardError) as e:
+            call()
+        assert "['a']" in str(e.value) and "['b']" in str(e.value), str(e.value)
+
+    plain = jr.plan({"a": x, "b": x}, dst)
+    fp8 = jr.plan({"a": x, "b": x}, dst, dtype={"a": jr.Fp8Blockwise(block=(4, 4)), "b": None})
+    wrong = {"a": x.astype(jnp.bfloat16), "b": x.astype(jnp.int32)}
+    names_both(lambda: fp8(wrong))  # a: fp8 leaf, b: plain leaf
+    out = plain({"a": x, "b": x})
+    bad_donate = {"a": out["a"], "b": out["b"].astype(jnp.int32)}
+    names_both(lambda: plain({"a": wrong["a"], "b": x}, donate=bad_donate))
+    assert not any(v.is_deleted() for v in (*out.values(), *bad_donate.values()))
+    names_both(lambda: plain.verify({"a": wrong["b"], "b": x}, bad_donate))
+    three = sharding((4, 5, 6), (3,), ("t",), "t")  # splits 8 rows 3 ways
+    cut = sharding((4, 5, 6, 7), (4,), ("t",), "t")  # cuts blocks of 8 rows
+    names_both(
+        lambda: jr.plan(
+            {"a": x, "b": x}, {"a": three, "b": cut}, dtype={"a": None, "b": jr.Fp8Blockwise()}
+        )
+    )

@@ -1514,17 +1514,19 @@ def _at(row: jax.Array | None, column: int, rank: int) -> list[jax.Array]:
 def _operand_views(operands: Sequence[Operand], mesh: Mesh) -> list[views.View | None]:
     """A view per operand; None where the program runs over the operand's own mesh (an
     operand with a ``spec``), which then takes the whole array."""
-    return [None if o.spec is not None else _operand_view(o, mesh) for o in operands]
+    return [None if o.spec is not None else shard_view(o.shard, o.dtype, mesh) for o in operands]
 
 
-def _operand_view(operand: Operand, mesh: Mesh) -> views.View:
-    """The view re-wrapping per-device buffers of ``operand`` onto ``mesh``: split on
-    dimension 0 over all of its axes (rank 0: replicated, each device reading its own)."""
-    if not operand.shard:
-        return views.View((), operand.dtype, NamedSharding(mesh, PartitionSpec()))
+def shard_view(shard: Sequence[int], dtype: Any, mesh: Mesh) -> views.View:
+    """The view re-wrapping per-device buffers of shape ``shard`` (one per device of ``mesh``,
+    in its order; any arrays of that shape and dtype) onto ``mesh``: split on dimension 0
+    over all of its axes (rank 0: replicated, each device reading its own). A program over
+    ``mesh`` then reads each device's buffer as its shard."""
+    if not shard:
+        return views.View((), dtype, NamedSharding(mesh, PartitionSpec()))
     g = int(np.prod(mesh.devices.shape))
-    shape = (g * operand.shard[0], *operand.shard[1:])
-    return views.View(shape, operand.dtype, NamedSharding(mesh, _split_spec(mesh)))
+    shape = (g * shard[0], *shard[1:])
+    return views.View(shape, dtype, NamedSharding(mesh, _split_spec(mesh)))
 
 
 class _Clock:

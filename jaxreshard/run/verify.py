@@ -39,6 +39,7 @@ first `verify` and reused.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxreshard.errors import ReshardError, leaf_error
 from jaxreshard.planning.layout import Box, shift
@@ -220,13 +222,6 @@ def _checksum(x: jax.Array, origin: Sequence[Any], global_shape: Sequence[int]) 
     return jnp.sum(per_row * row_weight, dtype=jnp.uint32)
 
 
-def _strong(x: jax.Array) -> jax.Array:
-    """``x`` (a buffer on one device), strongly typed, zero-copy."""
-    if not getattr(x, "weak_type", False):
-        return x
-    return views.View(x.shape, x.dtype, x.sharding)([x])
-
-
 @jax.jit
 def _same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
@@ -245,20 +240,48 @@ def differing_shards(a: jax.Array, b: jax.Array) -> list[int]:
 
 
 GROUP_JOBS = 4
-"""The most boxes one run of a checksum program sums (`Verifier._program`): fewer runs, at the
-cost of compiling that many boxes' sums into one program (JAX compiles it once per device).
-128 leaves of 256 KiB over 8 devices, first `verify` / later ones: 1.22 s / 44 ms with 1 box a
-run, 2.35 s / 27 ms with 4, 7.5 s / 25 ms with 16 (one program per device summing every box:
-50 s / 28 ms); 1024 such leaves with 4: 2.9 s / 230 ms (one program per device: 185 s, 4.4 GB
-resident, / 830 ms)."""
+"""The most boxes a device sums in one run of a checksum program (`Verifier._build`): fewer
+runs, at the cost of compiling that many boxes' sums into one program. 128 leaves of 256 KiB
+over 8 devices, first `verify` / later ones, when programs ran on one device each: 1.22 s /
+44 ms with 1 box a run, 2.35 s / 27 ms with 4, 7.5 s / 25 ms with 16 (one program per device
+summing every box: 50 s / 28 ms); 1024 such leaves with 4: 2.9 s / 230 ms (one program per
+device: 185 s, 4.4 GB resident, / 830 ms)."""
 
 
-def _in_order(runs: Sequence[tuple[tuple[int, ...], jax.Array]]) -> np.ndarray:
-    """The sums of `Verifier._run`'s groups, read back in job order."""
-    n = sum(len(members) for members, _ in runs)
-    out = np.zeros(n, np.uint32)
-    for members, value in runs:
-        out[list(members)] = np.asarray(value)
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One run of a checksum program over the devices of one side that hold boxes of one
+    shape: each device sums ``len(jobs)`` of its boxes (its jobs ``jobs[j][k]`` for device
+    ``k`` of ``devices``; a device with fewer such boxes than the others sums its first one
+    again, and that sum is not read: ``None``)."""
+
+    fn: Any
+    table: jax.Array  # per device, per box: its starts in the shard, then its global origin
+    view: views.View  # the re-wrapping of the ``j``-th boxes' buffers onto the run's mesh
+    devices: tuple[int, ...]
+    jobs: tuple[tuple[int | None, ...], ...]  # [j][k]: job index on device k, None: padding
+    padded: tuple[tuple[int, ...], ...]  # [j][k]: the job whose buffer device k reads
+
+    def dispatch(self, buffers: Sequence[Sequence[jax.Array]]) -> jax.Array:
+        """Start the run on ``buffers[k][job]`` (device ``k``'s buffer of each job)."""
+        operands = [
+            self.view([buffers[k][job] for k, job in enumerate(row)]) for row in self.padded
+        ]
+        return self.fn(self.table, *operands)
+
+
+def _collect(
+    started: Sequence[tuple[_Run, jax.Array]], jobs: dict[int, list[Job]]
+) -> dict[int, np.ndarray]:
+    """The sums of `Verifier._start`'s runs, read back: per device, in the order of its
+    ``jobs`` (a padding sum is not read)."""
+    out = {d: np.zeros(len(js), np.uint32) for d, js in jobs.items()}
+    for run, value in started:
+        value = np.asarray(value).reshape(len(run.devices), len(run.jobs))
+        for j, row in enumerate(run.jobs):
+            for k, job in enumerate(row):
+                if job is not None:
+                    out[run.devices[k]][job] = value[k, j]
     return out
 
 
@@ -274,7 +297,7 @@ class Verifier:
             for device, box in zip(leaf.dst.devices, leaf.dst.boxes, strict=True):
                 self._dst_jobs[device].append((i, tuple((0, e - s) for s, e in box), box))
         self._fns: dict[Any, Any] = {}  # programs by the shape of the boxes they sum
-        self._runs: dict[Any, list[tuple[Any, jax.Array, tuple[int, ...]]]] = {}
+        self._runs: dict[str, list[_Run]] = {}
 
     def _source_jobs(self) -> tuple[dict[int, list[Job]], list[list[tuple[int, int]]]]:
         """Per source device, the parts of every distinct destination box it computes (one
@@ -315,17 +338,13 @@ class Verifier:
         self.refuse_distributed()
         src_buffers = [views.by_device(x) for x in src]
         dst_buffers = [views.by_device(x) for x in out]
-        sums = {}
-        for device, jobs in self._src_jobs.items():
-            args = [src_buffers[i][device] for i, _, _ in jobs]
-            sums[device] = self._run(("src", device), jobs, args, cast=True)
-        got = {}
-        for device, jobs in self._dst_jobs.items():
-            args = [dst_buffers[i][device] for i, _, _ in jobs]
-            got[device] = self._run(("dst", device), jobs, args, cast=False)
+        # Both sides' sums are dispatched before either is read, so that they run together.
+        started = (
+            self._start("src", self._src_jobs, src_buffers, cast=True),
+            self._start("dst", self._dst_jobs, dst_buffers, cast=False),
+        )
         with jax.transfer_guard_device_to_host("allow"):
-            sums = {d: _in_order(runs) for d, runs in sums.items()}
-            got = {d: _in_order(runs) for d, runs in got.items()}
+            sums, got = (_collect(runs, jobs) for runs, jobs in started)
         want_of: dict[tuple[int, Box], int] = {}
         n = 0
         for i, leaf in enumerate(self.leaves):
@@ -351,51 +370,80 @@ class Verifier:
                 "the result is corrupt; do not use it (report it with the plan's describe())",
             )
 
-    def _run(
-        self, key: Any, jobs: Sequence[Job], args: Sequence[jax.Array], cast: bool
-    ) -> list[tuple[tuple[int, ...], jax.Array]]:
-        """Dispatch the sums of one device's ``jobs`` (over ``args``, a buffer each): per
-        group of jobs, the job indices and the array of their sums, in that order."""
-        runs = self._runs.get(key)
+    def _start(
+        self,
+        side: str,
+        jobs: dict[int, list[Job]],
+        buffers: Sequence[dict[int, jax.Array]],
+        cast: bool,
+    ) -> tuple[list[tuple[_Run, jax.Array]], dict[int, list[Job]]]:
+        """Dispatch the sums of every job of one side (``jobs`` per device, over
+        ``buffers[leaf]`` by device id): each run with its (pending) sums, and the jobs."""
+        runs = self._runs.get(side)
         if runs is None:
-            runs = self._runs[key] = self._build(jobs, args, cast)
-        return [
-            (members, fn(table, *(_strong(args[j]) for j in members)))
-            for fn, table, members in runs
-        ]
+            runs = self._runs[side] = self._build(jobs, buffers, cast)
+        per_device = {d: [buffers[i][d] for i, _, _ in js] for d, js in jobs.items()}
+        return [(run, run.dispatch([per_device[d] for d in run.devices])) for run in runs], jobs
 
     def _build(
-        self, jobs: Sequence[Job], args: Sequence[jax.Array], cast: bool
-    ) -> list[tuple[Any, jax.Array, tuple[int, ...]]]:
-        """One device's jobs in groups of at most `GROUP_JOBS` of one shape (`_program`),
-        each with its table of box starts and origins, kept on the device."""
-        device = next(iter(args[0].devices()))
-        alike: dict[Any, list[int]] = defaultdict(list)
-        for j, ((i, local, _), a) in enumerate(zip(jobs, args, strict=True)):
-            dtype = jnp.dtype(self.leaves[i].dst_dtype) if cast else None
-            extent = tuple(e - s for s, e in local)
-            alike[a.shape, jnp.dtype(a.dtype), extent, dtype, self.leaves[i].shape].append(j)
+        self, jobs: dict[int, list[Job]], buffers: Sequence[dict[int, jax.Array]], cast: bool
+    ) -> list[_Run]:
+        """One side's jobs as runs of programs over its devices: the jobs of one shape
+        (`_program`) of every device that has some, `GROUP_JOBS` of each device's a run, each
+        run with its table of box starts and origins, kept on the devices."""
+        alike: dict[Any, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for device, js in jobs.items():
+            for j, (i, local, _) in enumerate(js):
+                a = buffers[i][device]
+                dtype = jnp.dtype(self.leaves[i].dst_dtype) if cast else None
+                extent = tuple(e - s for s, e in local)
+                key = (a.shape, jnp.dtype(a.dtype), extent, dtype, self.leaves[i].shape)
+                alike[key][device].append(j)
+        by_id = {d.id: d for d in jax.devices()}
         runs = []
         for signature, members in alike.items():
-            for k in range(0, len(members), GROUP_JOBS):
-                group = tuple(members[k : k + GROUP_JOBS])
-                rows = [[*(s for s, _ in jobs[j][1]), *(s for s, _ in jobs[j][2])] for j in group]
-                table = np.array(rows, np.int32).reshape(len(group), -1)
+            devices = tuple(sorted(members))
+            mesh = Mesh(np.array([by_id[d] for d in devices]), ("v",))
+            view = runtime.shard_view(signature[0], signature[1], mesh)
+            longest = max(len(m) for m in members.values())
+            for at in range(0, longest, GROUP_JOBS):
+                g = min(GROUP_JOBS, longest - at)
+                rows, real, padded = [], [], []
+                for k in range(g):
+                    got = [
+                        members[d][at + k] if at + k < len(members[d]) else None for d in devices
+                    ]
+                    real.append(tuple(got))
+                    padded.append(
+                        tuple(
+                            members[d][0] if j is None else j
+                            for d, j in zip(devices, got, strict=True)
+                        )
+                    )
+                for k, d in enumerate(devices):
+                    for row in padded:
+                        _, local, box = jobs[d][row[k]]
+                        rows.append([*(s for s, _ in local), *(s for s, _ in box)])
+                rank = len(signature[2])
+                table = np.array(rows, np.int32).reshape(len(devices) * g, 2 * rank)
                 # The table is verify's own: made once, under any transfer guard.
                 with jax.transfer_guard_host_to_device("allow"):
-                    table = jax.device_put(table, device)
-                runs.append((self._program(signature, len(group), device.platform), table, group))
+                    table = jax.device_put(table, NamedSharding(mesh, PartitionSpec("v")))
+                fn = self._program(signature, g, view)
+                runs.append(_Run(fn, table, view, devices, tuple(real), tuple(padded)))
         return runs
 
-    def _program(self, signature: Any, n: int, platform: str) -> Any:
+    def _program(self, signature: Any, n: int, view: views.View) -> Any:
         """The checksums of ``n`` boxes of one ``(shard shape, shard dtype, box extent, cast
-        dtype or None, global shape)``, their starts and origins in a table (one row per box):
-        one program for every such group of every leaf and device.
+        dtype or None, global shape)`` on every device of ``view``'s mesh (its operands the
+        boxes' shards re-wrapped by ``view``), their starts and origins in a table (one row
+        per box and device): one program for every such group of every leaf.
 
         Shared so that a tree of many leaves compiles a few programs, not one term per box
         (one program per device summing every box took 185 s and 4.4 GB to compile for 1024
-        leaves of 256 KiB)."""
-        key = (signature, n, platform)
+        leaves of 256 KiB), and one program over the devices of a side, not one per device."""
+        mesh = view.sharding.mesh
+        key = (signature, n, mesh)
         fn = self._fns.get(key)
         if fn is not None:
             return fn
@@ -410,14 +458,25 @@ class Verifier:
                 out.append(box_checksum_of(x, start, extent, origin, global_shape, dtype))
             return jnp.stack(out)
 
+        split = PartitionSpec("v")
+        mapped = jax.shard_map(
+            sums,
+            mesh=mesh,
+            in_specs=(split, *(view.sharding.spec,) * n),
+            out_specs=split,
+            check_vma=False,
+        )
         # XLA's older CPU emitters compile a bit-cast hoisted out of a loop (`CHUNK_WORDS`) to
         # no copy at all (the newer ones copy the array), but take 3-4x as long to compile a
         # box's sums: a program that loops over pieces compiles with the older ones, one of
         # boxes summed in one piece with the newer; a program that casts keeps the options
         # the senders' casts compile with (`runtime.program_options`).
+        platform = mesh.devices.flat[0].platform
         casts = dtype is not None and dtype != source
         loops = math.prod(extent) * _words_per_element(dtype or source) > CHUNK_WORDS
         fn = self._fns[key] = jax.jit(
-            sums, compiler_options=runtime.program_options(platform, casts or not loops)
+            mapped,
+            out_shardings=NamedSharding(mesh, split),
+            compiler_options=runtime.program_options(platform, casts or not loops),
         )
         return fn
