@@ -307,8 +307,8 @@ class Plan:
         Each destination shard's position-hashed checksum is compared with the sum of the
         same box's parts on the source devices (cast as the plan casts), so only a few bytes per
         shard reach the host (`jaxreshard.run.verify`). Costs about one read of the source and
-        one of the result; compiles one program per device on its first use. Single-controller
-        JAX only for now.
+        one of the result; its first use compiles the checksum programs (one per box shape and
+        side, shared by that side's devices). Single-controller JAX only for now.
 
         Raises:
           ReshardError: naming every leaf and device whose shard differs from its source.
