@@ -33,8 +33,10 @@ so a cast refit verifies bit for bit too. Typed PRNG keys are checked as their k
 Cost: one read of the source and one of the result, in pieces (`CHUNK_WORDS`), and a few
 bytes per shard to the host (read explicitly even under ``jax.transfer_guard``: the caller
 asked for it). The programs are shared by the shape of the boxes they sum, each summing up to
-`GROUP_JOBS` boxes whose starts come from a small table kept on the device: built on the
-first `verify` and reused.
+`GROUP_JOBS` boxes on every device of one side at once (a ``shard_map`` over those devices,
+each reading its own buffers, as the runtime's programs do), their starts from a small table
+kept on the devices: built on the first `verify` and reused. So a side compiles one program
+per box shape, not one per device.
 """
 
 from __future__ import annotations
