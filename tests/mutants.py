@@ -2386,7 +2386,12 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "verify-one-program-sums-every-box",
         "jaxreshard/run/verify.py",
-        (("GROUP_JOBS = 4\n", "GROUP_JOBS = 1 << 30\n"),),
+        (
+            (
+                "    return max(1, min(GROUP_JOBS, GROUP_WORDS // words))",
+                "    return 1 << 30",
+            ),
+        ),
         (
             "tests/test_verify.py::"
             "test_verify_of_many_leaves_of_one_shape_compiles_a_few_programs_not_one_term_a_leaf",

@@ -32,11 +32,11 @@ so a cast refit verifies bit for bit too. Typed PRNG keys are checked as their k
 
 Cost: one read of the source and one of the result, in pieces (`CHUNK_WORDS`), and a few
 bytes per shard to the host (read explicitly even under ``jax.transfer_guard``: the caller
-asked for it). The programs are shared by the shape of the boxes they sum, each summing up to
-`GROUP_JOBS` boxes on every device of one side at once (a ``shard_map`` over those devices,
-each reading its own buffers, as the runtime's programs do), their starts from a small table
-kept on the devices: built on the first `verify` and reused. So a side compiles one program
-per box shape, not one per device.
+asked for it). The programs are shared by the shape of the boxes they sum, each summing a
+few boxes (`GROUP_WORDS`) on every device of one side at once (a ``shard_map`` over those
+devices, each reading its own buffers, as the runtime's programs do), their starts from a
+small table kept on the devices: built on the first `verify` and reused. So a side compiles
+one program per box shape, not one per device.
 """
 
 from __future__ import annotations
@@ -241,13 +241,21 @@ def differing_shards(a: jax.Array, b: jax.Array) -> list[int]:
         return sorted(d for d, same in flags.items() if not bool(same))
 
 
-GROUP_JOBS = 4
+GROUP_JOBS = 16
 """The most boxes a device sums in one run of a checksum program (`Verifier._build`): fewer
-runs, at the cost of compiling that many boxes' sums into one program. 128 leaves of 256 KiB
-over 8 devices, first `verify` / later ones, when programs ran on one device each: 1.22 s /
-44 ms with 1 box a run, 2.35 s / 27 ms with 4, 7.5 s / 25 ms with 16 (one program per device
-summing every box: 50 s / 28 ms); 1024 such leaves with 4: 2.9 s / 230 ms (one program per
-device: 185 s, 4.4 GB resident, / 830 ms)."""
+runs, at the cost of compiling that many boxes' sums into one program."""
+
+GROUP_WORDS = 1 << 18
+"""About how many words a device sums in one run: boxes of ``w`` words are summed
+``GROUP_WORDS // w`` a run (at least 1, at most `GROUP_JOBS`), so that small boxes share a
+dispatch and large ones, whose sums are loops that take long to compile, each take one."""
+
+
+def _group_jobs(signature: Any) -> int:
+    """How many boxes of one shape (`Verifier._build`'s signature) a device sums a run."""
+    _, source, extent, dtype, _ = signature
+    words = max(1, math.prod(extent) * _words_per_element(dtype or source))
+    return max(1, min(GROUP_JOBS, GROUP_WORDS // words))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,8 +399,8 @@ class Verifier:
         self, jobs: dict[int, list[Job]], buffers: Sequence[dict[int, jax.Array]], cast: bool
     ) -> list[_Run]:
         """One side's jobs as runs of programs over its devices: the jobs of one shape
-        (`_program`) of every device that has some, `GROUP_JOBS` of each device's a run, each
-        run with its table of box starts and origins, kept on the devices."""
+        (`_program`) of every device that has some, `_group_jobs` of each device's a run,
+        each run with its table of box starts and origins, kept on the devices."""
         alike: dict[Any, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         for device, js in jobs.items():
             for j, (i, local, _) in enumerate(js):
@@ -408,8 +416,10 @@ class Verifier:
             mesh = Mesh(np.array([by_id[d] for d in devices]), ("v",))
             view = runtime.shard_view(signature[0], signature[1], mesh)
             longest = max(len(m) for m in members.values())
-            for at in range(0, longest, GROUP_JOBS):
-                g = min(GROUP_JOBS, longest - at)
+            # Every run of a shape sums as many boxes (the last one re-sums some), so that the
+            # shape compiles one program.
+            g = min(_group_jobs(signature), longest)
+            for at in range(0, longest, g):
                 rows, real, padded = [], [], []
                 for k in range(g):
                     got = [
