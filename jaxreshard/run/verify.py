@@ -402,14 +402,15 @@ class Verifier:
         (`_program`) of every device that has some, `_group_jobs` of each device's a run,
         each run with its table of box starts and origins, kept on the devices."""
         alike: dict[Any, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        by_id = {}  # (the devices of the buffers: a plan's backend need not be the default)
         for device, js in jobs.items():
             for j, (i, local, _) in enumerate(js):
                 a = buffers[i][device]
+                by_id.setdefault(device, next(iter(a.devices())))
                 dtype = jnp.dtype(self.leaves[i].dst_dtype) if cast else None
                 extent = tuple(e - s for s, e in local)
                 key = (a.shape, jnp.dtype(a.dtype), extent, dtype, self.leaves[i].shape)
                 alike[key][device].append(j)
-        by_id = {d.id: d for d in jax.devices()}
         runs = []
         for signature, members in alike.items():
             devices = tuple(sorted(members))
