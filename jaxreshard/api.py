@@ -48,6 +48,7 @@ from jaxreshard.run.multihost import (
     check_order,
     fingerprint,
     has_agreed,
+    options_text,
     order_check_enabled,
     refuse_call,
 )
@@ -659,12 +660,16 @@ class Plan:
         kinds = tuple(
             str(dtype) if boundary.is_key(dtype) else "" for _, dtype, _ in self.src_avals
         )
+        options = options_text(self.compiler_options)
         return PlanIdentity(
-            fingerprint(self.leaves, self.assignment, self.schedule, self.bucket_bytes, kinds),
+            fingerprint(
+                self.leaves, self.assignment, self.schedule, self.bucket_bytes, kinds, options
+            ),
             self.leaves,
             tuple(self._describe_leaf(i) for i in range(len(self.leaves))),
             self.bucket_bytes,
             kinds,
+            options,
         )
 
     @functools.cached_property

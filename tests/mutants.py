@@ -351,8 +351,8 @@ MULTIHOST_MUTANTS = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "    return digest(FORMAT, digests, assignment, schedule, int(bucket_bytes))",
-                "    return digest(FORMAT, digests, int(bucket_bytes))",
+                "digests, assignment, schedule, int(bucket_bytes), compiler_options)",
+                "digests, int(bucket_bytes), compiler_options)",
             ),
         ),
         ("tests/test_multihost.py::test_fingerprint_covers_the_routing_and_the_schedule",),
@@ -2433,6 +2433,20 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         ("tests/test_errors.py::test_bad_leaves_found_by_different_checks_are_named_in_one_error",),
         "a call with bad source and bad donate= leaves names only the sources",
+    ),
+    Mutant(
+        "multihost-fingerprint-ignores-compiler-options",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "int(bucket_bytes), compiler_options)",
+                "int(bucket_bytes))",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_agreement_refuses_plans_whose_transfer_programs_take_other_compiler_options",
+        ),
+        "processes whose transfer programs take different compiler_options agree on the plan",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

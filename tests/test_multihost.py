@@ -276,6 +276,27 @@ def test_agreement_mismatch_names_the_first_differing_leaf_on_every_process(devi
         assert "How to fix" in message
 
 
+def test_agreement_refuses_plans_whose_transfer_programs_take_other_compiler_options(devices):
+    """Regression (a probe): processes planning with different ``compiler_options`` agreed,
+    and their transfer programs, compiled differently, met inside one collective. Now the
+    options are in the fingerprint, and the error names them."""
+    src_mesh = Mesh(np.array(devices[:4]), ("a",))
+    dst_mesh = Mesh(np.array(devices[4:]), ("x",))
+    tree = {
+        "w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(src_mesh, P("a")))
+    }
+    dst = {"w": NamedSharding(dst_mesh, P(None, "x"))}
+    plans = [
+        jr.plan(tree, dst),
+        jr.plan(tree, dst, compiler_options={"xla_cpu_enable_fast_math": False}),
+    ]
+    results, _ = _agree_all(FakeClient(), [(p, (0, 1), "g", 0, plans[p]) for p in (0, 1)])
+    for me in (0, 1):
+        message = str(results[me])
+        assert isinstance(results[me], jr.ReshardError), message
+        assert "compiler_options differ" in message and "xla_cpu_enable_fast_math" in message
+
+
 def test_agreement_times_out_when_a_peer_never_arrives(devices):
     plan = _plans(devices)[0]
     results, took = _agree_all(FakeClient(), [(0, (0, 1), "g", 0, plan)], timeout_s=0.3)

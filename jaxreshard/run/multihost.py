@@ -111,16 +111,24 @@ def fingerprint(
     schedule: Any,
     bucket_bytes: int,
     kinds: Sequence[str] = (),
+    compiler_options: str = "",
 ) -> str:
     """The hash of a whole plan; equal on two processes exactly when they planned the same.
 
     Covers the leaves (with their ``kinds``, `leaf_digest`) and what was derived from them
     (assignment and schedule), so a difference in options (``bucket_bytes``, a
-    process-dependent ``tier``) is caught as well.
+    process-dependent ``tier``) is caught as well, and the transfer programs' XLA options
+    (``compiler_options``, as `options_text` writes them): processes whose transfer
+    programs were compiled differently could disagree inside a collective.
     """
     kinds = tuple(kinds) or ("",) * len(leaves)
     digests = [leaf_digest(leaf, kind) for leaf, kind in zip(leaves, kinds, strict=True)]
-    return digest(FORMAT, digests, assignment, schedule, int(bucket_bytes))
+    return digest(FORMAT, digests, assignment, schedule, int(bucket_bytes), compiler_options)
+
+
+def options_text(options: Mapping[str, Any] | None) -> str:
+    """XLA options (a plan's ``compiler_options``) as one canonical line: sorted, repr'd."""
+    return ", ".join(f"{k}={v!r}" for k, v in sorted((options or {}).items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,8 @@ class PlanIdentity:
       bucket_bytes: the plan's bucket size (named when only the schedules differ).
       kinds: per leaf, the caller's dtype where the moved one does not say it all
         (`leaf_digest`), else "" (empty: "" for every leaf).
+      compiler_options: the transfer programs' XLA options (`options_text`), named when
+        only they differ.
     """
 
     fingerprint: str
@@ -141,6 +151,7 @@ class PlanIdentity:
     descriptions: tuple[str, ...]
     bucket_bytes: int
     kinds: tuple[str, ...] = ()
+    compiler_options: str = ""
 
 
 # ------------------------------------------------------------------------------- processes
@@ -268,7 +279,13 @@ class _Agreement:
         c.key_value_set_bytes(f"{self.base}/leaves/{me}", _leaves_blob(self.plan))
         c.key_value_set(
             f"{self.base}/fp/{me}",
-            json.dumps({"fp": self.fp, "bucket_bytes": self.plan.bucket_bytes}),
+            json.dumps(
+                {
+                    "fp": self.fp,
+                    "bucket_bytes": self.plan.bucket_bytes,
+                    "compiler_options": self.plan.compiler_options,
+                }
+            ),
         )
         c.key_value_set(f"{_PREFIX}/waiting/{me}", json.dumps(self.waiting), allow_overwrite=True)
         try:
@@ -386,16 +403,24 @@ class _Agreement:
             ]
             break
         else:
-            lines.append(
-                f"Every leaf agrees, but the schedules differ: bucket_bytes "
-                f"{self.plan.bucket_bytes} here, {theirs['bucket_bytes']} on process {q}, or a "
-                "topology= that depends on the process."
-            )
+            mine_options = self.plan.compiler_options
+            their_options = theirs.get("compiler_options", "")
+            if mine_options != their_options:
+                lines.append(
+                    f"Every leaf agrees, but the transfer programs' compiler_options differ: "
+                    f"{{{mine_options}}} here, {{{their_options}}} on process {q}."
+                )
+            else:
+                lines.append(
+                    f"Every leaf agrees, but the schedules differ: bucket_bytes "
+                    f"{self.plan.bucket_bytes} here, {theirs['bucket_bytes']} on process {q}, "
+                    "or a topology= that depends on the process."
+                )
         lines.append(
             "How to fix: every process must call jr.plan / jr.reshard with the same global "
             "description: the same tree, shapes and dtypes, shardings on the same meshes (same "
-            "device order) with the same PartitionSpecs, and the same dtype=, bucket_bytes= and "
-            "topology="
+            "device order) with the same PartitionSpecs, and the same dtype=, bucket_bytes=, "
+            "topology= and compiler_options="
         )
         return ReshardError("\n".join(lines))
 
