@@ -9,6 +9,7 @@ import functools
 import itertools
 import logging
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -1897,7 +1898,9 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
     if isinstance(dst, PartitionSpec):
         raise _LeafProblem(
             f"the destination is a PartitionSpec {dst}, not a jax.sharding.Sharding: give it "
-            "its mesh, NamedSharding(mesh, spec)",
+            "its mesh, NamedSharding(mesh, spec) (a spec of logical axis names, as "
+            "nnx.get_partition_spec gives, needs its rules first: nnx.get_named_sharding(state, "
+            "mesh) under nnx.logical_axis_rules(...))",
             "type",
         )
     if isinstance(dst, (jax.Array, jax.ShapeDtypeStruct)):
@@ -2253,6 +2256,22 @@ def _structure_error(
     missing = [p for p in expected_paths if entries.isdisjoint(_ancestors(p))]
     extra = [g for g in got if g not in covering]
     wrapped = bool(missing) and sorted(extra) == sorted(p + ".value" for p in missing)
+    # The other way round: plain entries at the paths of the source's nnx Variables (an
+    # nnx.State source, shardings as its pure dict); they cover its leaves, so none is missing.
+    unwrapped = (
+        not missing
+        and not extra
+        and bool(expected_paths)
+        and all(p.endswith(".value") for p in expected_paths)
+        and sorted(got) == sorted(p.removesuffix(".value") for p in expected_paths)
+    )
+    if unwrapped and not problems:
+        n = len(got)
+        problems = [(
+            got[0] + (f" and {n - 1} more" if n > 1 else ""),
+            f"{name} holds plain leaves where {what} holds nnx Variables (at "
+            f"{got[0]}.value: the only difference)",
+        )]  # fmt: skip
     if wrapped and not problems:
         # Only an nnx Variable level between them (an nnx.State against its pure dict): said
         # once, with the fix, rather than every leaf twice.
@@ -2295,7 +2314,35 @@ def _structure_error(
             f"make both plain or both nnx.State: pass {name} as a pure dict "
             "(state.to_pure_dict() of an nnx.State), or the source as the nnx.State itself"
         )
+    if unwrapped:
+        fix = (
+            f"make both plain or both nnx.State: pass {name} as an nnx.State (as "
+            "nnx.get_named_sharding(state, mesh) gives it), or the source as a pure dict "
+            "(state.to_pure_dict())"
+        )
+    hint = _nnx_hint(tree, reference)
+    if hint:
+        fix = f"{hint}; or {fix}"
     return leaf_error(f"{name} does not match the structure of {what}", problems, fix)
+
+
+def _nnx_hint(*trees: Any) -> str | None:
+    """What to pass instead where one of ``trees`` is a Flax NNX module, or what
+    ``nnx.split`` returns, rather than a state: the usual mistake behind a structure
+    mismatch of NNX trees (checked only where Flax is already imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    parts = [x for tree in trees for x in (tree if isinstance(tree, tuple) else (tree,))]
+    if any(isinstance(x, nnx.Module) for x in parts):
+        return (
+            "an nnx Module stands where its state should: pass nnx.state(model) (and "
+            "nnx.update(model, result) after), with shardings of the same structure "
+            "(nnx.get_named_sharding(nnx.state(model), mesh))"
+        )
+    if any(isinstance(x, nnx.GraphDef) for x in parts):
+        return "an nnx GraphDef (what nnx.split returns) stands in a tree: pass the State alone"
+    return None
 
 
 def _ancestors(path: str) -> set[str]:

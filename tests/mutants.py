@@ -2449,6 +2449,14 @@ SURFACE_MUTANTS: list[Mutant] = [
         "processes whose transfer programs take different compiler_options agree on the plan",
     ),
     Mutant(
+        "api-nnx-state-beside-pure-dict-shardings-unexplained",
+        "jaxreshard/api.py",
+        (("    if unwrapped and not problems:\n", "    if False:\n"),),
+        ("tests/test_errors.py::test_nnx_mistakes_are_named_with_their_fix",),
+        "an nnx.State source beside shardings as its pure dict is reported as differing "
+        "nodes, without the one difference or the fix",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -84,6 +84,29 @@ def test_shardings_as_an_nnx_state_over_a_pure_dict_source_say_so_once(src):
     assert "to_pure_dict()" in message
 
 
+def test_nnx_mistakes_are_named_with_their_fix(src):
+    """(A probe of Flax NNX usage.) An nnx.State source beside shardings as its pure dict
+    (the other way round from the test above), an nnx module passed where its state belongs,
+    and logical-axis PartitionSpecs (what nnx.get_partition_spec gives) each get a message
+    that says what is wrong and how to fix it, not only which nodes differ."""
+    nnx = pytest.importorskip("flax.nnx")
+    state = nnx.State({"a": nnx.Param(src["a"]), "b": {"c": nnx.Param(src["b"]["c"])}})
+    with pytest.raises(jr.ReshardError) as e:
+        jr.plan(state, dst_tree())
+    message = str(e.value)
+    assert "holds plain leaves where the source tree holds nnx Variables" in message, message
+    assert "nnx.get_named_sharding" in message
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(src["a"])
+
+    with pytest.raises(jr.ReshardError, match=r"(?s)nnx Module stands.*nnx\.state\(model\)"):
+        jr.plan(Model(), {"a": {"value": sharding(*DST)}})
+    with pytest.raises(jr.ReshardError, match=r"logical axis names.*nnx.logical_axis_rules"):
+        jr.plan(src["a"], PartitionSpec("embed", "mlp"))
+
+
 def test_a_destination_that_does_not_divide_the_shape(src):
     bad = dst_tree()
     bad["b"]["c"] = sharding(tuple(range(4, 7)), (3,), ("tp",), None, "tp")
