@@ -9,6 +9,8 @@ running meanwhile does not deadlock.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -152,6 +154,22 @@ def test_a_result_donated_to_a_refit_in_flight_is_neither_donated_again_nor_read
     assert not any(x.is_deleted() for x in again.values())
 
 
+def _run_script(path: Path, text: str) -> subprocess.CompletedProcess:
+    """Run ``text`` as a script of its own (a process a crash may kill without taking pytest
+    with it), from the repository root; it must exit cleanly."""
+    path.write_text(text)
+    done = subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 TWO_THREADS_SCRIPT = """
 import os, threading
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -203,20 +221,7 @@ def test_a_tree_donated_by_two_threads_is_refused_once_the_other_call_consumed_i
     deterministic (in a process of its own: the bug kills the process): thread T passes its
     checks, the main thread's call consumes the tree, then T claims it. T is refused, naming
     the leaf; the main thread's result is intact."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "two_threads.py"
-    script.write_text(TWO_THREADS_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_script(tmp_path / "two_threads.py", TWO_THREADS_SCRIPT)
     assert "donated to another call meanwhile" in done.stdout, done.stdout
     assert "['w0']" in done.stdout
 
@@ -461,20 +466,7 @@ def test_a_refit_started_at_interpreter_shutdown_runs(tmp_path):
     final sync in an ``atexit`` hook), when ``concurrent.futures`` takes no new work, runs on
     the caller's thread (a probe: it raised the executor's raw RuntimeError), and a plan's
     first call there compiles its programs one after another (a review: it raised too)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "shutdown.py"
-    script.write_text(SHUTDOWN_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_script(tmp_path / "shutdown.py", SHUTDOWN_SCRIPT)
     assert sorted(done.stdout.split()) == ["atexit", "first", "ok", "ok", "ok", "thread"], (
         done.stdout
     )
