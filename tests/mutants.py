@@ -606,8 +606,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         LOWER,
         (
             (
-                "reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))",
-                "reads.append(Read(k, index[_arg(g)], shape, g.offset // w + 1, wire, column))",
+                "                    offset = g.offset // w\n",
+                "                    offset = g.offset // w + 1\n",
             ),
         ),
         (
@@ -2362,24 +2362,60 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "lower-rows-strided-box-not-checked",
         "jaxreshard/planning/lower.py",
-        (("        if not contiguous(shape, held.shard_shape):\n", "        if False:\n"),),
+        (("rows = slots[t].width > 1 and all(", "rows = slots[t].width > 1 or all("),),
         ("tests/test_lower.py::test_lowered_programs_rebuild_every_destination_shard",),
-        "a slot gets rows wherever its boxes' words and offsets allow, though a box that is "
-        "not one run of its shard's words is read from its shard cut into rows of that width",
+        "every box of a slot held as rows is read from its shard cut into rows of that width, "
+        "though one that is not whole rows of its shard (or of the slot) must be read as its "
+        "own shape",
+    ),
+    Mutant(
+        "lower-rows-box-offset-not-checked",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        seg.offset // w,\n        per * math.prod(shape),\n",
+                "        0,\n        0,\n",
+            ),
+        ),
+        ("tests/test_lower.py::test_a_leaf_of_narrow_rows_leaves_the_other_boxes_their_rows",),
+        "a strided box is copied row by row wherever it falls in the slot, though rows of the "
+        "slot start only every width words",
+    ),
+    Mutant(
+        "lower-rows-widest-not-fastest",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "best = max(fast, key=lambda width: (fast[width], width), default=1)",
+                "best = max(fast, key=lambda width: (width, fast[width]), default=1)",
+            ),
+        ),
+        ("tests/test_lower.py::test_rows_of_64_words_only_where_every_message_of_the_slot_casts",),
+        "slots take the widest rows any box allows, though fewer of their boxes then copy row "
+        "by row than under a narrower width",
+    ),
+    Mutant(
+        "runtime-words-mid-row-at-row-start",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "buf = lax.dynamic_update_slice(buf, part, (np.int32(row), np.int32(col)))",
+                "buf = lax.dynamic_update_slice(buf, part, (np.int32(row), ZERO))",
+            ),
+        ),
+        ("tests/test_reshard.py::test_boxes_of_narrow_rows_beside_wide_ones_arrive_bit_for_bit",),
+        "words that start mid-row of a slot held as rows are written from the start of that row",
     ),
     Mutant(
         "lower-rows-of-64-words-everywhere",
         "jaxreshard/planning/lower.py",
         (
             (
-                "        floor = MIN_CAST_SLOT_WIDTH if casts.get(key) else MIN_SLOT_WIDTH\n",
-                "        floor = MIN_CAST_SLOT_WIDTH\n",
+                "            floor = MIN_CAST_SLOT_WIDTH if casts.get(key) else MIN_SLOT_WIDTH\n",
+                "            floor = MIN_CAST_SLOT_WIDTH\n",
             ),
         ),
-        (
-            "tests/test_lower.py::"
-            "test_slots_of_casting_messages_take_rows_of_64_words_where_others_stay_flat",
-        ),
+        ("tests/test_lower.py::test_rows_of_64_words_only_where_every_message_of_the_slot_casts",),
         "slots take rows of 64 words whether or not their messages cast, where the older "
         "emitters of a plain pack copy such rows no faster than a flat slot",
     ),

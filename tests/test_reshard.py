@@ -21,6 +21,7 @@ from reference import slot_widths
 
 import jaxreshard as jr
 from jaxreshard.planning import schedule
+from jaxreshard.planning.lower import contiguous
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,17 +518,22 @@ WIDE = {  # layouts of a (32, 1024)-wide leaf: every box is whole rows of 16 wor
 )
 def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts, monkeypatch):
     """Where every box a slot carries is whole rows of its shard (a wide leaf of a regular
-    layout), the pack copies it row by row into a slot held as rows (`lower.Slot.width`):
-    the same words in the same order as a flat slot, checked bit for bit for every width
-    of element (complex values as two words, int4 and bool as a byte); every piece a copy
-    of its own, as a large leaf's are."""
+    layout), the pack copies each box that is not one run of its shard's words row by row
+    into a slot held as rows (`lower.Slot.width`, `Read.rows`): the same words in the same
+    order as a flat slot, checked bit for bit for every width of element (complex values as
+    two words, int4 and bool as a byte); every piece a copy of its own, as a large leaf's
+    are."""
     monkeypatch.setattr(schedule, "GATHER_BYTES", 0)
     src_layout, dst_layout = WIDE[layouts]
     host = random_array((32, 1024), dtype, seed=3)
     src = jax.device_put(host, sharding(*src_layout))
     dst = sharding(*dst_layout)
     plan = jr.plan(src, dst, bucket_bytes=max(1, host.nbytes // 8))  # two buckets a device
-    assert max(slot_widths(plan.lowered)) > 1 and plan.stats.buckets > 1
+    reads = [(r, c.program) for s in plan.lowered.steps for c in s.packs for r in c.program.reads]
+    strided = [r for r, p in reads if not contiguous(r.shape, p.operands[r.operand].shard)]
+    assert all(r.rows for r in strided) and plan.stats.buckets > 1
+    if layouts != "destination inside the source":  # its boxes are whole rows of its shards
+        assert strided
     assert_exact(plan(src), host, dst)
     assert_exact(plan(src, donate=plan(src)), host, dst)
 
@@ -557,6 +563,38 @@ def test_rows_carry_casts_and_words_narrower_than_an_element(monkeypatch):
         assert_exact(out["bf16"], host["bf16"], dst)
         assert_exact(out["int32"], host["int32"], dst)
         assert_exact(out["f32 narrow"], host["f32 narrow"], dst)
+
+
+def test_boxes_of_narrow_rows_beside_wide_ones_arrive_bit_for_bit(monkeypatch):
+    """Vocabulary-like leaves whose boxes are rows of 2,000 elements (not whole rows of 128
+    words) share a slot held as rows with a leaf whose boxes are: their words are laid flat
+    wherever they fall, as the part of a row they start in, whole rows and the part of a row
+    they end in (`runtime._put_words`). Exact, fresh and donated, in float32 and
+    bfloat16."""
+    monkeypatch.setattr(schedule, "GATHER_BYTES", 0)
+    src_sh, dst = sharding(*CASES[0].src), sharding(*CASES[0].dst)
+    for dtype in ("float32", "bfloat16"):
+        host = {
+            "w": random_array((64, 1024), dtype, 1),
+            "y": random_array((24, 8000), dtype, 2),
+            "z": random_array((24, 8000), dtype, 3),
+        }
+        tree = {k: jax.device_put(v, src_sh) for k, v in host.items()}
+        plan = jr.plan(tree, {k: dst for k in tree}, bucket_bytes=1 << 19)
+        reads = [
+            (r, c.program.slots[r.slot].width)
+            for s in plan.lowered.steps
+            for c in s.packs
+            for r in c.program.reads
+        ]
+        assert any(r.rows for r, _ in reads)
+        assert any(w > 1 and r.offset % w for r, w in reads)  # starts mid-row
+        assert any(w > 1 and (r.offset + r.shape[0] * 2000) % w for r, w in reads)  # ends so
+        out = plan(tree)
+        for _ in range(2):
+            for k, v in host.items():
+                assert_exact(out[k], v, dst)
+            out = plan(tree, donate=out)
 
 
 def test_boxes_that_are_not_whole_rows_keep_their_slots_flat(monkeypatch):

@@ -84,8 +84,10 @@ class Slot:
     computes each element's place from its flat index (per element, 2-4 GB/s), while a box
     written as rows of a 2-D buffer, read from its shard viewed with rows of the same width,
     copies row by row (12-22 GB/s). The words are the same, in the same order, either way: a
-    slot has rows only where every box any device packs into it starts and ends on a row
-    (`_slot_widths`).
+    slot has rows only where every box any device packs into it starts and ends on a row of
+    the slot (`_slot_widths`); a box that is also whole rows of its shard viewed as rows of
+    that width is copied row by row (`Read.rows`), any other read as its own shape and cut
+    into rows.
     """
 
     words: int
@@ -128,7 +130,10 @@ class Operand:
 @dataclasses.dataclass(frozen=True)
 class Read:
     """Pack: the box of ``shape`` of operand ``operand`` starting at table columns
-    ``column ..``, cast to ``wire``, laid as words from word ``offset`` of slot ``slot``."""
+    ``column ..``, cast to ``wire``, laid as words from word ``offset`` of slot ``slot``.
+    With ``rows``, the box is whole rows of its shard viewed as rows of the slot's width, on
+    every device of the program, and is copied row by row; else it is read as its own shape
+    and laid flat (cut into the slot's rows, if it has them)."""
 
     slot: int
     operand: int
@@ -136,6 +141,7 @@ class Read:
     offset: int
     wire: str
     column: int
+    rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,30 +432,52 @@ def _step(
 def _slot_widths(
     leaves: Sequence[LeafSpec], small: frozenset[int], buckets: Iterable[_Laid]
 ) -> dict[tuple[int, str], int]:
-    """The row width (`Slot.width`) of the slots of each size ``(words, word)``: the largest
-    power of two, at most `MAX_SLOT_WIDTH`, such that every message any slot of that size
-    carries is whole rows (`_message_rows`); 1 where that is below `MIN_SLOT_WIDTH`
-    (`MIN_CAST_SLOT_WIDTH` where every message casts).
+    """The row width (`Slot.width`) of the slots of each size ``(words, word)``: of the
+    powers of two from `MIN_SLOT_WIDTH` (`MIN_CAST_SLOT_WIDTH` where every message casts) to
+    `MAX_SLOT_WIDTH`, the one under which the most bytes of strided boxes (not one run of
+    their shard's words) are whole rows of the slot and of their shards, and so copy row by
+    row (`_box_rows`), the wider on a tie; 1 (flat) where no box would.
+
+    Any other box is read as its own shape and laid flat, wherever it falls in the slot, so
+    one leaf whose columns do not split into wide rows (a vocabulary of 32,000 over 4
+    devices: rows of 8,000 elements, cut by the chunks mid-row) leaves the other boxes their
+    rows (until 2026-12-05 it made every slot of the plan flat: a scanned fp32 tree's packs
+    took twice as long).
 
     One width per size, not per slot, so that the staging pool (which keeps buffers by
     `Slot`) hands a later step, and the next call, the buffers of an earlier one as before.
     """
-    rows: dict[tuple[int, str], int] = {}
+    strided: dict[tuple[int, str], Counter[int]] = defaultdict(Counter)  # rows gcd -> bytes
     casts: dict[tuple[int, str], bool] = {}
     for laid in buckets:
         bucket, w, word = laid.bucket, laid.w, laid.word
-        for n in bucket.slot_bytes:
-            rows.setdefault((n // w, word), n // w)
         for m, segments in zip(bucket.messages, laid.segments, strict=True):
             key = (bucket.slot_bytes[m.slot] // w, word)
-            rows[key] = math.gcd(rows[key], _message_rows(leaves, small, m.src, segments, w))
+            for seg in segments:
+                g = _box_rows(leaves, small, m.src, seg, w)
+                if g is not None:
+                    strided[key][g] += seg.nbytes
             casts[key] = casts.get(key, True) and any(_casts(leaves[g.leaf], g) for g in segments)
     widths = {}
-    for key, g in rows.items():
-        width = min(g & -g, MAX_SLOT_WIDTH)  # the largest power of two dividing g
-        floor = MIN_CAST_SLOT_WIDTH if casts.get(key) else MIN_SLOT_WIDTH
-        widths[key] = width if width >= floor else 1
+    for bucket in buckets:
+        for n in bucket.bucket.slot_bytes:
+            key = (n // bucket.w, bucket.word)
+            if key in widths:
+                continue
+            floor = MIN_CAST_SLOT_WIDTH if casts.get(key) else MIN_SLOT_WIDTH
+            fast = {
+                width: sum(b for rows, b in strided[key].items() if _whole_rows(rows, width))
+                for width in _powers_of_two(floor, MAX_SLOT_WIDTH)
+                if key[0] % width == 0
+            }
+            best = max(fast, key=lambda width: (fast[width], width), default=1)
+            widths[key] = best if fast.get(best) else 1
     return widths
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    """The powers of two from ``low`` to ``high``."""
+    return [1 << k for k in range(high.bit_length()) if low <= 1 << k <= high]
 
 
 def _casts(leaf: LeafSpec, segment: Segment) -> bool:
@@ -457,33 +485,37 @@ def _casts(leaf: LeafSpec, segment: Segment) -> bool:
     return not segment.from_dst and leaf.src_dtype != leaf.dst_dtype
 
 
-def _message_rows(
-    leaves: Sequence[LeafSpec],
-    small: frozenset[int],
-    device: int,
-    segments: Sequence[Segment],
-    w: int,
-) -> int:
-    """A number of words every row width of the message ``device`` packs must divide (0:
-    any): its gathered head's words, every copied box's offset and words, and, for a box
-    that is not one run of its shard's words (`contiguous`: read flat, then cut into rows),
-    its last dimension, its start in the sender's shard and that shard's last dimension in
-    words, so that the box is whole rows of its shard viewed as rows of that width; 1 for a
-    box of no dimension."""
-    g = _head_bytes(segments, small) // w
-    for seg in segments:
-        if seg.leaf in small:
-            continue
-        shape = box_shape(seg.box)
-        if not shape:
-            return 1
-        held = _layout(leaves, _arg(seg))
-        per = leaves[seg.leaf].itemsize // w
-        g = math.gcd(g, seg.offset // w, per * math.prod(shape))
-        if not contiguous(shape, held.shard_shape):
-            start = _relative(seg.box, held.box_of[device])[-1]
-            g = math.gcd(g, per * shape[-1], per * start, per * held.shard_shape[-1])
-    return g
+def _box_rows(
+    leaves: Sequence[LeafSpec], small: frozenset[int], device: int, seg: Segment, w: int
+) -> int | None:
+    """For a copied box that ``device`` packs and that is not one run of its shard's words
+    (`contiguous`), a number of words every row width it can be copied by, row by row, must
+    divide (0: any): its offset and its words, so that it is whole rows of the slot, and its
+    last dimension, its start in the sender's shard and that shard's last dimension in
+    words, so that it is whole rows of its shard viewed as rows of that width. None for a box
+    read as its own shape whatever the width (one run of words, a gathered leaf's, a box of
+    no dimension)."""
+    shape = box_shape(seg.box)
+    if seg.leaf in small or not shape:
+        return None
+    held = _layout(leaves, _arg(seg))
+    if contiguous(shape, held.shard_shape):
+        return None
+    per = leaves[seg.leaf].itemsize // w
+    start = _relative(seg.box, held.box_of[device])[-1]
+    return math.gcd(
+        seg.offset // w,
+        per * math.prod(shape),
+        per * shape[-1],
+        per * start,
+        per * held.shard_shape[-1],
+    )
+
+
+def _whole_rows(rows: int | None, width: int) -> bool:
+    """Whether a box of row gcd ``rows`` (`_box_rows`) is whole rows of its shard viewed as
+    rows of ``width`` words."""
+    return rows is not None and rows % width == 0
 
 
 def contiguous(shape: Sequence[int], shard: Sequence[int]) -> bool:
@@ -642,13 +674,20 @@ def _packs(
                 base[a] = at
                 at += math.prod(_layout(leaves, a).shard_shape) * leaves[a[0]].itemsize // w
             reads, gathers, column = [], [], 0
-            for k, (_, segs) in enumerate(canonical):
-                for g in segs:
-                    if g.leaf not in small:
-                        shape = box_shape(g.box)
-                        wire = leaves[g.leaf].dst_dtype
-                        reads.append(Read(k, index[_arg(g)], shape, g.offset // w, wire, column))
-                        column += len(shape)
+            for k, (t, segs) in enumerate(canonical):
+                copied = [
+                    [g for g in messages[d][k][1] if g.leaf not in small] for d in group
+                ]  # each device's boxes of this message, in the canonical order
+                for i, g in enumerate(g for g in segs if g.leaf not in small):
+                    shape = box_shape(g.box)
+                    wire = leaves[g.leaf].dst_dtype
+                    rows = slots[t].width > 1 and all(
+                        _whole_rows(_box_rows(leaves, small, d, boxes[i], w), slots[t].width)
+                        for d, boxes in zip(group, copied, strict=True)
+                    )
+                    offset = g.offset // w
+                    reads.append(Read(k, index[_arg(g)], shape, offset, wire, column, rows))
+                    column += len(shape)
             for k, (_, segs) in enumerate(canonical):
                 words = _head_bytes(segs, small) // w
                 if words:

@@ -66,7 +66,6 @@ from jaxreshard.planning.lower import (
     TransferProgram,
     UnpackCall,
     UnpackProgram,
-    contiguous,
     plan_pool,
     step_roles,
 )
@@ -1270,11 +1269,11 @@ def _build_pack(
         for r in program.reads:
             slot = program.slots[r.slot]
             at = _at(row, r.column, len(r.shape))
-            if slot.width == 1 or contiguous(r.shape, ops[r.operand].shape):
+            if r.rows:
+                words = _read_rows(ops[r.operand], at, r.shape, r.wire, slot, platform)
+            else:
                 bits = read_bits(ops[r.operand], at, r.shape, r.wire, platform)
                 words = bits_to_words(bits, slot.word)
-            else:
-                words = _read_rows(ops[r.operand], at, r.shape, r.wire, slot, platform)
             bufs[r.slot] = _put_words(bufs[r.slot], words, r.offset, slot.width)
         if program.gathers:
             word = program.slots[0].word
@@ -1313,8 +1312,8 @@ def _read_rows(
     """The words of the box of ``shape`` from ``at`` in ``shard``, as rows of the slot's width.
 
     The shard is viewed with its last dimension cut into rows of the width's elements (a
-    free reshape), so the box is whole rows of that view (`lower._slot_widths` made sure) and
-    XLA copies it row by row into the slot's rows.
+    free reshape), so the box is whole rows of that view (`Read.rows` says so) and XLA copies
+    it row by row into the slot's rows.
     """
     n = slot.width * np.dtype(slot.word).itemsize // wire_itemsize(wire)  # elements a row
     view = shard.reshape(*shard.shape[:-1], shard.shape[-1] // n, n)
@@ -1325,11 +1324,28 @@ def _read_rows(
 
 def _put_words(buf: jax.Array, words: jax.Array, offset: int, width: int) -> jax.Array:
     """``buf`` (a slot, flat or of rows ``width`` words wide) with ``words`` from word
-    ``offset`` (on a row when the slot has rows)."""
+    ``offset``. Words that are not whole rows of the slot are written as the part of a row
+    they start in, the whole rows after it and the part of a row they end in: writes into a
+    flat view of the slot would make XLA copy the whole slot first (the write is then not
+    in place)."""
     if width == 1:
-        return lax.dynamic_update_slice(buf, words, (np.int32(offset),))
-    rows = words.reshape(-1, width)
-    return lax.dynamic_update_slice(buf, rows, (np.int32(offset // width), ZERO))
+        return lax.dynamic_update_slice(buf, words.reshape(-1), (np.int32(offset),))
+    words = words.reshape(-1)
+    n, row, col = words.size, offset // width, offset % width
+    head = min(n, (width - col) % width)
+    whole = (n - head) // width * width
+    if head:
+        part = words[:head].reshape(1, head)
+        buf = lax.dynamic_update_slice(buf, part, (np.int32(row), np.int32(col)))
+        row += 1
+    if whole:
+        part = words[head : head + whole].reshape(-1, width)
+        buf = lax.dynamic_update_slice(buf, part, (np.int32(row), ZERO))
+        row += whole // width
+    if head + whole < n:
+        part = words[head + whole :].reshape(1, -1)
+        buf = lax.dynamic_update_slice(buf, part, (np.int32(row), ZERO))
+    return buf
 
 
 def writes_in_place(dtype: Any, platform: str) -> bool:
