@@ -261,6 +261,12 @@ def test_trees_and_layouts():
     assert sizes == {"all": 416, "blocks": 288, "embed": 128}
     assert len(bench.gpt32k(args, "all").leaves) == 63
     assert bench.gpt32k(args, "embed").leaves["embed"][0] == (32768, 1024)
+    scanned = bench.scanned_gpt(1024, 6, 32000).leaves
+    assert len(scanned) == 14 and scanned["layers.attn.qkv"] == ((6, 1024, 3072), "stacked_col")
+    assert scanned["head"] == ((1024, 32000), "col")  # untied: 8,000 columns a tp4 device
+    for role in {role for _, role in scanned.values()}:
+        for specs in (bench.TRAINER, bench.SAMPLER_TP, bench.FSDP_ONLY):
+            assert role in specs
     for layers, leaves in [(2, 20), (8, 74), (32, 290)]:
         assert len(bench.llama_tree(layers, 256, 688, 32000).leaves) == leaves
     assert len(bench.gpt_tree(256, 8).leaves) == 83
@@ -315,7 +321,8 @@ def test_tiny_other_scenarios(tmp_path):
     trees are checked in `test_trees_and_layouts`); gather_slice runs only where it is
     compared with XLA's own reshard, to keep compile time down.
     """
-    names = ["disjoint", "disjoint_gpt32k", "colocated", "replicated_src", "replicated_dst"]
+    names = ["disjoint", "disjoint_gpt32k", "disjoint_scanned_bf16", "colocated"]
+    names += ["replicated_src", "replicated_dst"]
     report, _ = run_bench(
         tmp_path,
         *[arg for n in names for arg in ("--scenario", n)],

@@ -103,14 +103,19 @@ _REEXEC_MARK = "JAXRESHARD_BENCH_REEXEC"
 # ----------------------------------------------------------------------------------- trees
 
 # Roles of parameters and how each layout splits them. "col" weights are column-parallel (qkv,
-# mlp up), "row" weights row-parallel (attention out, mlp down), "embed" the (vocab, d)
-# embedding, "bias" a column-parallel bias, "vec" a norm scale or bias of size d.
+# mlp up, an untied output head), "row" weights row-parallel (attention out, mlp down), "embed"
+# the (vocab, d) embedding, "bias" a column-parallel bias, "vec" a norm scale or bias of size
+# d; "stacked_*" the same with a leading layer dimension (a scanned model), never split.
 TRAINER = {  # fsdp x tp
     "col": P("fsdp", "tp"),
     "row": P("tp", "fsdp"),
     "embed": P("tp", "fsdp"),
     "bias": P("tp"),
     "vec": P("fsdp"),
+    "stacked_col": P(None, "fsdp", "tp"),
+    "stacked_row": P(None, "tp", "fsdp"),
+    "stacked_bias": P(None, "tp"),
+    "stacked_vec": P(None, "fsdp"),
 }
 SAMPLER_TP = {  # tensor parallel (replicated over "dp" where the mesh has it)
     "col": P(None, "tp"),
@@ -118,6 +123,10 @@ SAMPLER_TP = {  # tensor parallel (replicated over "dp" where the mesh has it)
     "embed": P("tp", None),
     "bias": P("tp"),
     "vec": P(),
+    "stacked_col": P(None, None, "tp"),
+    "stacked_row": P(None, "tp", None),
+    "stacked_bias": P(None, "tp"),
+    "stacked_vec": P(),
 }
 FSDP_ONLY = {  # dp x fsdp: everything split on its first dimension, replicated over dp
     "col": P("fsdp", None),
@@ -125,6 +134,10 @@ FSDP_ONLY = {  # dp x fsdp: everything split on its first dimension, replicated 
     "embed": P("fsdp", None),
     "bias": P("fsdp"),
     "vec": P("fsdp"),
+    "stacked_col": P(None, "fsdp", None),
+    "stacked_row": P(None, "fsdp", None),
+    "stacked_bias": P(None, "fsdp"),
+    "stacked_vec": P(None, "fsdp"),
 }
 
 
@@ -174,6 +187,29 @@ def gpt(d: int, layers: int, vocab: int, *, embed: bool = True, blocks: bool = T
     if blocks:
         leaves |= gpt_blocks(d, layers)
         leaves |= {"final_ln.scale": ((d,), "vec"), "final_ln.bias": ((d,), "vec")}
+    return Tree(leaves)
+
+
+def scanned_gpt(d: int, layers: int, vocab: int) -> Tree:
+    """A scanned GPT-like tree: a (vocab, d) embedding, the blocks' 10 leaves each stacked
+    over ``layers`` (a leading layer dimension, as `nnx.scan` or `nn.scan` lay them out), a
+    final layer norm and an untied (d, vocab) output head."""
+    stacked = {
+        "ln1.scale": ((d,), "stacked_vec"),
+        "ln1.bias": ((d,), "stacked_vec"),
+        "attn.qkv": ((d, 3 * d), "stacked_col"),
+        "attn.qkv_bias": ((3 * d,), "stacked_bias"),
+        "attn.out": ((d, d), "stacked_row"),
+        "ln2.scale": ((d,), "stacked_vec"),
+        "ln2.bias": ((d,), "stacked_vec"),
+        "mlp.up": ((d, 4 * d), "stacked_col"),
+        "mlp.up_bias": ((4 * d,), "stacked_bias"),
+        "mlp.down": ((4 * d, d), "stacked_row"),
+    }
+    leaves: dict[str, tuple[tuple[int, ...], str]] = {"embed": ((vocab, d), "embed")}
+    leaves |= {f"layers.{k}": ((layers, *shape), role) for k, (shape, role) in stacked.items()}
+    leaves |= {"final_ln.scale": ((d,), "vec"), "final_ln.bias": ((d,), "vec")}
+    leaves["head"] = ((d, vocab), "col")
     return Tree(leaves)
 
 
@@ -396,6 +432,17 @@ SCENARIOS: dict[str, Scenario] = {
             "a leaf cut into slabs, in a dtype XLA CPU writes as bits",
             disjoint_layouts,
             lambda a: dataclasses.replace(gpt32k(a, "all"), dtype="bfloat16"),
+            family="disjoint",
+        ),
+        Scenario(
+            "disjoint_scanned_bf16",
+            "a scanned GPT tree in bf16 (d {a.gpt_d}, {a.gpt_layers} layers stacked, vocab "
+            "{a.gpt_vocab}, an untied output head whose columns over the sampler's devices "
+            "make narrow rows)",
+            disjoint_layouts,
+            lambda a: dataclasses.replace(
+                scanned_gpt(a.gpt_d, a.gpt_layers, a.gpt_vocab), dtype="bfloat16"
+            ),
             family="disjoint",
         ),
         Scenario(
