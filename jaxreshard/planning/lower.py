@@ -84,10 +84,10 @@ class Slot:
     computes each element's place from its flat index (per element, 2-4 GB/s), while a box
     written as rows of a 2-D buffer, read from its shard viewed with rows of the same width,
     copies row by row (12-22 GB/s). The words are the same, in the same order, either way: a
-    slot has rows only where every box any device packs into it starts and ends on a row of
-    the slot (`_slot_widths`); a box that is also whole rows of its shard viewed as rows of
-    that width is copied row by row (`Read.rows`), any other read as its own shape and cut
-    into rows.
+    slot has rows of the width that lets the most of its strided boxes copy so
+    (`_slot_widths`); a box that is whole rows of the slot and of its shard viewed as rows of
+    that width is copied row by row (`Read.rows`), any other is read as its own shape and
+    laid across the rows, starting and ending mid-row where it falls so.
     """
 
     words: int
