@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxreshard.planning.layout import Box, Layout, box_shape, box_size, shift
-from jaxreshard.planning.lower import Lowered
+from jaxreshard.planning.lower import Lowered, PackProgram, Read
 from jaxreshard.planning.route import Assignment, LeafSpec
 from jaxreshard.planning.schedule import Schedule
 
@@ -31,6 +31,12 @@ def leaf_spec(shape, src, dst, dtype="float32", dst_dtype=None, path="x") -> Lea
 def slot_widths(lowered: Lowered) -> set[int]:
     """The row widths (`Slot.width`) of every staging slot of a lowered plan (1: flat)."""
     return {slot.width for step in lowered.steps for slot in step.slots}
+
+
+def pack_reads(lowered: Lowered) -> list[tuple[Read, PackProgram]]:
+    """Every box a lowered plan's packs read (`Read`), with the program that reads it (its
+    slots' widths, its operands' shards)."""
+    return [(r, c.program) for step in lowered.steps for c in step.packs for r in c.program.reads]
 
 
 def _slices(box: Box) -> tuple[slice, ...]:

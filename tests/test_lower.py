@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import assert_lowered_exact, leaf_spec, slot_widths
+from reference import assert_lowered_exact, leaf_spec, pack_reads, slot_widths
 
 from jaxreshard.planning.lower import (
     PackProgram,
@@ -722,13 +722,7 @@ def test_slots_take_rows_of_256_words_where_every_box_allows_them():
     every slot that carries boxes is held as rows of 256 words (`lower.MAX_SLOT_WIDTH`);
     a slot of gathered words only stays flat."""
     _, lowered = check(gpt(FSDP_TP, TP4, layers=1, d=1024), bucket_bytes=1 << 22)
-    widths = {
-        p.slots[r.slot].width
-        for s in lowered.steps
-        for c in s.packs
-        for p in [c.program]
-        for r in p.reads
-    }
+    widths = {p.slots[r.slot].width for r, p in pack_reads(lowered)}
     assert widths == {256} and slot_widths(lowered) <= {256, 1}
 
 
@@ -742,13 +736,7 @@ def test_a_leaf_of_narrow_rows_leaves_the_other_boxes_their_rows():
         leaf_spec((64, 32000), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")), path="head"),
     ]
     _, lowered = check(leaves, bucket_bytes=1 << 22)
-    reads = [
-        (r, p.slots[r.slot].width)
-        for s in lowered.steps
-        for c in s.packs
-        for p in [c.program]
-        for r in p.reads
-    ]
+    reads = [(r, p.slots[r.slot].width) for r, p in pack_reads(lowered)]
     narrow = [(r, w) for r, w in reads if r.shape[-1] == 8000]
     wide = [(r, w) for r, w in reads if r.shape[-1] == 256]
     assert narrow and wide
@@ -759,13 +747,7 @@ def test_a_leaf_of_narrow_rows_leaves_the_other_boxes_their_rows():
     w, v = leaves[0], leaf_spec((18, 32000), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))
     tail = leaf_spec((14, 32000), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))
     _, lowered = check([w, v, w, tail], bucket_bytes=1 << 22)
-    reads = [
-        (r, p.slots[r.slot].width)
-        for s in lowered.steps
-        for c in s.packs
-        for p in [c.program]
-        for r in p.reads
-    ]
+    reads = [(r, p.slots[r.slot].width) for r, p in pack_reads(lowered)]
     assert any(r.shape[-1] == 256 and w > 1 and r.offset % w == 0 and r.rows for r, w in reads)
     assert any(r.shape[-1] == 256 and w > 1 and r.offset % w and not r.rows for r, w in reads)
 
@@ -779,8 +761,7 @@ def test_rows_of_64_words_only_where_every_message_of_the_slot_casts():
     copied row by row."""
 
     def rows(lowered):
-        reads = [r for s in lowered.steps for c in s.packs for r in c.program.reads]
-        return {(r.shape[-1], r.rows) for r in reads}
+        return {(r.shape[-1], r.rows) for r, _ in pack_reads(lowered)}
 
     _, same = check(gpt(FSDP_TP, TP4, layers=1, d=768, dtype="bfloat16"), bucket_bytes=1 << 22)
     _, cast = check(gpt(FSDP_TP, TP4, layers=1, d=768, dst_dtype="bfloat16"), bucket_bytes=1 << 22)

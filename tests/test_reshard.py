@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
-from reference import slot_widths
+from reference import pack_reads, slot_widths
 
 import jaxreshard as jr
 from jaxreshard.planning import schedule
@@ -529,7 +529,7 @@ def test_boxes_packed_as_rows_of_their_shards_arrive_bit_for_bit(dtype, layouts,
     src = jax.device_put(host, sharding(*src_layout))
     dst = sharding(*dst_layout)
     plan = jr.plan(src, dst, bucket_bytes=max(1, host.nbytes // 8))  # two buckets a device
-    reads = [(r, c.program) for s in plan.lowered.steps for c in s.packs for r in c.program.reads]
+    reads = pack_reads(plan.lowered)
     strided = [r for r, p in reads if not contiguous(r.shape, p.operands[r.operand].shard)]
     assert all(r.rows for r in strided) and plan.stats.buckets > 1
     if layouts != "destination inside the source":  # its boxes are whole rows of its shards
@@ -581,12 +581,7 @@ def test_boxes_of_narrow_rows_beside_wide_ones_arrive_bit_for_bit(monkeypatch):
         }
         tree = {k: jax.device_put(v, src_sh) for k, v in host.items()}
         plan = jr.plan(tree, {k: dst for k in tree}, bucket_bytes=1 << 19)
-        reads = [
-            (r, c.program.slots[r.slot].width)
-            for s in plan.lowered.steps
-            for c in s.packs
-            for r in c.program.reads
-        ]
+        reads = [(r, p.slots[r.slot].width) for r, p in pack_reads(plan.lowered)]
         assert any(r.rows for r, _ in reads)
         assert any(w > 1 and r.offset % w for r, w in reads)  # starts mid-row
         assert any(w > 1 and (r.offset + r.shape[0] * 2000) % w for r, w in reads)  # ends so
