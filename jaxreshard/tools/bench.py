@@ -102,43 +102,45 @@ _REEXEC_MARK = "JAXRESHARD_BENCH_REEXEC"
 
 # ----------------------------------------------------------------------------------- trees
 
+
 # Roles of parameters and how each layout splits them. "col" weights are column-parallel (qkv,
 # mlp up, an untied output head), "row" weights row-parallel (attention out, mlp down), "embed"
 # the (vocab, d) embedding, "bias" a column-parallel bias, "vec" a norm scale or bias of size
-# d; "stacked_*" the same with a leading layer dimension (a scanned model), never split.
-TRAINER = {  # fsdp x tp
-    "col": P("fsdp", "tp"),
-    "row": P("tp", "fsdp"),
-    "embed": P("tp", "fsdp"),
-    "bias": P("tp"),
-    "vec": P("fsdp"),
-    "stacked_col": P(None, "fsdp", "tp"),
-    "stacked_row": P(None, "tp", "fsdp"),
-    "stacked_bias": P(None, "tp"),
-    "stacked_vec": P(None, "fsdp"),
-}
-SAMPLER_TP = {  # tensor parallel (replicated over "dp" where the mesh has it)
-    "col": P(None, "tp"),
-    "row": P("tp", None),
-    "embed": P("tp", None),
-    "bias": P("tp"),
-    "vec": P(),
-    "stacked_col": P(None, None, "tp"),
-    "stacked_row": P(None, "tp", None),
-    "stacked_bias": P(None, "tp"),
-    "stacked_vec": P(),
-}
-FSDP_ONLY = {  # dp x fsdp: everything split on its first dimension, replicated over dp
-    "col": P("fsdp", None),
-    "row": P("fsdp", None),
-    "embed": P("fsdp", None),
-    "bias": P("fsdp"),
-    "vec": P("fsdp"),
-    "stacked_col": P(None, "fsdp", None),
-    "stacked_row": P(None, "fsdp", None),
-    "stacked_bias": P(None, "fsdp"),
-    "stacked_vec": P(None, "fsdp"),
-}
+# d; "stacked_*" the same with a leading layer dimension (a scanned model), never split
+# (`_with_stacked`).
+def _with_stacked(specs: dict[str, PartitionSpec]) -> dict[str, PartitionSpec]:
+    """``specs`` and, for each role, its ``stacked_`` role: the same spec after a leading
+    dimension no axis splits."""
+    return specs | {f"stacked_{role}": P(None, *spec) for role, spec in specs.items()}
+
+
+TRAINER = _with_stacked(  # fsdp x tp
+    {
+        "col": P("fsdp", "tp"),
+        "row": P("tp", "fsdp"),
+        "embed": P("tp", "fsdp"),
+        "bias": P("tp"),
+        "vec": P("fsdp"),
+    }
+)
+SAMPLER_TP = _with_stacked(  # tensor parallel (replicated over "dp" where the mesh has it)
+    {
+        "col": P(None, "tp"),
+        "row": P("tp", None),
+        "embed": P("tp", None),
+        "bias": P("tp"),
+        "vec": P(),
+    }
+)
+FSDP_ONLY = _with_stacked(  # dp x fsdp: everything split on its first dimension, replicated over dp
+    {
+        "col": P("fsdp", None),
+        "row": P("fsdp", None),
+        "embed": P("fsdp", None),
+        "bias": P("fsdp"),
+        "vec": P("fsdp"),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,25 +160,28 @@ class Tree:
         return self.nbytes_f32 // 4 * jnp.dtype(self.dtype).itemsize
 
 
+def gpt_block(d: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One GPT block of width ``d``, 10 leaves: ln1 scale/bias, qkv weight/bias, attention
+    out, ln2 scale/bias, mlp up weight/bias, mlp down (4 d)."""
+    return {
+        "ln1.scale": ((d,), "vec"),
+        "ln1.bias": ((d,), "vec"),
+        "attn.qkv": ((d, 3 * d), "col"),
+        "attn.qkv_bias": ((3 * d,), "bias"),
+        "attn.out": ((d, d), "row"),
+        "ln2.scale": ((d,), "vec"),
+        "ln2.bias": ((d,), "vec"),
+        "mlp.up": ((d, 4 * d), "col"),
+        "mlp.up_bias": ((4 * d,), "bias"),
+        "mlp.down": ((4 * d, d), "row"),
+    }
+
+
 def gpt_blocks(d: int, layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``layers`` GPT blocks of width ``d``, 10 leaves each: ln1 scale/bias, qkv weight/bias,
-    attention out, ln2 scale/bias, mlp up weight/bias, mlp down (4 d)."""
-    leaves: dict[str, tuple[tuple[int, ...], str]] = {}
-    for i in range(layers):
-        p = f"layer{i:02d}."
-        leaves |= {
-            p + "ln1.scale": ((d,), "vec"),
-            p + "ln1.bias": ((d,), "vec"),
-            p + "attn.qkv": ((d, 3 * d), "col"),
-            p + "attn.qkv_bias": ((3 * d,), "bias"),
-            p + "attn.out": ((d, d), "row"),
-            p + "ln2.scale": ((d,), "vec"),
-            p + "ln2.bias": ((d,), "vec"),
-            p + "mlp.up": ((d, 4 * d), "col"),
-            p + "mlp.up_bias": ((4 * d,), "bias"),
-            p + "mlp.down": ((4 * d, d), "row"),
-        }
-    return leaves
+    """``layers`` GPT blocks of width ``d`` (`gpt_block`), named ``layerNN.``."""
+    return {
+        f"layer{i:02d}.{name}": leaf for i in range(layers) for name, leaf in gpt_block(d).items()
+    }
 
 
 def gpt(d: int, layers: int, vocab: int, *, embed: bool = True, blocks: bool = True) -> Tree:
@@ -194,20 +199,11 @@ def scanned_gpt(d: int, layers: int, vocab: int) -> Tree:
     """A scanned GPT-like tree: a (vocab, d) embedding, the blocks' 10 leaves each stacked
     over ``layers`` (a leading layer dimension, as `nnx.scan` or `nn.scan` lay them out), a
     final layer norm and an untied (d, vocab) output head."""
-    stacked = {
-        "ln1.scale": ((d,), "stacked_vec"),
-        "ln1.bias": ((d,), "stacked_vec"),
-        "attn.qkv": ((d, 3 * d), "stacked_col"),
-        "attn.qkv_bias": ((3 * d,), "stacked_bias"),
-        "attn.out": ((d, d), "stacked_row"),
-        "ln2.scale": ((d,), "stacked_vec"),
-        "ln2.bias": ((d,), "stacked_vec"),
-        "mlp.up": ((d, 4 * d), "stacked_col"),
-        "mlp.up_bias": ((4 * d,), "stacked_bias"),
-        "mlp.down": ((4 * d, d), "stacked_row"),
-    }
     leaves: dict[str, tuple[tuple[int, ...], str]] = {"embed": ((vocab, d), "embed")}
-    leaves |= {f"layers.{k}": ((layers, *shape), role) for k, (shape, role) in stacked.items()}
+    leaves |= {
+        f"layers.{name}": ((layers, *shape), f"stacked_{role}")
+        for name, (shape, role) in gpt_block(d).items()
+    }
     leaves |= {"final_ln.scale": ((d,), "vec"), "final_ln.bias": ((d,), "vec")}
     leaves["head"] = ((d, vocab), "col")
     return Tree(leaves)
