@@ -215,8 +215,6 @@ class Runtime:
     ) -> list[jax.Array]:
         """Dispatch one step; returns what it wrote (for the next step's host sync). Runs and
         drops the pending ``hook`` before the step's transfer and unpacks."""
-        if self.host_syncs and previous and step.transfer is not None:
-            _await(previous)  # (see `waits_between_steps`)
         if step.fresh and not dst.donated_all:
             dst.allocate(step.fresh)
             clock.mark("alloc", dst.pending())
@@ -227,6 +225,10 @@ class Runtime:
             outs = call.fn(*call.table, *call.operands(src, dst), *call.staging(staging))
             call.collect(outs, sent)
         clock.mark("pack", list(sent.values()))
+        if self.host_syncs and previous and step.transfer is not None:
+            # After the packs: they hold no collective, so they may run beside the previous
+            # step's transfer and unpacks (see `waits_between_steps`).
+            _await(previous)
         if hook:
             hook.pop()()
         received: dict[tuple[int, int], jax.Array] = {}
@@ -686,16 +688,19 @@ def between_calls(platforms: Iterable[str], dispatch: Callable[[], Any]) -> Any:
 
 
 def waits_between_steps(platforms: Iterable[str]) -> bool:
-    """Whether a call waits, before each step with a transfer, for the previous step.
+    """Whether a call waits, before each step's transfer, for the previous step.
 
     XLA's CPU backend runs the devices' programs on one thread pool, and a collective-permute
     needs every device's thread to reach it at once: with several steps in flight, the
     programs queued behind a blocked collective can leave one device's part of it without a
-    thread, and XLA aborts after 40 s (seen here with no waits). So on CPU each step starts
-    once the previous one has finished, and a call's first step once the last call's last step
-    has (a wait that costs nothing when the calls are not back to back, so `host_syncs_per_call`
-    does not count it). Elsewhere nothing waits: the pool bounds the staging, and buffer
-    dependencies order the steps.
+    thread, and XLA aborts after 40 s (seen here with no waits). So on CPU each step's transfer
+    starts once the previous step has finished, and a call's first transfer once the last
+    call's last step has (a wait that costs nothing when the calls are not back to back, so
+    `host_syncs_per_call` does not count it). A step's packs are dispatched before that wait:
+    they hold no collective (a pack never blocks a thread waiting for another device), so
+    they run beside the previous step's transfer and unpacks (1024 leaves in 32 steps: 154 ->
+    141 ms a call, the two orders alternating in one process). Elsewhere nothing waits: the
+    pool bounds the staging, and buffer dependencies order the steps.
     """
     return "cpu" in set(platforms)
 
