@@ -2493,6 +2493,25 @@ SURFACE_MUTANTS: list[Mutant] = [
         "nodes, without the one difference or the fix",
     ),
     Mutant(
+        "runtime-packs-wait-for-previous-step",
+        RUNTIME,
+        (
+            (
+                'before the step\'s transfer and unpacks."""\n',
+                'before the step\'s transfer and unpacks."""\n'
+                "        if self.host_syncs and previous and step.transfer is not None:\n"
+                "            _await(previous)\n",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::"
+            "test_on_cpu_a_steps_packs_run_before_the_wait_for_the_previous_step",
+        ),
+        "on CPU a step's packs wait for the previous step too, so they never run beside its "
+        "transfer and unpacks (a tree of many leaves in many steps pays each step's packs "
+        "in turn)",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

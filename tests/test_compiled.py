@@ -611,6 +611,41 @@ def test_on_cpu_a_call_waits_for_the_last_calls_step_before_its_first_transfer(m
         assert_exact(out[k], host[k], sharding(*DST))
 
 
+def test_on_cpu_a_steps_packs_run_before_the_wait_for_the_previous_step():
+    """On CPU only a step's transfer waits for the previous step: its packs hold no
+    collective, so they are dispatched first and run beside the previous step's transfer
+    and unpacks (1024 leaves in 32 steps: 154 -> 141 ms a call). Each step of a plan of
+    several steps dispatches its packs, then waits, then moves."""
+    host, src = tree(8, rows=1024)
+    plan = jr.plan(src, {k: sharding(*DST) for k in src}, bucket_bytes=64 * 1024)
+    out = plan(src)
+    steps = plan.runtime._steps
+    assert len(steps) >= 3 and all(s.transfer is not None and s.packs for s in steps)
+    events: list[str] = []
+
+    def logged(name, fn):
+        def call(*args):
+            events.append(name)
+            return fn(*args)
+
+        return call
+
+    for step in steps:
+        for call in step.packs:
+            call.fn = logged("pack", call.fn)
+        step.transfer.fn = logged("transfer", step.transfer.fn)
+    real = runtime_module._await
+    runtime_module._await = logged("wait", real)
+    try:
+        out = plan(src, donate=out)
+    finally:
+        runtime_module._await = real
+    runs = [e for i, e in enumerate(events) if i == 0 or events[i - 1] != e]
+    assert runs == ["pack", "wait", "transfer"] * len(steps)
+    for k in host:
+        assert_exact(out[k], host[k], sharding(*DST))
+
+
 def test_on_cpu_a_plans_first_transfer_waits_for_another_plans_last_step(monkeypatch):
     """XLA's CPU devices share one thread pool whichever plan runs on them, so plan B called
     right after plan A waits, before its first transfer, for A's last step. Regression
