@@ -1860,6 +1860,9 @@ _FIXES = {
     "layout": "make every destination PartitionSpec fit the array: at most one entry per "
     "dimension, mesh axes of that mesh, and axis sizes whose product divides the dimension "
     "(or leave that dimension unsharded with None)",
+    "source-layout": "give every source a sharding that fits its shape (JAX refuses arrays laid "
+    "out otherwise; a jax.ShapeDtypeStruct takes any sharding unchecked): at most one entry per "
+    "dimension, mesh axes of its mesh, and axis sizes whose product divides the dimension",
     "sharding": "give such leaves layouts jaxreshard moves (NamedSharding or "
     "SingleDeviceSharding, nothing reduced, unreduced or UNCONSTRAINED: see each reason), or, "
     'where the reason allows it, plan with fallback="device_put" to send them through '
@@ -1965,7 +1968,7 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
     try:
         src_layout = _layout(src_sharding, shape)
     except LayoutError as e:
-        raise _LeafProblem(f"source layout: {e}", "layout") from None
+        raise _LeafProblem(f"source layout: {e}", "source-layout") from None
     try:
         dst_layout = _layout(dst_named, shape)
     except LayoutError as e:

@@ -114,6 +114,17 @@ def test_a_destination_that_does_not_divide_the_shape(src):
         jr.plan(src, bad)
 
 
+def test_a_source_struct_that_does_not_divide_its_shape_is_told_to_fix_the_source(src):
+    """JAX refuses arrays whose sharding does not divide them, but a ShapeDtypeStruct takes
+    any sharding unchecked: the fix names the source, not the destination (found by a fuzz:
+    the hint told the caller to fix the destination's PartitionSpec)."""
+    struct = jax.ShapeDtypeStruct((5, 8), jnp.float32, sharding=sharding(*SRC))
+    with pytest.raises(jr.ReshardError, match=r"\['a'\]: source layout.*divide") as e:
+        jr.plan({"a": struct}, {"a": sharding(*DST)})
+    fix = str(e.value).split("How to fix:")[1]
+    assert "every source" in fix and "destination" not in fix
+
+
 def test_a_spec_longer_than_the_rank(src):
     bad = dst_tree()
     bad["a"] = sharding(*DST, None)
