@@ -331,6 +331,36 @@ def test_a_changed_word_is_found_when_the_checksums_are_taken_in_pieces(monkeypa
         plan.verify(src, {**out, "w": with_shard(out["w"], 6, flip)})
 
 
+@pytest.mark.parametrize(
+    "cast",
+    [
+        ("bfloat16", "float16"),
+        ("bfloat16", "float32"),
+        ("bfloat16", "float8_e4m3fn"),
+        ("float8_e4m3fn", "bfloat16"),
+        ("float8_e5m2", "float16"),
+    ],
+    ids="->".join,
+)
+def test_an_exact_cast_of_nan_payloads_passes_when_taken_in_pieces(cast, monkeypatch):
+    """A cast source whose values XLA's CPU backend computes through float32 (bfloat16,
+    float8) is summed as the senders cast it, also in pieces, where it is sliced in a loop.
+    Regression (a fuzz): bfloat16 NaNs with payloads cast to float16, in shards of more than
+    `verify.CHUNK_WORDS` words, were sliced as values in the loop and summed otherwise than
+    the exact result, and `verify` called that result corrupt."""
+    monkeypatch.setattr(verify, "CHUNK_WORDS", 64)  # every box in pieces
+    source, target = (jnp.dtype(d) for d in cast)
+    bits = {1: [0x7F, 0xFF, 0x7D, 0x3C], 2: [0x7FC1, 0xFF81, 0x7F81, 0x3F80]}[source.itemsize]
+    host = np.resize(np.array(bits, f"uint{8 * source.itemsize}"), (32, 48)).view(source)
+    src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))
+    dst = sharding(*DST, None, "tp")
+    plan = jr.plan(src, dst, dtype=target)
+    out = plan(src)
+    assert_exact(out, np.asarray(jax.device_put(host, jax.devices()[0]).astype(target)), dst)
+    plan.verify(src, out)
+    out = plan(src, donate=out, verify=True)
+
+
 def test_verify_reads_no_array_to_the_host():
     _, src, dst = tree()
     plan = jr.plan(src, dst)

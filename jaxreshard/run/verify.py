@@ -57,7 +57,7 @@ from jaxreshard.errors import ReshardError, leaf_error
 from jaxreshard.planning.layout import Box, shift
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import runtime, views
-from jaxreshard.run.codec import to_bits
+from jaxreshard.run.codec import from_bits, to_bits
 
 C = np.uint32(0x9E3779B9)  # sets the columns' hashes apart from the rows'
 
@@ -125,23 +125,33 @@ def box_checksum_of(
     origin: Sequence[Any],
     global_shape: Sequence[int],
     dtype: Any = None,
+    *,
+    nan: int | None = None,
 ) -> jax.Array:
     """`box_checksum` of the box of ``shape`` of ``x`` starting at ``start`` (cast to
     ``dtype`` first when given), without slicing it out first: each piece is read from ``x``
-    where it lies."""
+    where it lies. With ``nan`` (bits of ``dtype``), every NaN is summed as those bits."""
     dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     per = _words_per_element(dtype)
     # Values XLA's CPU backend computes through float32 (bfloat16, float8: a slice of them in
-    # a loop quietened NaN payloads) are sliced as their bits. (A cast source is sliced as
-    # values, as the senders' pack casts them.)
-    as_bits = x.dtype == dtype and not _sliced_exactly(dtype)
+    # a loop quietened NaN payloads) are sliced as their bits, and a cast source made values
+    # again just before its cast: the convert the senders' pack runs on the values it reads
+    # (a fuzz: a bfloat16 -> float16 source sliced as values in a loop, NaN payloads and
+    # all, summed otherwise than the exact result, and `verify` called it corrupt).
+    as_bits = not _sliced_exactly(jnp.dtype(x.dtype))
 
     def piece(start: Sequence[Any], shape: Sequence[int], origin: Sequence[Any]) -> jax.Array:
         part = to_bits(x) if as_bits else x
         if tuple(shape) != tuple(x.shape):
             part = lax.dynamic_slice(part, [jnp.int32(s) for s in start], tuple(shape))
+        is_bits = as_bits
         if x.dtype != dtype:
-            part = part.astype(dtype)
+            part = (from_bits(part, x.dtype) if as_bits else part).astype(dtype)
+            is_bits = False
+        if nan is not None:
+            bits = part if is_bits else to_bits(part)
+            values = from_bits(part, dtype) if is_bits else part
+            part = jnp.where(jnp.isnan(values), bits.dtype.type(nan), bits)
         return _checksum(part, origin, global_shape)
 
     def cut(start: list[Any], shape: list[int], origin: list[Any], d: int) -> jax.Array:
@@ -164,6 +174,23 @@ def box_checksum_of(
         return acc + piece(*part(whole * k, tail)) if tail else acc
 
     return cut(list(start), list(shape), list(origin), 0)
+
+
+def canonical_nan(dtype: Any) -> int | None:
+    """The bits `plan.verify` sums for every NaN of a leaf cast to ``dtype`` (None: a dtype
+    without NaN, or not floating). XLA's CPU backend converts a NaN's payload differently
+    with what the convert is fused with (bfloat16 0x7fc1 -> float16 0x7e08 alone, 0x7e00
+    after a slice in a loop; float8_e5m2 0x7f -> float16 0x7e00 alone, 0x7f00 after a
+    bit-cast), so the sums of a cast leaf compare its NaNs as NaNs, and its other values bit
+    for bit."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    value = np.array(np.nan, np.float32).astype(dtype)
+    if not np.isnan(value.astype(np.float32)):
+        return None
+    width = jax.dtypes.itemsize_bits(dtype)
+    return int(value.view(f"uint{max(8, width)}")) if width >= 8 else None
 
 
 def _sliced_exactly(dtype: np.dtype) -> bool:
@@ -253,7 +280,7 @@ dispatch and large ones, whose sums are loops that take long to compile, each ta
 
 def _group_jobs(signature: Any) -> int:
     """How many boxes of one shape (`Verifier._build`'s signature) a device sums a run."""
-    _, source, extent, dtype, _ = signature
+    _, source, extent, dtype, _, _ = signature
     words = max(1, math.prod(extent) * _words_per_element(dtype or source))
     return max(1, min(GROUP_JOBS, GROUP_WORDS // words))
 
@@ -407,9 +434,11 @@ class Verifier:
             for j, (i, local, _) in enumerate(js):
                 a = buffers[i][device]
                 by_id.setdefault(device, next(iter(a.devices())))
-                dtype = jnp.dtype(self.leaves[i].dst_dtype) if cast else None
+                leaf = self.leaves[i]
+                dtype = jnp.dtype(leaf.dst_dtype) if cast else None
                 extent = tuple(e - s for s, e in local)
-                key = (a.shape, jnp.dtype(a.dtype), extent, dtype, self.leaves[i].shape)
+                nan = canonical_nan(leaf.dst_dtype) if leaf.src_dtype != leaf.dst_dtype else None
+                key = (a.shape, jnp.dtype(a.dtype), extent, dtype, leaf.shape, nan)
                 alike[key][device].append(j)
         runs = []
         for signature, members in alike.items():
@@ -460,7 +489,7 @@ class Verifier:
         fn = self._fns.get(key)
         if fn is not None:
             return fn
-        _, source, extent, dtype, global_shape = signature
+        _, source, extent, dtype, global_shape, nan = signature
         rank = len(extent)
 
         def sums(table: jax.Array, *xs: jax.Array) -> jax.Array:
@@ -468,7 +497,7 @@ class Verifier:
             for g, x in enumerate(xs):
                 start = [table[g, d] for d in range(rank)]
                 origin = [table[g, rank + d] for d in range(rank)]
-                out.append(box_checksum_of(x, start, extent, origin, global_shape, dtype))
+                out.append(box_checksum_of(x, start, extent, origin, global_shape, dtype, nan=nan))
             return jnp.stack(out)
 
         split = PartitionSpec("v")
