@@ -2231,7 +2231,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/verify.py",
         (
             (
-                "as_bits = x.dtype == dtype and not _sliced_exactly(dtype)",
+                "as_bits = not _sliced_exactly(jnp.dtype(x.dtype))",
                 "as_bits = False",
             ),
         ),
@@ -2510,6 +2510,54 @@ SURFACE_MUTANTS: list[Mutant] = [
         "on CPU a step's packs wait for the previous step too, so they never run beside its "
         "transfer and unpacks (a tree of many leaves in many steps pays each step's packs "
         "in turn)",
+    ),
+    Mutant(
+        "api-mesh-axis-types-dropped",
+        "jaxreshard/api.py",
+        (
+            (
+                '            kinds if any(k != "Auto" for k in kinds) else (),\n',
+                "            (),\n",
+            ),
+        ),
+        (
+            "tests/test_reshard.py::test_meshes_of_the_same_devices_and_names_whose_axis_types_"
+            "differ_are_different_meshes",
+        ),
+        "two meshes of the same devices and names whose axis types differ are one mesh to the "
+        "plan: the result carries the source's axis types, and an Explicit source to an Auto "
+        "destination fails in shard_map",
+    ),
+    Mutant(
+        "runtime-bitcasts-as-a-plain-jit",
+        RUNTIME,
+        (
+            (
+                "            if len(meshes) == 1 and all(isinstance(s, NamedSharding) "
+                "for s in shardings):\n",
+                "            if False:\n",
+            ),
+        ),
+        (
+            "tests/test_reshard.py::test_bits_written_over_a_mesh_of_mixed_axis_types_keep_their_"
+            "nan_payloads",
+        ),
+        "the bitcasts around a bf16 unpack run as a plain jit to the destination sharding: over "
+        "a mesh of Auto and Explicit axes it reshards the values and quietens NaN payloads",
+    ),
+    Mutant(
+        "verify-cast-nans-by-payload",
+        "jaxreshard/run/verify.py",
+        (
+            (
+                "                nan = canonical_nan(leaf.dst_dtype) if leaf.src_dtype != "
+                "leaf.dst_dtype else None\n",
+                "                nan = None\n",
+            ),
+        ),
+        ("tests/test_verify.py::test_an_exact_cast_of_nan_payloads_passes_when_taken_in_pieces",),
+        "verify compares a cast leaf's NaNs by payload: XLA CPU converts payloads differently "
+        "with what the convert is fused with, and an exact result is called corrupt",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
 from compiles import COMPILES
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from reference import pack_reads, slot_widths
 
 import jaxreshard as jr
@@ -334,6 +336,57 @@ def test_a_plan_runs_inside_a_mesh_context(context):
         again = jr.reshard(src, dst)
     assert_exact(out, host, dst)
     assert_exact(again, host, dst)
+
+
+AUTO, EXPLICIT = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+
+
+@pytest.mark.parametrize(
+    "src_types, dst_types",
+    [((EXPLICIT,), (AUTO,)), ((AUTO,), (EXPLICIT,)), ((EXPLICIT,), (EXPLICIT,))],
+    ids=["explicit->auto", "auto->explicit", "explicit->explicit"],
+)
+@pytest.mark.parametrize("dst_spec", [P("dp"), P()], ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_meshes_of_the_same_devices_and_names_whose_axis_types_differ_are_different_meshes(
+    src_types, dst_types, dst_spec, dtype
+):
+    """An array carries its mesh's axis types, and the result carries the destination's
+    (`jax.typeof` included), even where the two meshes differ in nothing else: an
+    explicit-sharding trainer and a colocated sampler in the default Auto mode. Regression (a
+    fuzz): the two were one mesh to the plan, so the result carried the source's axis types,
+    and an Explicit source to an Auto destination failed in `shard_map` on the first call."""
+    devices = np.array(jax.devices())
+    src_sharding = NamedSharding(Mesh(devices, ("dp",), axis_types=src_types), P("dp"))
+    dst = NamedSharding(Mesh(devices, ("dp",), axis_types=dst_types), dst_spec)
+    host = random_array((64,), dtype)
+    src = jax.device_put(host, src_sharding)
+    plan = jr.plan(src, dst)
+    out = plan(src, verify=True)
+    out = plan(src, donate=out)
+    assert_exact(out, host, dst)
+    assert out.sharding.mesh.axis_types == dst_types
+    assert jax.typeof(out).sharding.spec == jax.typeof(jax.device_put(src, dst)).sharding.spec
+
+
+def test_bits_written_over_a_mesh_of_mixed_axis_types_keep_their_nan_payloads():
+    """A mesh of Auto and Explicit axes types its arrays by the Explicit ones alone; a
+    destination split over both is written shard by shard, NaN payloads and all. Regression
+    (a fuzz): the bitcasts around a bfloat16 unpack ran as a plain jit to that sharding,
+    which resharded the values between the two spellings and quietened the NaNs."""
+    mesh = Mesh(np.array(jax.devices()[4:]).reshape(2, 2), ("a", "b"), axis_types=(AUTO, EXPLICIT))
+    dst = NamedSharding(mesh, P(("a", "b")))
+    for dtype, bits in [
+        ("bfloat16", [0x7FB2, 0x7FC1, 0xFF81, 0x3F80]),
+        ("float8_e5m2", [0x7D, 0xFE]),
+    ]:
+        width = jnp.dtype(dtype).itemsize * 8
+        host = np.resize(np.array(bits, f"uint{width}"), (64,)).view(jnp.dtype(dtype))
+        src = jax.device_put(host, sharding(tuple(range(4)), (4,), ("x",), "x"))
+        plan = jr.plan(src, dst)
+        out = plan(src)
+        out = plan(src, donate=out, verify=True)
+        assert_exact(out, host, dst)
 
 
 def test_reshard_caches_plans_by_signature():

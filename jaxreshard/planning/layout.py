@@ -173,15 +173,22 @@ class MeshSpec:
       devices: device ids in row-major mesh order.
       shape: the mesh shape.
       axes: the axis names.
+      kinds: the axes' types by name (``"Explicit"``, ``"Manual"``, ``"Auto"``; JAX's
+        ``AxisType``), or ``()`` where every axis is Auto: two meshes of the same devices and
+        names whose axes differ in type are different meshes (an array carries its mesh's
+        axis types, and a program over one cannot take or make arrays of the other).
     """
 
     devices: tuple[int, ...]
     shape: tuple[int, ...]
     axes: tuple[str, ...]
+    kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if math.prod(self.shape) != len(self.devices) or len(self.shape) != len(self.axes):
             raise LayoutError(f"mesh shape {self.shape} / axes {self.axes} do not fit the devices")
+        if self.kinds and len(self.kinds) != len(self.axes):
+            raise LayoutError(f"axis types {self.kinds} do not fit the axes {self.axes}")
 
     @classmethod
     def line(cls, devices: Sequence[int], axis: str) -> MeshSpec:
@@ -274,12 +281,14 @@ class Layout:
         axis_names: Sequence[str],
         device_ids: Sequence[int],
         spec: Sequence[Any],
+        kinds: Sequence[str] = (),
     ) -> Layout:
         """The layout of a ``NamedSharding(Mesh(ids.reshape(mesh_shape), axis_names), P(*spec))``.
 
         Pure: works on virtual devices. ``device_ids`` lists the mesh's devices in row-major mesh
         order. ``spec`` entries are None, an axis name, or a tuple of axis names, as in
-        ``PartitionSpec``. Raises `LayoutError` when the spec does not fit the shape or mesh.
+        ``PartitionSpec``; ``kinds`` the axes' types (`MeshSpec.kinds`). Raises `LayoutError`
+        when the spec does not fit the shape or mesh.
         """
         shape, mesh_shape = tuple(int(n) for n in shape), tuple(int(n) for n in mesh_shape)
         if len(mesh_shape) != len(axis_names) or len(set(axis_names)) != len(axis_names):
@@ -313,7 +322,8 @@ class Layout:
                 box.append((index * step, (index + 1) * step))
             boxes.append(tuple(box))
         ids = tuple(int(i) for i in device_ids)
-        return cls(shape, ids, tuple(boxes), MeshSpec(ids, mesh_shape, tuple(axis_names)), axes)
+        mesh = MeshSpec(ids, mesh_shape, tuple(axis_names), tuple(kinds))
+        return cls(shape, ids, tuple(boxes), mesh, axes)
 
     @classmethod
     def from_sharding(cls, sharding: Any, shape: Sequence[int]) -> Layout:

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jaxreshard.errors import ReshardError
 from jaxreshard.planning.layout import MeshSpec
@@ -423,7 +423,8 @@ class Runtime:
         mesh = self._mesh.get(spec)
         if mesh is None:
             devices = np.array([self.device[d] for d in spec.devices]).reshape(spec.shape)
-            mesh = self._mesh[spec] = Mesh(devices, spec.axes)
+            kinds = tuple(AxisType[k] for k in spec.kinds) if spec.kinds else None
+            mesh = self._mesh[spec] = Mesh(devices, spec.axes, axis_types=kinds)
         return mesh
 
     def _spec(self, operand: Operand, sharding: Sharding, mesh: MeshSpec) -> PartitionSpec:
@@ -475,6 +476,15 @@ class Runtime:
                 pairs = zip(xs, dtypes, strict=True)
                 return tuple(lax.bitcast_convert_type(x, d) for x, d in pairs)
 
+            meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+            if len(meshes) == 1 and all(isinstance(s, NamedSharding) for s in shardings):
+                # Shard by shard: a mesh whose axes are of mixed types (Auto and Explicit)
+                # types its arrays by the Explicit ones alone, and a plain jit then reshards
+                # the values between the two (XLA CPU quietened bfloat16 NaNs doing so).
+                specs = tuple(s.spec for s in shardings)  # type: ignore[union-attr]
+                bitcast = jax.shard_map(
+                    bitcast, mesh=meshes.pop(), in_specs=specs, out_specs=specs, check_vma=False
+                )
             fn = self._bitcasts[key] = jax.jit(
                 bitcast,
                 donate_argnums=tuple(range(len(dtypes))),
