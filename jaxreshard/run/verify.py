@@ -134,10 +134,10 @@ def box_checksum_of(
     dtype = jnp.dtype(x.dtype if dtype is None else dtype)
     per = _words_per_element(dtype)
     # Values XLA's CPU backend computes through float32 (bfloat16, float8: a slice of them in
-    # a loop quietened NaN payloads) are sliced as their bits, and a cast source made values
-    # again just before its cast: the convert the senders' pack runs on the values it reads
-    # (a fuzz: a bfloat16 -> float16 source sliced as values in a loop, NaN payloads and
-    # all, summed otherwise than the exact result, and `verify` called it corrupt).
+    # a loop quietened NaN payloads) are sliced as their bits, a cast source too, made values
+    # again right before its cast. (How XLA converts a NaN's payload still depends on what
+    # the convert is fused with, so a cast leaf's NaNs are compared as NaNs: `nan`,
+    # `canonical_nan`.)
     as_bits = not _sliced_exactly(jnp.dtype(x.dtype))
 
     def piece(start: Sequence[Any], shape: Sequence[int], origin: Sequence[Any]) -> jax.Array:
