@@ -2130,14 +2130,13 @@ def _layout(sharding: Sharding, shape: tuple[int, ...]) -> Layout:
                 "jax.sharding.Mesh of devices"
             )
         spec = tuple(sharding.spec)
-        kinds = tuple(t.name for t in mesh.axis_types)
         return Layout.from_mesh(
             shape,
             mesh.devices.shape,
             mesh.axis_names,
             [d.id for d in mesh.devices.flat],
             spec,
-            kinds if any(k != "Auto" for k in kinds) else (),
+            tuple(t.name for t in mesh.axis_types),
         )
     try:
         return Layout.from_sharding(sharding, shape)

@@ -2516,7 +2516,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                '            kinds if any(k != "Auto" for k in kinds) else (),\n',
+                "            tuple(t.name for t in mesh.axis_types),\n",
                 "            (),\n",
             ),
         ),
@@ -2533,9 +2533,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         RUNTIME,
         (
             (
-                "            if len(meshes) == 1 and all(isinstance(s, NamedSharding) "
-                "for s in shardings):\n",
-                "            if False:\n",
+                "            mapped = jax.shard_map(\n",
+                "            mapped = bitcast or jax.shard_map(\n",
             ),
         ),
         (
@@ -2550,9 +2549,9 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/verify.py",
         (
             (
-                "                nan = canonical_nan(leaf.dst_dtype) if leaf.src_dtype != "
-                "leaf.dst_dtype else None\n",
-                "                nan = None\n",
+                "            canonical_nan(leaf.dst_dtype) if leaf.src_dtype != leaf.dst_dtype "
+                "else None\n",
+                "            None\n",
             ),
         ),
         ("tests/test_verify.py::test_an_exact_cast_of_nan_payloads_passes_when_taken_in_pieces",),

@@ -189,6 +189,8 @@ class MeshSpec:
             raise LayoutError(f"mesh shape {self.shape} / axes {self.axes} do not fit the devices")
         if self.kinds and len(self.kinds) != len(self.axes):
             raise LayoutError(f"axis types {self.kinds} do not fit the axes {self.axes}")
+        if all(k == "Auto" for k in self.kinds):  # one spelling of an all-Auto mesh
+            object.__setattr__(self, "kinds", ())
 
     @classmethod
     def line(cls, devices: Sequence[int], axis: str) -> MeshSpec:

@@ -464,10 +464,11 @@ class Runtime:
         return _UnpackRun(self, call, fn, held)
 
     def bitcast_fn(
-        self, dtypes: tuple[Any, ...], shardings: tuple[Sharding, ...]
+        self, dtypes: tuple[Any, ...], shardings: tuple[NamedSharding, ...]
     ) -> Callable[..., Any]:
-        """The compiled-once program that reinterprets donated arrays of ``shardings`` as
-        ``dtypes`` of the same width, in their own buffers (`held_as_bits`)."""
+        """The compiled-once program that reinterprets donated arrays of ``shardings`` (the
+        targets of one unpack program: all over its mesh) as ``dtypes`` of the same width, in
+        their own buffers (`held_as_bits`)."""
         key = (dtypes, shardings)
         fn = self._bitcasts.get(key)
         if fn is None:
@@ -476,17 +477,15 @@ class Runtime:
                 pairs = zip(xs, dtypes, strict=True)
                 return tuple(lax.bitcast_convert_type(x, d) for x, d in pairs)
 
-            meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
-            if len(meshes) == 1 and all(isinstance(s, NamedSharding) for s in shardings):
-                # Shard by shard: a mesh whose axes are of mixed types (Auto and Explicit)
-                # types its arrays by the Explicit ones alone, and a plain jit then reshards
-                # the values between the two (XLA CPU quietened bfloat16 NaNs doing so).
-                specs = tuple(s.spec for s in shardings)  # type: ignore[union-attr]
-                bitcast = jax.shard_map(
-                    bitcast, mesh=meshes.pop(), in_specs=specs, out_specs=specs, check_vma=False
-                )
+            # Shard by shard: a mesh whose axes are of mixed types (Auto and Explicit) types
+            # its arrays by the Explicit ones alone, and a plain jit to ``shardings`` then
+            # reshards the values between the two (XLA CPU quietened bfloat16 NaNs doing so).
+            specs = tuple(s.spec for s in shardings)
+            mapped = jax.shard_map(
+                bitcast, mesh=shardings[0].mesh, in_specs=specs, out_specs=specs, check_vma=False
+            )
             fn = self._bitcasts[key] = jax.jit(
-                bitcast,
+                mapped,
                 donate_argnums=tuple(range(len(dtypes))),
                 out_shardings=shardings,
                 compiler_options=copy_options("cpu"),

@@ -329,6 +329,12 @@ class Verifier:
         self.leaves = tuple(leaves)
         self.paths = tuple(paths)
         self._src_jobs, self._expected_of = self._source_jobs()
+        # Per leaf, the bits its NaNs are summed as on both sides: a cast leaf's (see
+        # `canonical_nan`), None for the others.
+        self._nans = [
+            canonical_nan(leaf.dst_dtype) if leaf.src_dtype != leaf.dst_dtype else None
+            for leaf in self.leaves
+        ]
         self._dst_jobs: dict[int, list[Job]] = defaultdict(list)  # every destination shard
         for i, leaf in enumerate(self.leaves):
             for device, box in zip(leaf.dst.devices, leaf.dst.boxes, strict=True):
@@ -437,8 +443,7 @@ class Verifier:
                 leaf = self.leaves[i]
                 dtype = jnp.dtype(leaf.dst_dtype) if cast else None
                 extent = tuple(e - s for s, e in local)
-                nan = canonical_nan(leaf.dst_dtype) if leaf.src_dtype != leaf.dst_dtype else None
-                key = (a.shape, jnp.dtype(a.dtype), extent, dtype, leaf.shape, nan)
+                key = (a.shape, jnp.dtype(a.dtype), extent, dtype, leaf.shape, self._nans[i])
                 alike[key][device].append(j)
         runs = []
         for signature, members in alike.items():
