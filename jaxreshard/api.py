@@ -991,6 +991,8 @@ class Plan:
                 if s.bytes_relayed_cross_domain
                 else ""
             ),
+            f"  packed  {_b(self.lowered.packed_bytes)} (sent twice or more from one buffer: "
+            f"{_b(s.bytes_sent - self.lowered.packed_bytes)})",
             f"  rounds  {s.rounds} in {s.buckets} bucket(s) of {len(self.schedule.units)} "
             f"unit(s), largest round {_b(largest)}, bucket limit {_b(self.bucket_bytes)}",
             f"  staging {_b(s.staging_bytes)} per device, "

@@ -765,8 +765,11 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         LOWER,
         (
             (
-                "        idle = tuple(dict.fromkeys(s for t, s in recv if (d, t) not in senders))",
-                "        idle = ()",
+                "        idle = tuple(\n"
+                "            dict.fromkeys(s for t, s in recv if (d, t) not in senders and (d, t) "
+                "not in shared)\n"
+                "        )\n",
+                "        idle = ()\n",
             ),
         ),
         ("tests/test_compiled.py::test_staging_held_by_the_runtime_is_what_the_plan_reports",),
@@ -2557,6 +2560,63 @@ SURFACE_MUTANTS: list[Mutant] = [
         ("tests/test_verify.py::test_an_exact_cast_of_nan_payloads_passes_when_taken_in_pieces",),
         "verify compares a cast leaf's NaNs by payload: XLA CPU converts payloads differently "
         "with what the convert is fused with, and an exact result is called corrupt",
+    ),
+    Mutant(
+        "lower-packs-every-message",
+        LOWER,
+        (
+            (
+                "        t = packed.setdefault((m.src, slots[m.slot], tuple(segments)), m.slot)\n",
+                "        t = m.slot\n",
+            ),
+        ),
+        (
+            "tests/test_lower.py::test_a_sender_packs_once_what_it_sends_to_several_replicas",
+            "tests/test_compiled.py::test_a_sender_sends_what_it_packed_once_to_every_replica",
+        ),
+        "a sender packs again every message it sends alike to several receivers of a step, "
+        "where one buffer could be sent to all of them",
+    ),
+    Mutant(
+        "runtime-shared-rounds-send-idle-buffers",
+        RUNTIME,
+        (
+            (
+                "        self.sends.update({(d, t): (d, packed) for d, t, packed in step.shared "
+                "if d in local})\n",
+                "",
+            ),
+        ),
+        ("tests/test_compiled.py::test_a_sender_sends_what_it_packed_once_to_every_replica",),
+        "the rounds that send another round's packed buffer send an idle one: the second "
+        "replica of every shard gets garbage",
+    ),
+    Mutant(
+        "route-replicas-take-senders-in-turn",
+        ROUTE,
+        (
+            (
+                "    choose = functools.partial(_choose_senders, alike=not fan_out)\n",
+                "    choose = functools.partial(_choose_senders, alike=False)\n",
+            ),
+        ),
+        (
+            "tests/test_route.py::test_replicas_of_a_destination_shard_get_their_bytes_from_one_"
+            "sender",
+        ),
+        "replicas of a destination shard take their bytes from senders in turn, so no sender "
+        "sends two replicas the same bytes and nothing is packed once",
+    ),
+    Mutant(
+        "costmodel-packs-shared-messages-twice",
+        "jaxreshard/tools/costmodel.py",
+        (("                    if not again:\n", "                    if True:\n"),),
+        (
+            "tests/test_simulate.py::test_modeled_time_packs_once_what_a_sender_sends_alike_to_"
+            "several_receivers",
+        ),
+        "the cost model packs a message its sender sends alike to several receivers once per "
+        "receiver, where the executor packs it once",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

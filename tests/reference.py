@@ -175,6 +175,10 @@ def run_lowered(
                     assert (d, t) not in send, "two packs fill one slot of a device"
                     assert program.slots[k] == step.slots[t]
                     send[d, t] = bufs[k]
+        for d, t, packed in step.shared:  # sent again from the buffer packed for a round
+            assert (d, t) not in send, "a shared round is also packed"
+            assert step.slots[t] == step.slots[packed]
+            send[d, t] = send[d, packed]
         recv: dict[tuple[int, int], np.ndarray] = {}
         if step.transfer is not None:
             assert step.transfer.devices == union and step.transfer.slots == step.slots

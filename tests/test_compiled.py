@@ -376,6 +376,29 @@ def test_a_refit_runs_under_transfer_guard_disallow():
     assert_exact(out["b"], host[:32].astype(jnp.bfloat16), dst["b"])
 
 
+def test_a_sender_sends_what_it_packed_once_to_every_replica():
+    """fsdp2 x tp2 on devices 0-3 -> dp2 x tp2 on devices 4-7 (every destination shard on two
+    devices): each sender packs its bytes once and the transfer sends that buffer to both
+    replicas (`lower.Step.shared`), so half of ``bytes_sent`` is packed; every result is
+    exact, on the first call and on calls into donated buffers from the pool, and no call
+    goes through the host."""
+    host, src = tree(4)
+    host["b"] = random_array((32,), "float32", 9)
+    src["b"] = jax.device_put(host["b"], sharding(*SRC[:3], "tp"))
+    dst_ids = (tuple(range(4, 8)), (2, 2), ("dp", "tp"))
+    dst = {k: sharding(*dst_ids, None, "tp") for k in host}
+    dst["b"] = sharding(*dst_ids, "tp")
+    plan = jr.plan(src, dst)
+    assert any(step.shared for step in plan.lowered.steps)
+    assert 2 * plan.lowered.packed_bytes == plan.stats.bytes_sent
+    out = plan(src)
+    for _ in range(3):
+        for k in host:
+            assert_exact(out[k], host[k], dst[k])
+        with jax.transfer_guard("disallow"):
+            out = plan(src, donate=out)
+
+
 def test_staging_held_by_the_runtime_is_what_the_plan_reports():
     """The pool the runtime keeps never exceeds ``stats.staging_bytes`` on any device, which
     stays within two buckets."""

@@ -768,3 +768,34 @@ def test_rows_of_64_words_only_where_every_message_of_the_slot_casts():
     assert slot_widths(same) == {128} and slot_widths(cast) == {64}
     assert (576, False) in rows(same) and (768, True) in rows(same)
     assert (576, True) in rows(cast) and (576, False) not in rows(cast)
+
+
+def test_a_sender_packs_once_what_it_sends_to_several_replicas():
+    """fsdp2 x tp2 on devices 0-3 -> dp2 x tp2 on devices 4-7: every destination shard has
+    two replicas, and each source device sends both the same bytes. Its pack fills one slot
+    and the transfer sends that buffer in both rounds (`Step.shared`): half of `bytes_sent`
+    is packed, each sender holds one send buffer a step, and every shard is exact."""
+    leaves = gpt(FSDP_TP, DP_TP, layers=2, d=64)
+    schedule, lowered = check(leaves)
+    sent = sum(m.nbytes for b in schedule.buckets for m in b.messages)
+    assert lowered.packed_bytes * 2 == sent
+    for step in lowered.steps:
+        if step.transfer is None:
+            continue
+        packed = {(d, t) for d, t in step.senders()}
+        shared = {(d, t) for d, t, _ in step.shared}
+        perms = step.transfer.perms
+        senders = {(lowered.union[s], t) for t, perm in enumerate(perms) for s, _ in perm}
+        assert packed.isdisjoint(shared) and packed | shared == senders
+        assert all((d, t) in packed for d, _, t in step.shared)
+        assert len(shared) == len(packed)  # each buffer sent twice
+        for d, roles in step_roles(step, lowered.union).items():
+            assert len(roles.send) == sum(1 for s, _ in packed if s == d)
+
+
+def test_a_sender_packs_every_message_whose_bytes_differ():
+    """Disjoint layouts with no replicas: no two messages of a sender are alike, so nothing
+    is shared and every sent byte is packed."""
+    schedule, lowered = check(gpt(FSDP_TP, TP4, layers=2, d=64))
+    assert all(not step.shared for step in lowered.steps)
+    assert lowered.packed_bytes == sum(m.nbytes for b in schedule.buckets for m in b.messages)

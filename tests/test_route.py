@@ -382,6 +382,30 @@ def test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf():
     assert {(p.src, p.dst) for p in a.pieces} == {(0, 3), (1, 2)}
 
 
+def test_replicas_of_a_destination_shard_get_their_bytes_from_one_sender():
+    """fsdp2 x tp2 -> dp2 x tp2: each kernel quarter has one holder, which sends it to both
+    replicas of its destination shard; the biases, replicated over fsdp, ride on those pairs.
+    Both replicas take each bias from the same holder, so every sender sends the two
+    replicas the same bytes (packed once, `lower.Step.shared`), and the load stays optimal.
+    Taking the holders in turn per receiver gave the replicas different senders for the
+    biases, and every sender different bytes for each replica."""
+    trainer = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
+    sampler = ((2, 2), ("dp", "tp"), (4, 5, 6, 7))
+    cases = [Case((64, 64), trainer, ("fsdp", "tp"), sampler, (None, "tp"))]
+    cases += [Case((64,), trainer, ("tp",), sampler, ("tp",)) for _ in range(4)]
+    a = route_cases(cases)
+    check_routing(cases, a)
+    assert busiest(a, cases) == hall_optimum(demand_groups(cases)["near"])
+    senders: dict[tuple[int, Box], set[int]] = defaultdict(set)
+    streams: dict[tuple[int, int], set[tuple[int, Box]]] = defaultdict(set)
+    for p in a.pieces:
+        senders[p.leaf, p.box].add(p.src)
+        streams[p.src, p.dst].add((p.leaf, p.box))
+    assert all(len(s) == 1 for s in senders.values())
+    replica = {4: 6, 5: 7}  # (dp0, tp) -> (dp1, tp)
+    assert all(streams[s, d] == streams[s, replica[d]] for s, d in streams if d in replica)
+
+
 def test_a_receiver_is_served_by_as_few_senders_as_the_balance_allows():
     """Four receivers each need a quarter of two leaves that both replicas hold: each replica
     serving two receivers whole is optimal in load and in pairs (four); a receiver served by

@@ -237,6 +237,22 @@ def test_modeled_time_counts_a_schedules_segments_by_hand():
     assert rounds_only.pack == pytest.approx(128 / 50 + 0.5)
 
 
+def test_modeled_time_packs_once_what_a_sender_sends_alike_to_several_receivers():
+    """128 one-byte elements on device 0 go whole to devices 1 and 2 (its domain): two
+    messages alike, in two rounds of one bucket. The executor packs them once and sends that
+    buffer twice (`lower.Step.shared`): 128 B to pack (2.56 s at 50 B/s), not 256 B; each
+    receiver unpacks its own 128 B."""
+    lf = uint8_leaf(128, (0,), (), (1, 2), ())
+    schedule = build_schedule(
+        [lf], topology_assign([lf], topo(), fan_out=False).pieces, bucket_bytes=1 << 20
+    )
+    assert [m.segments for m in schedule.buckets[0].messages] == 2 * [
+        schedule.buckets[0].messages[0].segments
+    ]
+    m = costmodel.modeled_time(schedule, topo(), profile(bucket_overhead=0.0), leaves=[lf])
+    assert (m.pack, m.unpack) == pytest.approx((128 / 50, 128 / 50))
+
+
 def test_modeled_time_charges_the_rows_copies_read_and_write():
     """A (4, 8) uint8 leaf split over its columns on devices 0 and 1 goes to devices 4 and 5
     split over its rows. Each sender sends half of its (4, 4) shard to each receiver: whole
@@ -326,25 +342,25 @@ def test_executor_floor_by_hand():
     """The same 128 B from domain 0 to each device of domain 1, links at half their peak
     (NVLink 50 B/s, NIC 5 B/s), copies at 50 B/s. Domain 1's NICs take the 128 B in
     (128 / (4 x 5) = 6.4 s); its devices lack 4 x 128 B, which they unpack, and of which their
-    NICs brought 128 B: the other 384 B came from each other, packed by their senders. A
-    device takes one message at a time (the permutes in turn, as XLA GPU runs them), so those
-    384 B add 384 / (4 x 50) = 1.92 s to the NICs' time, and copies never run beside a
-    device's rounds: (512 + 384) / (4 x 50) = 4.48 s more, 12.8 s. Domain 0 exports the 128 B
-    and packs them (6.4 + 128 / 200 = 7.04 s); a device of domain 1 takes 128 B over its
-    faster link and unpacks it (128 / 50 + 128 / 50 = 5.12 s). Where the backend kept both
-    lanes in flight the 1.92 s would hide under the NICs' 6.4 s: 10.88 s. The plan's own
-    modeled time lies above the floor, and the floor above the bound at the links'
-    efficiency."""
+    NICs brought 128 B: the other 384 B came from each other, packed by their senders, each
+    message at best once for its 3 peers (`lower.Step.shared`): 128 B. A device takes one
+    message at a time (the permutes in turn, as XLA GPU runs them), so those 384 B add 384 /
+    (4 x 50) = 1.92 s to the NICs' time, and copies never run beside a device's rounds:
+    (512 + 128) / (4 x 50) = 3.2 s more, 11.52 s. Domain 0 exports the 128 B and packs them
+    (6.4 + 128 / 200 = 7.04 s); a device of domain 1 takes 128 B over its faster link and
+    unpacks it (128 / 50 + 128 / 50 = 5.12 s). Where the backend kept both lanes in flight the
+    1.92 s would hide under the NICs' 6.4 s: 9.6 s. The plan's own modeled time lies above
+    the floor, and the floor above the bound at the links' efficiency."""
     lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
     p = profile(bucket_overhead=0.0)
     floor = costmodel.executor_floor([lf], topo(), p)
-    assert floor.seconds == pytest.approx(6.4 + 1.92 + 4.48)
+    assert floor.seconds == pytest.approx(6.4 + 1.92 + 3.2)
     assert floor.binding.startswith("domain 1 takes")
     assert floor.seconds > costmodel.physical_bound([lf], topo(), p).seconds == pytest.approx(6.4)
     bounds = costmodel.lower_bounds([lf], topo(), p)
-    assert (bounds.physical.seconds, bounds.executor.seconds) == pytest.approx((3.2, 12.8))
+    assert (bounds.physical.seconds, bounds.executor.seconds) == pytest.approx((3.2, 11.52))
     two_lanes = dataclasses.replace(p, permutes_overlap=True)
-    assert costmodel.executor_floor([lf], topo(), two_lanes).seconds == pytest.approx(10.88)
+    assert costmodel.executor_floor([lf], topo(), two_lanes).seconds == pytest.approx(9.6)
     schedule = build_schedule(
         [lf], topology_assign([lf], topo()).pieces, bucket_bytes=1 << 20,
         link_class=topo().link_class, class_latency_bytes=topo().class_latency_bytes(),
@@ -357,7 +373,7 @@ def test_executor_floor_by_hand():
 def test_executor_floor_lets_the_nics_carry_more_where_copies_are_slower():
     """The same case with copies at 1 B/s, slower than a NIC: domain 1's devices do better to
     take everything over their own NICs (512 / (4 x 5) + 512 / (4 x 1) = 153.6 s) than to
-    pass 384 B to each other (128 / 20 + 384 / 200 + 896 / 4 = 232.32 s); the floor takes the
+    pass 384 B to each other (128 / 20 + 384 / 200 + 640 / 4 = 168.32 s); the floor takes the
     lesser."""
     lf = uint8_leaf(128, (0, 1, 2, 3), (), (4, 5, 6, 7), ())
     floor = costmodel.executor_floor([lf], topo(), profile(copy_bandwidth=1))

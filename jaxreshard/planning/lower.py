@@ -288,6 +288,13 @@ class Step:
       slots: the step's staging slots (one per round).
       packs, transfer, unpacks: the program runs. A step of local copies only has no packs and
         no transfer.
+      shared: ``(device, step slot, packed slot)`` for every round in which a device sends
+        what it sends in another round of the step (the same segments into the same slot
+        shape: one source shard to several replicas of a destination shard, one relay to
+        several peers): its pack fills only ``packed slot``, and the transfer sends that
+        buffer in both rounds. Packed once, sent many times.
+      packed_bytes: the payload its packs write (its messages' bytes, less those of the
+        rounds in ``shared``).
     """
 
     unit: int
@@ -296,6 +303,8 @@ class Step:
     packs: tuple[PackCall, ...]
     transfer: TransferProgram | None
     unpacks: tuple[UnpackCall, ...]
+    shared: tuple[tuple[int, int, int], ...] = ()
+    packed_bytes: int = 0
 
     def senders(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(device, step slot) -> (pack call index, program slot)`` for every sent slot."""
@@ -330,6 +339,12 @@ class Lowered:
             if step.transfer is not None:
                 out.add(step.transfer)
         return out
+
+    @property
+    def packed_bytes(self) -> int:
+        """The payload the pack programs write in one call: ``bytes_sent`` less what senders
+        send again from a buffer they packed for another round (`Step.shared`)."""
+        return sum(step.packed_bytes for step in self.steps)
 
     def dispatches(self) -> int:
         """Program runs of one call with donated destinations (no allocation)."""
@@ -417,16 +432,26 @@ def _step(
     slots = tuple(Slot(n // w, word, widths[n // w, word]) for n in bucket.slot_bytes)
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
+    packed: dict[tuple[object, ...], int] = {}  # (sender, slot, segments) -> the packed slot
+    shared = []
+    packed_bytes = 0
     for m, segments in zip(bucket.messages, laid.segments, strict=True):
-        sent[m.src][m.slot] = segments
         got[m.dst][m.slot] = segments
+        # A message a sender already packs in this step, into a slot of the same shape, is
+        # sent again from that buffer rather than packed twice (`Step.shared`).
+        t = packed.setdefault((m.src, slots[m.slot], tuple(segments)), m.slot)
+        if t == m.slot:
+            sent[m.src][m.slot] = segments
+            packed_bytes += m.nbytes
+        else:
+            shared.append((m.src, m.slot, t))
     perms = tuple(
         tuple(sorted((position[s], position[d]) for s, d in perm)) for perm in bucket.perms()
     )
     transfer = TransferProgram(tuple(position), slots, perms)
     packs = _packs(leaves, small, sent, slots, w)
     unpacks = _unpacks(leaves, small, got, local, w, slots)
-    return Step(unit, fresh, slots, packs, transfer, unpacks)
+    return Step(unit, fresh, slots, packs, transfer, unpacks, tuple(sorted(shared)), packed_bytes)
 
 
 def _slot_widths(
@@ -998,8 +1023,8 @@ class Roles:
     Attributes:
       recv: ``(slot index, slot)`` of every round: the buffer it receives into (donated to
         the transfer).
-      send: ``(slot index, slot)`` of every round it sends in: the buffer its pack fills
-        (donated to the pack).
+      send: ``(slot index, slot)`` of every round whose buffer its pack fills (donated to
+        the pack): every round it sends in but those it sends from another's (`Step.shared`).
       idle: the distinct slots of the rounds it sends nothing in: a buffer of that size is
         passed to the transfer and never read (one per size, shared by its rounds).
     """
@@ -1018,11 +1043,14 @@ def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
     if step.transfer is None:
         return {}
     senders = step.senders()
+    shared = {(d, t) for d, t, _ in step.shared}  # sent from another round's buffer
     out = {}
     for d in union:
         recv = tuple(enumerate(step.slots))
         send = tuple((t, s) for t, s in recv if (d, t) in senders)
-        idle = tuple(dict.fromkeys(s for t, s in recv if (d, t) not in senders))
+        idle = tuple(
+            dict.fromkeys(s for t, s in recv if (d, t) not in senders and (d, t) not in shared)
+        )
         out[d] = Roles(recv, send, idle)
     return out
 

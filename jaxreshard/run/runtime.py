@@ -797,7 +797,12 @@ class _TransferRun:
         self.devices = self.views[0].devices
         assert set(self.devices) == set(local)
         senders = step.senders()
-        self.sends = {(d, t) for d in local for t in range(len(program.slots)) if (d, t) in senders}
+        # The buffer each local device sends in each round it sends in: the one its pack
+        # filled for that round, or for another round of the step (`Step.shared`).
+        self.sends = {
+            (d, t): (d, t) for d in local for t in range(len(program.slots)) if (d, t) in senders
+        }
+        self.sends.update({(d, t): (d, packed) for d, t, packed in step.shared if d in local})
 
     def run(
         self, sent: Mapping[tuple[int, int], jax.Array], staging: _Staging
@@ -807,7 +812,7 @@ class _TransferRun:
             sends.append(
                 view(
                     [
-                        sent[d, t] if (d, t) in self.sends else staging.idle[d][slot]
+                        sent[self.sends[d, t]] if (d, t) in self.sends else staging.idle[d][slot]
                         for d in self.devices
                     ]
                 )

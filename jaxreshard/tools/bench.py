@@ -1393,7 +1393,12 @@ def _stage_bytes(plan: jr.Plan) -> dict[str, tuple[list[int], int, str]]:
     receivers = sorted({p.dst for p in pieces})
     writers = sorted({p.dst for p in pieces} | {c.device for c in local})
     return {
-        "pack": (senders, st.bytes_sent, "bytes_sent on the senders"),
+        "pack": (
+            senders,
+            plan.lowered.packed_bytes,
+            "bytes packed on the senders (bytes_sent less what a sender sends twice from one "
+            "buffer)",
+        ),
         "transfer": (receivers, st.bytes_wire, "bytes_wire into the receivers"),
         "unpack": (writers, st.bytes_total, "bytes_total (received + local) on the receivers"),
     }

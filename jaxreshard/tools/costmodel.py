@@ -30,13 +30,14 @@ Pure arithmetic on integer device ids (no devices). Bandwidths and costs come fr
 
   ``max( max(need(d), only(d)) / (e B_nvl + e B_nic) + (need(d) + only(d)) / C`` over
   devices ``d``, and over domains ``g`` the least over ``m >= import(g)`` of
-  ``max(m, export(g)) / (N(g) e B_nic) + (needs(g) + max(0, needs(g) - m) + export(g)) /
-  (N(g) C)`` ``)``
+  ``max(m, export(g)) / (N(g) e B_nic) + (needs(g) + max(0, needs(g) - m) / (N(g) - 1) +
+  export(g)) / (N(g) C)`` ``)``
 
   where ``m`` is what the domain's NICs bring in and ``needs(g)`` the sum of ``need(d)`` over
   its devices: every byte a device lacks is unpacked by it, what the NICs did not bring came
-  from the domain's own devices (each message packed by its sender), exports are packed, and
-  the busiest device of a domain does at least the average. Where the backend runs a
+  from the domain's own devices (each message packed by its sender, once however many of
+  its ``N(g) - 1`` peers it goes to: `lower.Step.shared`), exports are packed, and the
+  busiest device of a domain does at least the average. Where the backend runs a
   program's collective-permutes one after another (`Profile.permutes_overlap` false: XLA GPU,
   CPU) a device takes one message at a time, so its links add instead of sharing the load:
   the device term's ``e B_nvl + e B_nic`` becomes the faster link alone, and the domain term
@@ -277,7 +278,13 @@ def _floor(p: _Profile, topology: Topology, profile: Profile) -> LowerBound:
         imports, exports = p.cross_in.get(g, 0), p.cross_out.get(g, 0)
         needs = sum(p.need.get(d, 0) for d in members)
         seconds, copies = _domain_floor(
-            imports, exports, needs, nics * bx, nics * copy, None if at_once else nics * bi
+            imports,
+            exports,
+            needs,
+            nics * bx,
+            nics * copy,
+            None if at_once else nics * bi,
+            peers=nics - 1,
         )
         if not seconds:
             continue
@@ -297,22 +304,25 @@ def _domain_floor(
     nic_rate: float,
     copy_rate: float,
     nvl_rate: float | None = None,
+    peers: int = 1,
 ) -> tuple[float, int]:
     """`executor_floor`'s term of one domain, with its NICs' and its copies' combined rates:
     ``(seconds, bytes copied)``.
 
     Its NICs carry some ``moved`` bytes in (at least its imports) and its exports out. What
-    its devices lack beyond what their NICs brought came from each other, every message
-    packed by its sender, so its devices unpack ``needs`` and pack ``needs - moved`` (at
-    least nothing) and the exports. With ``nvl_rate`` (its NVLink's combined rate, where a
-    device takes one message at a time) those messages inside the domain add their time to
-    the NICs'. The time is piecewise linear in ``moved``, so its least is at a breakpoint:
-    the imports, the exports or the needs.
+    its devices lack beyond what their NICs brought came from each other, so its devices
+    unpack ``needs``, pack the exports, and pack the ``needs - moved`` bytes they send each
+    other (at least nothing) at least once for every ``peers`` receivers: a sender packs a
+    message once however many peers of its domain it sends it to (`lower.Step.shared`). With
+    ``nvl_rate`` (its NVLink's combined rate, where a device takes one message at a time)
+    those messages inside the domain add their time to the NICs'. The time is piecewise
+    linear in ``moved``, so its least is at a breakpoint: the imports, the exports or the
+    needs.
     """
 
     def priced(moved: int) -> tuple[float, int]:
         inside = max(0, needs - moved)
-        copies = needs + inside + exports
+        copies = needs + -(-inside // max(1, peers)) + exports
         wire = max(moved, exports) / nic_rate + (inside / nvl_rate if nvl_rate else 0.0)
         return wire + copies / copy_rate, copies
 
@@ -555,13 +565,20 @@ def _counted_buckets(
             assert leaves is not None and isinstance(schedule, Schedule)
             packs, unpacks = _Copies(), _Copies()
             read, written = set(), set()
+            packed = set()
+            slot_bytes = schedule.buckets[b].slot_bytes
             for m in schedule.buckets[b].messages:
+                # A message its sender already packs in this step, into a slot of the same
+                # size, is sent again from that buffer (`lower.Step.shared`): not packed twice.
+                again = (m.src, slot_bytes[m.slot], m.segments) in packed
+                packed.add((m.src, slot_bytes[m.slot], m.segments))
                 for seg in m.segments:
                     leaf = leaves[seg.leaf]
                     narrow = _narrow(leaf)
                     src_shard = _shard_shape(leaf, from_dst=seg.from_dst)
                     runs = contiguous_runs(seg.box, src_shard)  # pack reads the box's rows
-                    packs.add(m.src, seg.nbytes, narrow=narrow, runs=runs)
+                    if not again:
+                        packs.add(m.src, seg.nbytes, narrow=narrow, runs=runs)
                     runs = contiguous_runs(seg.box, _shard_shape(leaf, from_dst=True))
                     unpacks.add(m.dst, seg.nbytes, narrow=narrow, runs=runs)  # unpack writes
                     read.add((seg.leaf, seg.from_dst))
