@@ -120,7 +120,7 @@ def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
         # them), so that a call under `jax.set_mesh` or `jax.default_matmul_precision` finds
         # the programs compiled outside it; then the settings a plan's programs need.
         stack.enter_context(caller_settings_unset())
-        if not (jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty):
+        if _mesh_in_context():
             stack.enter_context(jax.set_mesh(None))  # a process-wide mesh (`_own_meshes`)
         changed = [
             (setting, neutral)
@@ -139,6 +139,26 @@ def _compiled_programs(x64: bool) -> contextlib.AbstractContextManager[Any]:
         stack.close()  # (the caller never enters it: the caller's settings as they were)
         raise
     return stack
+
+
+def _mesh_in_context() -> bool:
+    """Whether a mesh is set around the call; refuses a call made while JAX traces (a plan
+    called inside `jax.jit` on arrays the traced function closes over: no tracer among its
+    arguments, but JAX's mesh context cannot be read inside a trace)."""
+    try:
+        return not (jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty)
+    except ValueError:  # "get_mesh can only be used outside of jax.jit"
+        raise ReshardTypeError(
+            f"{_TRACED}: this call is being traced (its arrays are concrete, closed over by the "
+            f"traced function); nothing was moved\nHow to fix: {_TRACED_FIX}"
+        ) from None
+
+
+_TRACED = "jaxreshard cannot run inside jax.jit, jax.grad or jax.vmap"
+_TRACED_FIX = (
+    "call the plan (or jr.reshard) outside traced functions, on the arrays a jitted step "
+    "returns: e.g. params = train_step(params, batch); sampler_params = plan(params)"
+)
 
 
 _WIDE_DTYPES = frozenset({"int64", "uint64", "float64", "complex128"})
@@ -171,14 +191,7 @@ def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         if isinstance(x, jax.core.Tracer)
     ]
     if problems:
-        raise leaf_error(
-            "jaxreshard cannot run inside jax.jit, jax.grad or jax.vmap",
-            problems,
-            "call the plan (or jr.reshard) outside traced functions, on the arrays a jitted "
-            "step returns: e.g. params = train_step(params, batch); "
-            "sampler_params = plan(params)",
-            cls=ReshardTypeError,
-        )
+        raise leaf_error(_TRACED, problems, _TRACED_FIX, cls=ReshardTypeError)
 
 
 class Plan:
@@ -402,7 +415,9 @@ class Plan:
             (as does one that reads an array over its buffers once the refit consumed them).
           - Leaves sent by ``jax.device_put`` (``fallback=``) are copied before ``start``
             returns, under the caller's ``jax.transfer_guard``: a NumPy source may change
-            afterwards.
+            afterwards. (Under ``jax.distributed`` their NumPy values are copied on the host
+            then, and put on the devices by the worker after the call's order check: a
+            ``jax.device_put`` there may be a collective.)
           - Refits are issued in the order they are started, one at a time, on one worker
             thread per process; a plain call made while refits are in flight is issued after
             them (on that thread, the caller waiting). Under ``jax.distributed`` every
@@ -417,7 +432,7 @@ class Plan:
         """
         flat, old = self._prepare(src_tree, donate)
         try:
-            copies = self._fallback_copies(flat)
+            flat, copies = self._early_fallback_copies(flat)
         except ReshardError as e:
             _DONATED.release(old)
             self.refuse(e)
@@ -470,7 +485,7 @@ class Plan:
         flat, old = self._prepare(src_tree, donate, verify)
         try:
             if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
-                copies = self._fallback_copies(flat)
+                flat, copies = self._early_fallback_copies(flat)
                 move = functools.partial(self._move, flat, old, profile, copies)
                 return _submit(move).result()
             return self._move(flat, old, profile)
@@ -577,17 +592,23 @@ class Plan:
         if gone:
             raise deleted_sources_error("the call", gone)
         out: list[Any] = [None] * len(flat)
-        # Fallback leaves first (``copies``: made already, on the caller's thread).
-        for i, x in (self._fallback_copies(flat) if copies is None else copies).items():
+        check = self._order_check()
+        if copies is None:  # (else made already, on the caller's thread)
+            if check is not None and self.fallback:
+                # Under jax.distributed a fallback copy may run a collective (jax.device_put of
+                # a host value checks it equal on every process): after the call's order check,
+                # or a call refused on a peer would pair it with the peer's next call.
+                check()
+                check = None
+            copies = self._fallback_copies(flat)
+        for i, x in copies.items():  # fallback leaves first: nothing is donated yet
             out[i] = x
         src = self._crossing.sources([flat[i] for i in self.moved])
         inner_old = None
         if old is not None:
             inner_old = self._crossing.donations([old[i] for i in self.moved])
         weak = [bool(getattr(flat[i], "weak_type", False)) for i in self.moved]
-        moved = self._crossing.results(
-            self.runtime.run(src, inner_old, profile, self._order_check()), weak
-        )
+        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, check), weak)
         self._free_staging_unless_kept()
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
@@ -596,6 +617,23 @@ class Plan:
             if old is not None and isinstance(old[i], jax.Array) and not old[i].is_deleted():
                 old[i].delete()
         return jax.tree_util.tree_unflatten(self.treedef, out)
+
+    def _early_fallback_copies(
+        self, flat: list[Any]
+    ) -> tuple[list[Any], dict[int, jax.Array] | None]:
+        """For a move the worker thread issues later (`start`, or a call behind refits in
+        flight): ``(flat, copies)``, the fallback leaves' results made now, on the caller's
+        thread (`_fallback_copies`). Under ``jax.distributed`` they may run collectives, which
+        must follow the call's order check on the worker (`_move_now`): there the copies are
+        None, and ``flat`` holds copies of the fallback leaves' NumPy values, taken now (the
+        caller may change its arrays once ``start`` returns)."""
+        if self._order_check() is None or not self.fallback:
+            return flat, self._fallback_copies(flat)
+        flat = list(flat)
+        for i, _ in self.fallback:
+            if isinstance(flat[i], np.ndarray):
+                flat[i] = np.array(flat[i], copy=True)
+        return flat, None
 
     def _fallback_copies(self, flat: Sequence[Any]) -> dict[int, jax.Array]:
         """The fallback leaves' results (named in a log line when the plan was made). Checked
@@ -841,7 +879,11 @@ class Plan:
                 if isinstance(x, jax.Array) and x.is_deleted():
                     problems.append((path, "is deleted"))
                     continue
-                got = (tuple(np.shape(x)), _host_dtype(x))
+                try:
+                    got = (tuple(np.shape(x)), _host_dtype(x))
+                except TypeError as e:  # (a string, an object: what the plan never took)
+                    problems.append((path, f"jax.device_put cannot take it ({e})"))
+                    continue
                 if got != (shape, dtype):
                     problems.append(
                         (path, f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
@@ -925,20 +967,23 @@ class Plan:
     @functools.cached_property
     def _may_alias(self) -> bool:
         """Whether a donate= leaf could be a source array's own buffers under another array
-        object (`jax.make_array_from_single_device_arrays` over the source's shards): some
-        destination and source of one dtype and shard shape share a device. Only such plans
-        pay for reading buffer addresses on each call."""
+        object (`jax.make_array_from_single_device_arrays` over the source's shards, or a
+        typed key wrapping them, `jax.random.wrap_key_data`, and its key data): some
+        destination and source whose shards hold buffers of one dtype and shape share a
+        device. Only such plans pay for reading buffer addresses on each call."""
 
-        def kind(dtype: Any) -> Any:  # (a typed key's dtype is no NumPy dtype)
-            return str(dtype) if boundary.is_key(dtype) else jnp.dtype(dtype)
+        def buffer(shape: tuple[int, ...], dtype: Any, s: Sharding) -> tuple[Any, ...]:
+            shard = s.shard_shape(shape)
+            if boundary.is_key(dtype):  # its buffers hold its key data
+                return boundary.key_data_shape(jax.ShapeDtypeStruct(shard, dtype))[::-1]
+            return jnp.dtype(dtype), tuple(shard)
 
         sources = {
-            (kind(dtype), s.shard_shape(shape), d.id)
-            for shape, dtype, s in self.src_avals
+            (*buffer(shape, dtype, s), d.id) for shape, dtype, s in self.src_avals
             for d in s.device_set
-        }
+        }  # fmt: skip
         return any(
-            (kind(dtype), s.shard_shape(shape), d.id) in sources
+            (*buffer(shape, dtype, s), d.id) in sources
             for shape, dtype, s in self._dst_avals
             for d in s.device_set
         )
@@ -1425,19 +1470,23 @@ class QuantizedPlan:
         self._avals = tuple(avals)
         self._quantizer = quantizer
 
+    @_own_meshes  # (tracers refused in every argument: donate= and out too)
     def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
         """Quantize the fp8 leaves on their devices and move the tree (see `Plan.__call__`)."""
         return self.inner(self._quantize(src_tree, call=True), donate=donate, verify=verify)
 
+    @_own_meshes
     def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
         """`Plan.start` with the fp8 leaves quantized first (dispatched, not awaited)."""
         return self.inner.start(self._quantize(src_tree, call=True), donate=donate)
 
+    @_own_meshes
     def verify(self, src_tree: Any, out_tree: Any) -> None:
         """`Plan.verify` of the values and scales against the senders' quantization (the
         quantize program runs again: it is deterministic)."""
         self.inner.verify(self._quantize(src_tree), out_tree)
 
+    @_own_meshes
     def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
         """`Plan.profile` of the move (the quantize program is not in the phases)."""
         return self.inner.profile(self._quantize(src_tree, call=True), donate=donate)
@@ -2018,6 +2067,9 @@ def _host_dtype(x: Any) -> Any:
     never from its data, which may be on a device)."""
     if isinstance(x, jax.Array):
         return x.dtype
+    if isinstance(x, (str, bytes, type, np.dtype)):
+        # (NumPy reads "f4", jnp.float32 or a dtype as the dtype they name: not values)
+        raise TypeError(f"a {type(x).__name__} is not an array or a number")
     dtype = x.dtype if isinstance(x, (np.ndarray, np.generic)) else np.result_type(x)
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 

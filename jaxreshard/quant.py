@@ -152,7 +152,7 @@ def _sizes(block: Any) -> tuple[int, ...] | None:
     string, floats or bools, which ``int()`` would quietly truncate)."""
     if isinstance(block, (str, bytes)) or not isinstance(block, (Sequence, np.ndarray)):
         return None
-    if not block or not all(
+    if len(block) == 0 or not all(
         isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) and b >= 1
         for b in block
     ):

@@ -393,6 +393,36 @@ def case_order_refused() -> None:
     ok("order_refused")
 
 
+def case_order_fallback() -> None:
+    """(A fuzz.) A plan with a NumPy step counter sent to every device by
+    ``fallback="device_put"``, whose copy runs a collective (jax.device_put of a host value
+    checks it equal on every process). Process 1 refuses call 2 (a placeholder of another
+    shape): process 0's call 2 raises naming it, and calls 3 and 4 (a call and a start) pair
+    up again, each with its own step's weights. The copy ran before the order check: process
+    0 then failed in it, every later call failed, and the last hung."""
+    trainer = mesh(BY_PROCESS[0], (4,), ("x",))
+    sampler = mesh(BY_PROCESS[1], (4,), ("x",))
+    every = mesh(BY_PROCESS[0] + BY_PROCESS[1], (8,), ("x",))
+    dst = {"w": NamedSharding(sampler, P(None, "x")), "step": NamedSharding(every, P())}
+
+    def tree(step: int, bad: bool = False) -> dict:
+        full = data((8, 8), 30) + step
+        w = source(full, NamedSharding(trainer, P("x")))
+        if bad:
+            w = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=w.sharding)
+        return {"w": w, "step": np.int32(step)}
+
+    def want(step: int) -> dict:
+        return {"w": data((8, 8), 30) + step, "step": np.int32(step)}
+
+    plan = jr.plan(tree(0), dst, fallback="device_put")
+    check(plan(tree(1)), want(1), dst)
+    _refused("FALLBACK", lambda: plan(tree(2, bad=PID == 1)))
+    check(plan(tree(3)), want(3), dst)
+    check(plan.start(tree(4)).result(), want(4), dst)
+    ok("order_fallback")
+
+
 def _refused(name: str, call, lines: int | None = 2) -> None:
     """Run ``call``, which must raise `ReshardError`; print its first ``lines`` lines (None:
     all) as one line."""
@@ -607,6 +637,7 @@ SCENARIOS = {
     "order": [
         case_order_ok,
         case_order_refused,
+        case_order_fallback,
         case_order_refusals,
         case_order_threads,
         case_order_swapped,

@@ -2267,7 +2267,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "        try:\n            copies = self._fallback_copies(flat)\n",
+                "        try:\n            flat, copies = self._early_fallback_copies(flat)\n",
                 "        try:\n            copies = None\n",
             ),
         ),
@@ -2619,6 +2619,67 @@ SURFACE_MUTANTS: list[Mutant] = [
         "receiver, where the executor packs it once",
     ),
     Mutant(
+        "api-key-buffers-compared-as-keys",
+        API,
+        (
+            (
+                "            if boundary.is_key(dtype):  # its buffers hold its key data\n",
+                "            if False:\n",
+            ),
+        ),
+        (
+            "tests/test_errors.py::test_donating_a_key_over_a_plain_sources_buffers_or_its_data_"
+            "is_refused",
+        ),
+        "a typed key's buffers are compared as the key's own dtype and shape, not its data's: a "
+        "donate= leaf over a source key's data (or a key over a uint32 source) destroys the "
+        "source or crashes the process",
+    ),
+    Mutant(
+        "api-dtype-names-taken-as-fallback-values",
+        API,
+        (("    if isinstance(x, (str, bytes, type, np.dtype)):\n", "    if False:\n"),),
+        (
+            "tests/test_leaves.py::test_fallback_leaves_device_put_cannot_take_are_refused_when_"
+            "planning",
+        ),
+        "a fallback leaf that names a dtype ('f4', jnp.float32) is planned as that dtype's "
+        "value, and every call fails in jax.device_put",
+    ),
+    Mutant(
+        "api-fallback-call-raw-type-error",
+        API,
+        (
+            (
+                "                except TypeError as e:  # (a string, an object: what the plan "
+                "never took)\n",
+                "                except KeyError as e:\n",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::test_a_call_with_a_fallback_leaf_device_put_cannot_take_is_"
+            "refused_naming_it",
+        ),
+        "a call whose fallback leaf is a string or an object raises NumPy's raw TypeError from "
+        "the call's checks, naming no leaf",
+    ),
+    Mutant(
+        "api-traced-call-raw-jax-error",
+        API,
+        (
+            (
+                '    except ValueError:  # "get_mesh can only be used',
+                '    except KeyError:  # "get_mesh',
+            ),
+        ),
+        (
+            "tests/test_errors.py::test_a_plan_called_while_tracing_on_closed_over_arrays_is_"
+            "refused_with_the_fix",
+        ),
+        "a plan called while JAX traces, on closed-over arrays, fails with JAX's raw ValueError "
+        "from get_mesh instead of naming the mistake and its fix",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
@@ -2645,8 +2706,10 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "        )\n        self._free_staging_unless_kept()\n",
-                "        )\n",
+                "        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, "
+                "check), weak)\n        self._free_staging_unless_kept()\n",
+                "        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, "
+                "check), weak)\n",
             ),
         ),
         (
@@ -2718,8 +2781,10 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "            self.runtime.run(src, inner_old, profile, self._order_check()), weak",
-                "            self.runtime.run(src, inner_old, profile, self._order_check())",
+                "        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, "
+                "check), weak)",
+                "        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, "
+                "check))",
             ),
         ),
         ("tests/test_leaves.py::test_each_call_gets_its_own_sources_weak_type",),

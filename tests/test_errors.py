@@ -59,15 +59,24 @@ def test_a_bad_option_is_refused_with_its_fix(src, option):
         {"block": "ab"},  # regression: raw ValueError
         {"block": (8.9, 8)},  # regression: truncated to (8, 8)
         {"block": (True, 8)},  # regression: taken as (1, 8)
+        {"block": np.array([0, 4])},  # regression (a fuzz): raw ValueError on any array
         {"fmt": jnp.float16},
         {"fmt": "nope"},  # regression: raw TypeError
     ],
-    ids=["block", "block-int", "block-str", "block-float", "block-bool", "fmt", "fmt-name"],
-)
+    ids=[
+        "block", "block-int", "block-str", "block-float", "block-bool", "block-array", "fmt",
+        "fmt-name",
+    ],
+)  # fmt: skip
 def test_a_bad_fp8_format_is_refused_with_its_fix(option):
     with pytest.raises(jr.ReshardError, match=next(iter(option))) as e:
         jr.Fp8Blockwise(**option)
     assert "How to fix" in str(e.value)
+
+
+def test_fp8_blocks_given_as_a_numpy_array_are_taken_as_sizes():
+    """(A fuzz: any NumPy array raised "truth value of an array is ambiguous".)"""
+    assert jr.Fp8Blockwise(block=np.array([4, 4])).block == (4, 4)
 
 
 def test_shardings_as_an_nnx_state_over_a_pure_dict_source_say_so_once(src):
@@ -319,6 +328,27 @@ def test_donating_a_key_array_over_a_source_keys_own_buffers_is_refused():
     assert np.asarray(jax.random.key_data(out["k"])).tobytes() == before.tobytes()
 
 
+def test_donating_a_key_over_a_plain_sources_buffers_or_its_data_is_refused():
+    """(A fuzz.) A key leaf going one way and a uint32 leaf the other: a donate= leaf over the
+    other kind's source buffers (the key's data at the uint32 leaf, a key wrapping the uint32
+    source at the key leaf) was not looked for (the check compared a key's dtype and shape,
+    not its buffers'), so the call destroyed the source or crashed the process."""
+    a, b = sharding(tuple(range(4)), (4,), ("x",)), sharding(tuple(range(4, 8)), (4,), ("x",))
+    src = {
+        "k": jax.device_put(jax.random.split(jax.random.key(0), 4), a),
+        "u": jax.device_put(np.arange(8, dtype=np.uint32).reshape(4, 2), b),
+    }
+    plan = jr.plan(src, {"k": b, "u": a})
+    out = plan(src)
+    for name, donate in (
+        ("u", {"k": out["k"], "u": jax.random.key_data(src["k"])}),
+        ("k", {"k": jax.random.wrap_key_data(src["u"]), "u": out["u"]}),
+    ):
+        with pytest.raises(jr.ReshardError, match=rf"\['{name}'\]: holds a source array's own"):
+            plan(src, donate=donate)
+        assert not any(x.is_deleted() for x in (*jax.tree.leaves(donate), *src.values()))
+
+
 def test_a_bad_dtype(src):
     with pytest.raises(jr.ReshardError, match="dtype"):
         jr.plan(src, dst_tree(), dtype={"a": "not-a-dtype", "b": None})
@@ -351,6 +381,41 @@ def test_tracers_are_refused_by_every_entry_point_naming_the_leaf_and_the_fix(sr
     for way, call in ways.items():
         with pytest.raises(jr.ReshardTypeError, match=named) as e:
             call(src)
+        assert "jax.jit" in str(e.value), way
+
+
+def test_a_plan_called_while_tracing_on_closed_over_arrays_is_refused_with_the_fix(src):
+    """(A fuzz.) No tracer among the arguments, but the call is made while JAX traces (the
+    traced function closes over concrete arrays): JAX's raw ValueError from get_mesh became
+    this refusal, for plain and fp8 plans, calls, starts and jr.reshard alike."""
+    plan = jr.plan(src, dst_tree())
+    fp8 = jr.plan(src, dst_tree(), dtype=jr.Fp8Blockwise(block=None))
+    ways = {
+        "a plan": lambda _: plan(src),
+        "plan.start": lambda _: plan.start(src),
+        "an fp8 plan": lambda _: fp8(src),
+        "jr.reshard": lambda _: jr.reshard(src, dst_tree()),
+    }
+    for way, call in ways.items():
+        with pytest.raises(jr.ReshardTypeError, match=r"being traced.*nothing was moved") as e:
+            jax.jit(call)(jnp.zeros(()))
+        assert "How to fix: call the plan" in str(e.value), way
+
+
+def test_an_fp8_plan_names_a_traced_donate_and_out_tree():
+    """(A fuzz.) An fp8 plan checked only its source for tracers: a traced donate= (or
+    verify's out) failed in JAX. Each is named by its path."""
+    x = jax.device_put(np.ones((8, 8), np.float32), sharding(*SRC))
+    fp8 = jr.plan({"a": x}, {"a": sharding(*DST[:3])}, dtype=jr.Fp8Blockwise(block=(4, 4)))
+    out = fp8({"a": x})
+    for way, call in {
+        "call": lambda o: fp8({"a": x}, donate=o),
+        "start": lambda o: fp8.start({"a": x}, donate=o),
+        "profile": lambda o: fp8.profile({"a": x}, donate=o),
+        "verify": lambda o: fp8.verify({"a": x}, o),
+    }.items():
+        with pytest.raises(jr.ReshardTypeError, match=r"\['a'\].*is a tracer") as e:
+            jax.jit(call)(out)
         assert "jax.jit" in str(e.value), way
 
 

@@ -567,6 +567,24 @@ def test_fallback_leaves_device_put_cannot_take_are_refused_when_planning():
     for bad, dtype in ((np.array(["a", "b"]), "<U1"), (np.array([object()]), "object")):
         with pytest.raises(jr.ReshardTypeError, match=rf"\['s'\]: .*dtype {dtype} cannot be on"):
             jr.plan({"w": w, "s": bad}, dst, fallback="device_put")
+    # (A fuzz: NumPy reads these as the dtypes they name, so they were planned, then every
+    # call failed in jax.device_put.)
+    for named in ("f4", jnp.float32, np.dtype("int32")):
+        with pytest.raises(jr.ReshardTypeError, match=r"\['s'\]: .*is not an array or a number"):
+            jr.plan({"w": w, "s": named}, dst, fallback="device_put")
+
+
+def test_a_call_with_a_fallback_leaf_device_put_cannot_take_is_refused_naming_it():
+    """(A fuzz.) A call whose fallback leaf is a string or another object raised NumPy's raw
+    TypeError from the call's checks; it is refused naming the leaf, nothing donated."""
+    dst = sharding(*DST)
+    plan = jr.plan({"v": 3.5}, dst, fallback="device_put")
+    out = plan({"v": 3.5})
+    for bad in ("3.5", "abc", object()):
+        with pytest.raises(jr.ReshardError, match=r"\['v'\]: jax.device_put cannot take it"):
+            plan({"v": bad}, donate=out)
+        assert not out["v"].is_deleted()
+    assert float(plan({"v": 2.5}, donate=out)["v"]) == 2.5
 
 
 @contextlib.contextmanager

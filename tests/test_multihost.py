@@ -480,6 +480,18 @@ def test_a_call_refused_on_one_process_raises_on_the_others_and_the_next_calls_p
 
 
 @pytest.mark.multiprocess
+def test_a_refused_call_of_a_plan_with_fallback_leaves_raises_on_the_peer_and_calls_pair(
+    run_order,
+):
+    """(A fuzz.) A fallback leaf's jax.device_put, a collective under jax.distributed, ran
+    before the order check: a call refused on one process put the processes out of step
+    for good (and the last call hung)."""
+    run_order.case_ok("order_fallback")
+    assert "FALLBACK 0: jaxreshard: process 1 refused call #" in run_order.outputs[0]
+    assert "FALLBACK 1: these source leaves do not match the plan" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
 def test_every_refusal_and_a_given_up_call_raise_on_the_peer_and_the_next_calls_pair(run_order):
     """Regression: a donate= tree still in flight and an Fp8Blockwise plan's own checks were
     refused without a place in the order of calls, so the peer's call paired with the next

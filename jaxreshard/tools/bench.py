@@ -1361,6 +1361,7 @@ class _Bench:
             "strategy": s.name,
             "plan_s": s.plan_s,
             **st,
+            "bytes_packed": s.plan.lowered.packed_bytes,
             "host_syncs_counted": syncs[0],
             "sent_equals_lower_bound": st["bytes_sent"] == st["bytes_lower_bound"],
         }
