@@ -2680,6 +2680,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         "from get_mesh instead of naming the mistake and its fix",
     ),
     Mutant(
+        "route-alike-rotation-replaces-the-plain-one",
+        ROUTE,
+        (
+            (
+                "    rotated.append(_rotate(numbered, number))\n",
+                "    rotated = rotated or [_rotate(numbered, number)]\n",
+            ),
+        ),
+        (
+            "tests/test_route.py::test_replicas_taking_one_holder_never_cost_the_balance_the_"
+            "plain_rotation_reaches",
+        ),
+        "with replicas taking one holder, that rotation replaces the plain one among the "
+        "sender choices: where it is unbalanced the plain rotation, alone optimal, is lost",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

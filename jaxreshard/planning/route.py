@@ -208,10 +208,11 @@ def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Pie
     id order), with no regard to quotas. Where it is as balanced and needs no more (sender,
     receiver) pairs, it wins the tie: its senders then send alike (every replica the same
     shapes), which lets the executor run them as one SPMD program (`jaxreshard.planning.lower`).
-    With ``alike`` (see `_rotate`), among choices as balanced and with as few pairs, the one
-    that packs the fewest bytes wins before the least busy (`_packed`: a sender's streams to
-    replicas of one shard, when alike, are packed once, `lower.Step.shared`): packing is a
-    copy of every byte, where the slack costs at most 1% more sent by the busiest sender.
+    With ``alike`` (see `_rotate`) the replicas' rotation is a fourth choice, and among
+    choices as balanced and with as few pairs, the one that packs the fewest bytes wins
+    before the least busy (`_packed`: a sender's streams to replicas of one shard, when
+    alike, are packed once, `lower.Step.shared`): packing is a copy of every byte, where the
+    slack costs at most 1% more sent by the busiest sender.
     """
     # Candidate groups are tuples of up to hundreds of replicas, and CPython does not cache
     # tuple hashes or shortcut comparing equal ones: each demand's group is hashed once here,
@@ -245,8 +246,12 @@ def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Pie
     quotas = [quota[group] for group in groups]
     plain = _hand_out(ordered, quotas, None)
     paired = _hand_out(ordered, quotas, max(optimum.values(), default=0))
-    rotated = _rotate(numbered, number, alike)
-    options = [(sent, _busiest(sent)) for sent in (rotated, paired, plain)]
+    # With ``alike`` the replicas' rotation is one more choice, beside the plain one (which
+    # it would leave out: where the replicas taking one holder is far from balanced, the
+    # plain rotation may be the best of all).
+    rotated = [_rotate(numbered, number, True)] if alike else []
+    rotated.append(_rotate(numbered, number))
+    options = [(sent, _busiest(sent)) for sent in (*rotated, paired, plain)]
     best = min(busiest for _, busiest in options)
     # Within the balance slack: the fewest pairs, then (with ``alike``) the fewest bytes
     # packed, then the least busy sender; ties to the fewest shapes.
