@@ -2696,6 +2696,17 @@ SURFACE_MUTANTS: list[Mutant] = [
         "sender choices: where it is unbalanced the plain rotation, alone optimal, is lost",
     ),
     Mutant(
+        "lower-shares-where-it-splits-packs",
+        LOWER,
+        (("        if len(alone) < len(packs):\n", "        if False:\n"),),
+        (
+            "tests/test_compiled.py::test_a_step_shares_no_packed_buffer_where_that_would_split_"
+            "its_pack_program",
+        ),
+        "a step shares packed buffers where that gives its senders unlike packs: two pack "
+        "programs a step, for a few small messages' copies",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -292,7 +292,8 @@ class Step:
         what it sends in another round of the step (the same segments into the same slot
         shape: one source shard to several replicas of a destination shard, one relay to
         several peers): its pack fills only ``packed slot``, and the transfer sends that
-        buffer in both rounds. Packed once, sent many times.
+        buffer in both rounds. Packed once, sent many times; not where sharing would take
+        more pack programs than packing every message.
       packed_bytes: the payload its packs write (its messages' bytes, less those of the
         rounds in ``shared``).
     """
@@ -430,13 +431,16 @@ def _step(
         return Step(unit, fresh, (), (), None, unpacks)
     bucket, w, word = laid.bucket, laid.w, laid.word
     slots = tuple(Slot(n // w, word, widths[n // w, word]) for n in bucket.slot_bytes)
+    every: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     packed: dict[tuple[object, ...], int] = {}  # (sender, slot, segments) -> the packed slot
     shared = []
-    packed_bytes = 0
+    packed_bytes = total = 0
     for m, segments in zip(bucket.messages, laid.segments, strict=True):
         got[m.dst][m.slot] = segments
+        every[m.src][m.slot] = segments
+        total += m.nbytes
         # A message a sender already packs in this step, into a slot of the same shape, is
         # sent again from that buffer rather than packed twice (`Step.shared`).
         t = packed.setdefault((m.src, slots[m.slot], tuple(segments)), m.slot)
@@ -450,6 +454,14 @@ def _step(
     )
     transfer = TransferProgram(tuple(position), slots, perms)
     packs = _packs(leaves, small, sent, slots, w)
+    if shared:
+        # Only where it splits no pack program: senders that share unlike each other no
+        # longer pack alike, and a program more (a launch, arrays re-wrapped over a mesh of
+        # its own) costs more than a few small messages' copies (the bench's 576 norm scales
+        # and biases: two pack programs a step, 9 -> 29 ms to pack).
+        alone = _packs(leaves, small, every, slots, w)
+        if len(alone) < len(packs):
+            packs, shared, packed_bytes = alone, [], total
     unpacks = _unpacks(leaves, small, got, local, w, slots)
     return Step(unit, fresh, slots, packs, transfer, unpacks, tuple(sorted(shared)), packed_bytes)
 

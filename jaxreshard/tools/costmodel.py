@@ -570,6 +570,8 @@ def _counted_buckets(
             for m in schedule.buckets[b].messages:
                 # A message its sender already packs in this step, into a slot of the same
                 # size, is sent again from that buffer (`lower.Step.shared`): not packed twice.
+                # (The lowering declines where sharing would split a pack program, small
+                # gathered messages: their copies are counted once here all the same.)
                 again = (m.src, slot_bytes[m.slot], m.segments) in packed
                 packed.add((m.src, slot_bytes[m.slot], m.segments))
                 for seg in m.segments:
