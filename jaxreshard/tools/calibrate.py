@@ -40,8 +40,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
+from jaxreshard.planning.lower import MIN_CAST_SLOT_WIDTH
 from jaxreshard.planning.topology import GB, PROFILES, Profile, Topology
 from jaxreshard.run import codec, runtime
+from jaxreshard.run.codec import ZERO
 from jaxreshard.tools import bench, costmodel
 
 TOLERANCE = 0.30
@@ -239,27 +241,35 @@ class _RowsCopy(_InPlace):
 class _NarrowCopy(_InPlace):
     """Narrow elements on every device at once, the two ways a bf16 refit copies them:
     ``cast``: half the columns of a float32 matrix, cast to bfloat16 and written as 16-bit
-    words into a donated flat buffer (a casting pack); else: 16-bit words written as
-    bfloat16 into half the columns of a donated bf16 matrix (an unpack into a bf16 shard).
-    A bucket of bf16 leaves stages 16-bit words (`lower._word_bytes`: the widest word every
-    element is made of), so these are the executor's own copies."""
+    words into a donated slot of rows of `lower.MIN_CAST_SLOT_WIDTH` words, read from the
+    matrix viewed with rows of that many elements (a casting pack, as `runtime._read_rows`
+    reads one; a flat slot, as measured until 2026-12-05, copies about 1.6x slower, and the
+    model then priced the bench's `cast` refit at 1.5-1.65x its time); else: 16-bit words
+    written as bfloat16 into half the columns of a donated bf16 matrix (an unpack into a
+    bf16 shard). A bucket of bf16 leaves stages 16-bit words (`lower._word_bytes`: the widest
+    word every element is made of), so these are the executor's own copies."""
 
     def __init__(self, devices: Sequence[jax.Device], nbytes: int, *, cast: bool):
         n = len(devices)
-        rows, cols = 1024, max(4, nbytes // 2 // 1024)  # ``nbytes`` of bf16 in half the columns
-        cols -= cols % 4
+        width = MIN_CAST_SLOT_WIDTH
+        rows, cols = 1024, max(2 * width, nbytes // 2 // 1024)  # ``nbytes`` of bf16, half cols
+        cols -= cols % (2 * width)
         mesh = Mesh(np.array(list(devices)), ("g",))
         s2, s1 = NamedSharding(mesh, P("g", None)), NamedSharding(mesh, P("g"))
         half = cols // 2
         if cast:
             self.x = jax.jit(lambda: jnp.ones((n * rows, cols), jnp.float32), out_shardings=s2)()
-            self.y = jax.jit(lambda: jnp.zeros((n * rows * half,), jnp.uint16), out_shardings=s1)()
+            self.y = jax.jit(
+                lambda: jnp.zeros((n * rows * half // width, width), jnp.uint16), out_shardings=s2
+            )()
 
             def body(x: jax.Array, y: jax.Array) -> jax.Array:
-                words = codec.read_bits(x, (0, half), (rows, half), jnp.bfloat16).reshape(-1)
-                return lax.dynamic_update_slice(y, words, (np.int32(0),))
+                view = x.reshape(rows, cols // width, width)
+                start = (ZERO, np.int32(half // width), ZERO)
+                bits = codec.read_bits(view, start, (rows, half // width, width), jnp.bfloat16)
+                return lax.dynamic_update_slice(y, bits.reshape(-1, width), (ZERO, ZERO))
 
-            specs = (P("g", None), P("g"))
+            specs = (P("g", None), P("g", None))
         else:
             self.x = jax.jit(lambda: jnp.ones((n * rows * half,), jnp.uint16), out_shardings=s1)()
             self.y = jax.jit(lambda: jnp.zeros((n * rows, cols), jnp.bfloat16), out_shardings=s2)()
