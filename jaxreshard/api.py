@@ -975,7 +975,8 @@ class Plan:
         def buffer(shape: tuple[int, ...], dtype: Any, s: Sharding) -> tuple[Any, ...]:
             shard = s.shard_shape(shape)
             if boundary.is_key(dtype):  # its buffers hold its key data
-                return boundary.key_data_shape(jax.ShapeDtypeStruct(shard, dtype))[::-1]
+                data, bits = boundary.key_data_shape(jax.ShapeDtypeStruct(shard, dtype))
+                return bits, data
             return jnp.dtype(dtype), tuple(shard)
 
         sources = {

@@ -2566,8 +2566,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         LOWER,
         (
             (
-                "        t = packed.setdefault((m.src, slots[m.slot], tuple(segments)), m.slot)\n",
-                "        t = m.slot\n",
+                "    packed_slots = bucket.packed_slots()\n",
+                "    packed_slots = [m.slot for m in bucket.messages]\n",
             ),
         ),
         (

@@ -434,16 +434,15 @@ def _step(
     every: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
-    packed: dict[tuple[object, ...], int] = {}  # (sender, slot, segments) -> the packed slot
     shared = []
     packed_bytes = total = 0
-    for m, segments in zip(bucket.messages, laid.segments, strict=True):
+    # A message a sender already packs in this step, into a slot of the same shape, is sent
+    # again from that buffer rather than packed twice (`Step.shared`).
+    packed_slots = bucket.packed_slots()
+    for m, segments, t in zip(bucket.messages, laid.segments, packed_slots, strict=True):
         got[m.dst][m.slot] = segments
         every[m.src][m.slot] = segments
         total += m.nbytes
-        # A message a sender already packs in this step, into a slot of the same shape, is
-        # sent again from that buffer rather than packed twice (`Step.shared`).
-        t = packed.setdefault((m.src, slots[m.slot], tuple(segments)), m.slot)
         if t == m.slot:
             sent[m.src][m.slot] = segments
             packed_bytes += m.nbytes

@@ -109,6 +109,16 @@ class Bucket:
     def sends(self, device: int) -> tuple[Message, ...]:
         return tuple(m for m in self.messages if m.src == device)
 
+    def packed_slots(self) -> list[int]:
+        """Per message, the slot whose buffer its sender sends it from: its own, or that of
+        the first message its sender sends alike in this bucket (the same segments in a slot
+        of the same size), which it packs once (`lower.Step.shared`)."""
+        first: dict[tuple[object, ...], int] = {}
+        return [
+            first.setdefault((m.src, self.slot_bytes[m.slot], m.segments), m.slot)
+            for m in self.messages
+        ]
+
     def recvs(self, device: int) -> tuple[Message, ...]:
         return tuple(m for m in self.messages if m.dst == device)
 

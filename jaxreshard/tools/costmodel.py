@@ -565,15 +565,13 @@ def _counted_buckets(
             assert leaves is not None and isinstance(schedule, Schedule)
             packs, unpacks = _Copies(), _Copies()
             read, written = set(), set()
-            packed = set()
-            slot_bytes = schedule.buckets[b].slot_bytes
-            for m in schedule.buckets[b].messages:
-                # A message its sender already packs in this step, into a slot of the same
-                # size, is sent again from that buffer (`lower.Step.shared`): not packed twice.
-                # (The lowering declines where sharing would split a pack program, small
-                # gathered messages: their copies are counted once here all the same.)
-                again = (m.src, slot_bytes[m.slot], m.segments) in packed
-                packed.add((m.src, slot_bytes[m.slot], m.segments))
+            full = schedule.buckets[b]
+            # A message its sender already packs in this step is sent again from that buffer
+            # (`lower.Step.shared`): not packed twice. (The lowering declines where sharing
+            # would split a pack program, small gathered messages: their copies are counted
+            # once here all the same.)
+            for m, packed_slot in zip(full.messages, full.packed_slots(), strict=True):
+                again = packed_slot != m.slot
                 for seg in m.segments:
                     leaf = leaves[seg.leaf]
                     narrow = _narrow(leaf)
