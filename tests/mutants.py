@@ -238,7 +238,7 @@ PLANNER_MUTANTS = [
         (
             f"{T_TOPO}::test_destination_domains_that_outnumber_the_sources_forward_to_each_other",
             "tests/test_lower.py::test_random_layouts_with_chained_domains_lower_exactly"
-            "[False-by copies]",
+            "[False-by copies-as chosen]",
         ),
         "a share is forwarded to the last device of each other domain, not the one at its "
         "position, which relays it in stage 2 (that device relays bytes it never got)",
@@ -708,7 +708,10 @@ EXECUTOR_MUTANTS: list[Mutant] = [
                 "                    later = arriving[i + min(stage, 1)]",
             ),
         ),
-        (f"{T_LOWER}::test_random_layouts_with_chained_domains_lower_exactly[True-by copies]",),
+        (
+            f"{T_LOWER}::test_random_layouts_with_chained_domains_lower_exactly"
+            "[True-by copies-as chosen]",
+        ),
         "pipelining moves stage-2 relays one unit later, like stage 1: they run beside the "
         "forwards that bring their bytes (a relay reads bytes that have not arrived)",
     ),
@@ -717,7 +720,7 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "    if interleave and len(np.unique(stage[cls == slowest])) > 1:",
+                "    if interleave and len(np.unique(stage[link == slowest])) > 1:",
                 "    if False:",
             ),
         ),
@@ -2705,6 +2708,52 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a step shares packed buffers where that gives its senders unlike packs: two pack "
         "programs a step, for a few small messages' copies",
+    ),
+    Mutant(
+        "schedule-relays-ignore-the-sources-excess",
+        SCHEDULE,
+        (
+            (
+                "    return int((weight * np.maximum(most[0] - most[1], 0)).sum())\n",
+                "    return 0\n",
+            ),
+        ),
+        ("tests/test_planner.py::test_relays_share_their_links_chunk_where_the_sources_bind",),
+        "relays take a chunk of their own where the sources bind: the sources' sends then "
+        "wait for the forwards' rounds",
+    ),
+    Mutant(
+        "schedule-cut-ignores-the-relay-chunk",
+        SCHEDULE,
+        (
+            (
+                "        return chunk_of.get(cls + RELAY_CLASS, chunk_of[cls]) if relayed else "
+                "chunk_of[cls]\n",
+                "        return chunk_of[cls]\n",
+            ),
+        ),
+        (
+            "tests/test_lower.py::test_random_layouts_with_chained_domains_lower_exactly"
+            "[True-by copies-apart]",
+        ),
+        "the lowering cuts a relay's stream with its link's chunk where the rounds were "
+        "coloured with the relays' own",
+    ),
+    Mutant(
+        "schedule-cut-takes-merged-pairs-by-stage",
+        SCHEDULE,
+        (
+            (
+                "        relayed = pair not in starts if stage == ALL_STAGES else stage > 0\n",
+                "        relayed = stage > 0\n",
+            ),
+        ),
+        (
+            "tests/test_lower.py::test_random_layouts_with_chained_domains_lower_exactly"
+            "[True-by copies-apart]",
+        ),
+        "where a unit's stages are coloured as one, the lowering takes no pair for a relay: "
+        "the relays' streams cut with their link's chunk",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

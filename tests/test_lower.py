@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference import assert_lowered_exact, leaf_spec, pack_reads, slot_widths
 
+from jaxreshard.planning import schedule as schedule_module
 from jaxreshard.planning.lower import (
     PackProgram,
     TransferProgram,
@@ -565,16 +566,31 @@ def test_random_layouts_with_fan_out_lower_exactly(moves):
 THREE_DOMAINS = Topology.from_groups([range(4), range(4, 8), range(8, 12)])
 
 
-@pytest.mark.parametrize("moves", ["by copies", "by gathers"])
+@pytest.mark.parametrize(
+    ("moves", "relays"),
+    [("by copies", "as chosen"), ("by gathers", "as chosen"), ("by copies", "apart")],
+)
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_random_layouts_with_chained_domains_lower_exactly(pipeline, moves):
+def test_random_layouts_with_chained_domains_lower_exactly(pipeline, moves, relays, monkeypatch):
     """Random layouts whose destination is replicated over two domains and the sources sit in
     a third, routed as `jaxreshard.plan` routes clusters (destination domains chained where
     the sources would carry the fan-out): exact through the lowered programs, pipelined three
     stages deep or stage after stage, and no relay forwards a byte before it arrived, in
     stage 2 (a byte another domain forwarded) as in stage 1. Most examples must chain
-    (asserted, not hoped for)."""
+    (asserted, not hoped for). ``relays="apart"``: the relays across domains always take a
+    chunk size of their own (`schedule._split_relays`), so the lowering cuts each stream as
+    the rounds were coloured, whichever chunk its pair took."""
     seen: Counter = Counter()
+    if relays == "apart":
+        monkeypatch.setattr(schedule_module, "_excess", lambda *args: -(1 << 60))
+        split = schedule_module._split_relays
+
+        def counted(*args, **kwargs):
+            chunk = split(*args, **kwargs)
+            seen["relays apart"] += chunk is not None
+            return chunk
+
+        monkeypatch.setattr(schedule_module, "_split_relays", counted)
 
     @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
@@ -618,6 +634,8 @@ def test_random_layouts_with_chained_domains_lower_exactly(pipeline, moves):
     one()
     print(f"distribution: {dict(seen)}")
     assert seen["chained"] >= 0.5 * seen["examples"], seen
+    if relays == "apart":
+        assert seen["relays apart"] >= 0.3 * seen["examples"], seen
 
 
 def test_chained_units_colour_imports_and_forwards_together():

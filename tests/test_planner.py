@@ -29,6 +29,7 @@ from jaxreshard.planning.schedule import (
     _parted_rounds,
     _plan_stream_rounds,
     _slab_dimension,
+    _split_relays,
     _stage_rounds,
     _StreamArrays,
     build_schedule,
@@ -169,6 +170,58 @@ def test_beside_the_slowest_links_two_faster_chunks_fit_a_bucket():
     beside, same = chunk_sizes(sizes, **options, beside_slowest=2)
     assert alone == {0: 2048, 1: 2048}  # alone, the faster chunk fills its half of a bucket
     assert beside == {0: 1024, 1: 2048} and same == classes  # 2 x 1024 + 2048 = one bucket
+
+
+def _imports_and_forwards(source_bytes: int, share: int) -> tuple[_StreamArrays, np.ndarray]:
+    """A unit's streams over the slowest links, as NeMo-RL's setup has them: four sources
+    (0-3) each send ``source_bytes`` to each of four receivers (4-7) in stage 0, and every
+    receiver forwards a ``share`` to each of the three others in stage 1. Returns the
+    streams and which are relays."""
+    sizes = {(0, (s, d)): source_bytes for s in range(4) for d in range(4, 8)}
+    sizes |= {(1, (s, d)): share for s in range(4, 8) for d in range(4, 8) if s != d}
+    streams, _ = _StreamArrays.of(sizes)
+    return streams, streams.stage > 0
+
+
+RELAY_OPTIONS = dict(
+    bucket_bytes=8 << 20,
+    class_latency_bytes={1: 100_000},
+    ladder=2,
+    fault_cost=0.0,
+    max_chunk_bytes=4 << 20,
+)
+
+
+def test_long_relays_take_a_chunk_of_their_own_where_the_receivers_bind():
+    """A receiver takes four 0.7 MB imports and three 12 MB forwards a unit. With one chunk for
+    both the forwards are cut to the imports' size (51 rounds a receiver, each a latency);
+    apart, the forwards take chunks of their own, and the imports, which bind no source
+    harder than their receivers, rounds of theirs."""
+    streams, relay = _imports_and_forwards(700_000, 12_000_000)
+    classes = np.ones(len(relay), np.int64)
+    weight = np.ones(2, np.int64)
+    chunk = _split_relays(streams, weight, classes, relay, **RELAY_OPTIONS)
+    assert chunk is not None and chunk > 700_000 * 4  # whole multiples of an import
+    assert 12_000_000 / chunk == math.ceil(12_000_000 / chunk)  # forwards cut evenly
+
+
+def test_relays_share_their_links_chunk_where_the_sources_bind():
+    """The same unit with sources that send more than their receivers take (two of the four
+    send everything): coloured as one, a source sends while receivers take forwards; apart,
+    the imports would wait for the forwards' rounds. One chunk serves both."""
+    streams, relay = _imports_and_forwards(1_500_000, 12_000_000)
+    keep = (streams.src >= 2) | relay  # sources 0 and 1 send nothing: 2 and 3 twice as much
+    streams = _StreamArrays(
+        streams.stage[keep], streams.src[keep], streams.dst[keep],
+        np.where(relay[keep], 1, 2) * streams.nbytes[keep], streams.labels,
+    )  # fmt: skip
+    classes = np.ones(int(keep.sum()), np.int64)
+    weight = np.ones(2, np.int64)
+    assert _split_relays(streams, weight, classes, relay[keep], **RELAY_OPTIONS) is None
+    # Relays on links other than the slowest (inside a domain) are left to their class.
+    inside = np.where(relay, 0, 1)
+    streams, relay = _imports_and_forwards(700_000, 12_000_000)
+    assert _split_relays(streams, np.ones(2, np.int64), inside, relay, **RELAY_OPTIONS) is None
 
 
 def test_the_chunk_choice_prices_fresh_staging_only_where_the_pool_cannot_keep_it():

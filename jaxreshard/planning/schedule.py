@@ -438,6 +438,22 @@ ALL_STAGES = -1
 Entry = tuple[tuple[int, int], int]
 """``((sender, receiver), k)``: chunk ``k`` of that pair's stream (of one stage)."""
 
+RELAY_CLASS = 1 << 8
+"""Added to the slowest link class to make the chunk class of its relays' streams (stage 1
+and later) where they take a chunk size of their own (`_split_relays`). Link classes stay
+below it; a chunk class's link is ``chunk_class % RELAY_CLASS``."""
+
+
+def _chunk_classes(classes: np.ndarray, relay: np.ndarray, chunks: Mapping[int, int]) -> np.ndarray:
+    """The chunk class of each stream: its link class, or for a stream ``relay`` marks on the
+    slowest links, that class plus `RELAY_CLASS` where ``chunks`` has a chunk for it."""
+    relayed = [c for c in chunks if c >= RELAY_CLASS]
+    if not relayed:
+        return classes
+    (key,) = relayed
+    return np.where(relay & (classes == key - RELAY_CLASS), key, classes)
+
+
 Round = tuple[int, tuple[Entry, ...]]
 """``(slot_bytes, entries)``: one collective-permute round."""
 
@@ -1271,6 +1287,7 @@ def plan_unit_rounds(
     nbytes: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     weight: list[int] = []  # per (unit, stage)
+    label_stage: list[int] = []  # per (unit, stage): the stage
     first: dict[object, list[int]] = {}  # streams' key -> the stages of the first unit
     chained = False
     keys = _StreamKeys(leaves, prepared)
@@ -1287,6 +1304,7 @@ def plan_unit_rounds(
         nbytes.append(unit_sizes)
         labels.append(at.reshape(-1) + len(weight))
         weight.extend([1] * len(stages))
+        label_stage.extend(stages.tolist())
         chained = chained or any(st > 1 for st in stages.tolist())
     code = np.concatenate(codes) if codes else np.zeros(0, np.int64)
     src, dst = np.divmod(code % (n * n), n)
@@ -1309,19 +1327,35 @@ def plan_unit_rounds(
     # extra round doubles up there instead of taking a bucket where the slowest links idle
     # (modeled DeepSeek-V3 128 -> 512: 63 MiB NVLink chunks beside 10.6 MiB NIC chunks made
     # 214 buckets of two NVLink rounds and none across, 760 ms; 55.5 MiB ones, 712 ms).
+    max_chunk = bucket_bytes // 2 if chained else None
+    link = classes_of(code)
+    relay = np.array(label_stage, np.int64)[streams.stage] > 0
+    relay_chunk = _split_relays(
+        streams,
+        np.array(weight, np.int64),
+        link,
+        relay,
+        bucket_bytes=bucket_bytes,
+        class_latency_bytes=class_latency_bytes,
+        ladder=ladder_rungs,
+        fault_cost=fault_cost,
+        max_chunk_bytes=max_chunk,
+    )
+    split = {} if relay_chunk is None else {int(link.max()) + RELAY_CLASS: relay_chunk}
     chunks = _class_chunks(
         streams,
         np.array(weight, np.int64),
-        classes_of(code),
+        _chunk_classes(link, relay, split),
         bucket_bytes=bucket_bytes,
         latency_bytes=None,
         class_latency_bytes=class_latency_bytes,
         ladder=ladder_rungs,
         fault_cost=fault_cost,
-        max_chunk_bytes=bucket_bytes // 2 if chained else None,
+        max_chunk_bytes=max_chunk,
         beside_slowest=2 if chained else 0,
         lanes_overlap=lanes_overlap,
     )
+    chunks = dict(sorted({**chunks, **split}.items()))
     # Leaves whose pieces span several chunks go into slabs of about a chunk each (or as many
     # chunks as a unit spans buckets), which share one program, instead of being cut chunk by
     # chunk inside a unit (a copy per cut).
@@ -1487,14 +1521,22 @@ def _cut_buckets(
     merged = any(b.stage == ALL_STAGES for b in plan.buckets)  # the stages coloured as one
     for piece in pieces:
         by_stage[ALL_STAGES if merged else piece.stage].append(piece)
+    # The pairs whose streams start a unit (stage 0): the others are relays, which may take
+    # chunks of their own (`RELAY_CLASS`), as `_plan_code_rounds` coloured them.
+    starts = {(p.src, d) for p in pieces if p.stage == 0 for d in p.dsts}
+
+    def chunk_bytes(stage: int, pair: tuple[int, int]) -> int:
+        if link_class is None:
+            return plan.chunk_bytes
+        cls = link_class(*pair)
+        relayed = pair not in starts if stage == ALL_STAGES else stage > 0
+        return chunk_of.get(cls + RELAY_CLASS, chunk_of[cls]) if relayed else chunk_of[cls]
+
     chunks: dict[int, dict[tuple[int, int], list[tuple[Segment, ...]]]] = {}
     cut = functools.lru_cache(maxsize=None)(_cut)  # relays send one part to several peers
     for stage, stage_pieces in sorted(by_stage.items()):
         chunks[stage] = {
-            pair: cut(
-                tuple(stream),
-                plan.chunk_bytes if link_class is None else chunk_of[link_class(*pair)],
-            )
+            pair: cut(tuple(stream), chunk_bytes(stage, pair))
             for pair, stream in _streams(leaves, stage_pieces).items()
         }
     buckets = []
@@ -1611,20 +1653,22 @@ def _plan_code_rounds(
     colour = colour_rounds if colour is None else colour
     cap = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     link_class, n = classes_of.link_class, classes_of.n
-    cls = classes_of(codes)
+    link = classes_of(codes)
+    stage, pair = np.divmod(codes, n * n)
+    cls = _chunk_classes(link, stage > 0, chunks)  # (relays may take chunks of their own)
     chunk_of = {c: chunks[c] for c in sorted(set(np.unique(cls).tolist()))}
     chunk = max(chunk_of.values(), default=cap)
-    slowest = max(chunk_of, default=0)
-    stage, pair = np.divmod(codes, n * n)
+    slowest = max((c % RELAY_CLASS for c in chunk_of), default=0)
     parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []  # stage, pairs, bytes, classes
-    if interleave and len(np.unique(stage[cls == slowest])) > 1:
+    if interleave and len(np.unique(stage[link == slowest])) > 1:
         # Several stages cross the slowest links (destination domains forwarding to each
         # other beside the sources' sends): their streams are coloured as one, so a round
         # takes a chunk of whichever stage a device can send or receive then. Coloured
         # apart, a device that both imports and forwards would spend the import rounds idle
         # on one side.
         pairs, sizes = _summed(pair, nbytes)
-        parts.append((ALL_STAGES, pairs, sizes, classes_of(pairs)))
+        relayed = ~np.isin(pairs, pair[stage == 0])  # (a pair's stream: all its stages')
+        parts.append((ALL_STAGES, pairs, sizes, _chunk_classes(classes_of(pairs), relayed, chunks)))
     else:  # (codes are sorted: each stage is one run of them, its pairs in order)
         starts = np.flatnonzero(np.r_[True, stage[1:] != stage[:-1]]) if len(stage) else []
         ends = np.r_[starts[1:], len(stage)] if len(stage) else []
@@ -1657,7 +1701,13 @@ def _plan_code_rounds(
             streams, _ = as_dicts(pairs, sizes, classes)
             rounds = _stage_rounds(streams, chunk, ladder, colour)
         elif isinstance(colour, _ColourMemo):  # a stage's rounds depend on its streams only
-            key = (pairs.tobytes(), sizes.tobytes(), tuple(chunk_of.items()), ladder)
+            key = (
+                pairs.tobytes(),
+                sizes.tobytes(),
+                classes.tobytes(),
+                tuple(chunk_of.items()),
+                ladder,
+            )
             if key not in colour.stages:
                 made = stage_rounds(pairs, sizes, classes)
                 colour.stages[key] = [(size, tuple(entries)) for size, entries in made]
@@ -1668,7 +1718,7 @@ def _plan_code_rounds(
             _, known = as_dicts(pairs, sizes, classes)
             lanes: tuple[list[Any], list[Any]] = ([], [])  # (slowest links, the others)
             for r in rounds:
-                lanes[not any(known[p] == slowest for p, _ in r[1])].append((st, r))
+                lanes[not any(known[p] % RELAY_CLASS == slowest for p, _ in r[1])].append((st, r))
             runs.extend(lanes)
         else:
             runs.append([(st, r) for r in rounds])
@@ -1833,7 +1883,8 @@ def _class_chunks(
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
     chunk_of: dict[int, int] = {}
     slowest_lane: float | None = None  # the slowest class's rounds' time, in round latencies
-    for cls in sorted(set(np.unique(classes).tolist()), reverse=True):  # the slowest first
+    links = [c for c in np.unique(classes).tolist() if c < RELAY_CLASS]  # (relays: chosen apart)
+    for cls in sorted(links, reverse=True):  # the slowest first
         mine = streams.where(classes == cls)
         cls_latency = (class_latency_bytes or {}).get(cls, latency)
         model = _ChunkModel(mine, weight[mine.labels], cls_latency, fault_cost, bucket_bytes)
@@ -1870,6 +1921,68 @@ def _class_chunks(
         if together < apart:
             chunk_of[cls] = beside
     return dict(sorted(chunk_of.items()))
+
+
+def _split_relays(
+    streams: _StreamArrays,
+    weight: np.ndarray,
+    classes: np.ndarray,
+    relay: np.ndarray,
+    *,
+    bucket_bytes: int,
+    class_latency_bytes: Mapping[int, int] | None,
+    ladder: int,
+    fault_cost: float,
+    max_chunk_bytes: int | None,
+) -> int | None:
+    """The chunk size of the slowest links' relays (``relay``: streams of stage 1 and later)
+    where they take one of their own (`RELAY_CLASS`), or None where they share their links'.
+
+    A relay forwards a whole share to each peer in one long stream, where the sources' sends
+    to a device are many short ones: one chunk size for both cuts the long streams to the
+    short ones' size, in many rounds, each a latency (NeMo-RL's DeepSeek-V3 setup: 406 MiB
+    forwards in 10.4 MiB chunks, to fit 14 MiB imports). Apart, the relays take rounds of
+    their own chunk and the imports rounds of theirs, but a round of one no longer holds a
+    chunk of the other, so a device that imports and forwards does one at a time where a
+    source busier than the receivers it sends to (a source-bound stage, which chaining
+    answers) would have sent beside the relays. Taken where the chunk model's time of the
+    two apart, plus every stage's sources' excess over its receivers, beats the one chunk's.
+    """
+    if not len(classes):
+        return None
+    slowest = int(classes.max())
+    mine = classes == slowest
+    relays = mine & relay
+    imports = mine & ~relay
+    if not relays.any() or not imports.any():
+        return None
+    cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
+    latency = (class_latency_bytes or {}).get(slowest, bucket_bytes // 16)
+
+    def best(keep: np.ndarray) -> tuple[int, int]:
+        part = streams.where(keep)
+        model = _ChunkModel(part, weight[part.labels], latency, fault_cost, bucket_bytes)
+        chunk = _choose_chunk(model, cap=cap, ladder=ladder)
+        return chunk, model.time(chunk, ladder)
+
+    _, together = best(mine)
+    chunk, relaying = best(relays)
+    _, importing = best(imports)
+    return chunk if relaying + importing + _excess(streams, weight, imports) < together else None
+
+
+def _excess(streams: _StreamArrays, weight: np.ndarray, keep: np.ndarray) -> int:
+    """Over the stages of the streams ``keep`` selects, the busiest sender's bytes beyond the
+    busiest receiver's, each stage counted ``weight`` times."""
+    stage, nbytes = streams.stage[keep], streams.nbytes[keep]
+    most = []
+    for device in (streams.src[keep], streams.dst[keep]):
+        key, at = np.unique(stage * (int(device.max()) + 1) + device, return_inverse=True)
+        load = np.bincount(at.reshape(-1), weights=nbytes)
+        per_stage = np.zeros(len(weight))
+        np.maximum.at(per_stage, key // (int(device.max()) + 1), load)
+        most.append(per_stage)
+    return int((weight * np.maximum(most[0] - most[1], 0)).sum())
 
 
 @dataclasses.dataclass(frozen=True)
