@@ -48,7 +48,6 @@ from jaxreshard.run.multihost import (
     agree,
     check_order,
     fingerprint,
-    has_agreed,
     options_text,
     order_check_enabled,
     refuse_call,
@@ -543,11 +542,13 @@ class Plan:
         return flat, old
 
     def refuse(self, error: ReshardError, *, on_worker: bool = False) -> None:
-        """Under ``jax.distributed``, after the plan's agreement: record a call this process
-        refuses before anything moves in the order of calls (`multihost.refuse_call`), so
-        that the other processes' same call raises naming it instead of pairing with this
-        process's next call (which would hand them another step's weights). A no-op
-        otherwise: before the agreement a refused call takes no place in the order.
+        """Under ``jax.distributed``: record a call this process refuses before anything moves
+        in the order of calls (`multihost.refuse_call`), so that the other processes' same
+        call raises naming it instead of pairing with this process's next call (which would
+        hand them another step's weights). A plan's first call refused agrees on the plan
+        first, as the call would have (the peers' same call waits there for this process):
+        the refusal then takes that call's place. Where the agreement fails, it raises on
+        the peers too, and nothing is recorded. A no-op in one process.
 
         Calls take their number in the order of calls when they are issued, and refits in
         flight are issued by the worker thread: while there are some, the refusal is
@@ -555,7 +556,9 @@ class Plan:
         if self._order_check() is None:
             return
         if not self._agreed:  # this object's first call; the same plan made again has agreed
-            if not has_agreed(self.identity):
+            try:
+                agree(self.identity)
+            except ReshardError:  # (published: the peers raise in their agreement too)
                 return
             self._agreed = True
         record = functools.partial(
@@ -1714,16 +1717,40 @@ def reshard(
     options), so calling this every step plans and compiles only on the first call. See `plan`
     and `Plan.__call__` for the arguments.
     """
-    found = cached_plan(
-        src_tree,
-        dst_shardings,
-        bucket_bytes=bucket_bytes,
-        dtype=dtype,
-        topology=topology,
-        compiler_options=compiler_options,
-        fallback=fallback,
-    )
+    try:
+        found = cached_plan(
+            src_tree,
+            dst_shardings,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            topology=topology,
+            compiler_options=compiler_options,
+            fallback=fallback,
+        )
+    except ReshardError as e:
+        refuse_unplanned(src_tree, e)
+        raise
     return found(src_tree, donate=donate)
+
+
+def refuse_unplanned(src_tree: Any, error: ReshardError) -> None:
+    """Under ``jax.distributed``, a `reshard` this process refused before it found a plan (a
+    ``dst_shardings`` tree that does not fit the source, ...): the refusal takes the place of
+    a call of the plan this process last used for a source laid out as ``src_tree`` (tree,
+    shapes, dtypes, shardings), where the cache holds one, as if that plan had refused it
+    (`Plan.refuse`). In a refit loop that is the call the peers make: theirs raises naming
+    the refusal, where it would pair with this process's next call and return another step's
+    weights. Where the cache holds no such plan (the layout's first call) nothing is recorded.
+    A no-op in one process."""
+    if jax.process_count() == 1 or not order_check_enabled():
+        return
+    source = _source_key(src_tree, "device_put")
+    if source is None:
+        return
+    with _CACHE_LOCK:
+        found = next((p for k, p in reversed(_CACHE.items()) if k[:2] == source), None)
+    if found is not None:
+        _moving(found).refuse(error)
 
 
 def cached_plan(
@@ -1797,9 +1824,9 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def _cache_key(
-    src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, options: Any, fallback: Any
-) -> Any:
+def _source_key(src_tree: Any, fallback: Any) -> tuple[Any, Any] | None:
+    """The source's part of a `_cache_key`: ``(treedef, signature)``, or None where the
+    source cannot key a plan (left for `plan` to report)."""
     leaves, treedef = jax.tree_util.tree_flatten(src_tree)
     arrays = (jax.Array, jax.ShapeDtypeStruct)
     if fallback is None and not all(isinstance(x, arrays) for x in leaves):
@@ -1813,8 +1840,19 @@ def _cache_key(
             else (type(x), np.shape(x), np.result_type(x))
             for x in leaves
         )
+        hash(signature)
     except (TypeError, ValueError):
         return None
+    return treedef, signature
+
+
+def _cache_key(
+    src_tree: Any, dst: Any, bucket_bytes: Any, dtype: Any, options: Any, fallback: Any
+) -> Any:
+    source = _source_key(src_tree, fallback)
+    if source is None:
+        return None
+    treedef, signature = source
     dst_leaves, dst_def = jax.tree_util.tree_flatten(dst, is_leaf=lambda x: isinstance(x, Sharding))
     dt_leaves, dt_def = jax.tree_util.tree_flatten(
         dtype, is_leaf=lambda x: x is None or _is_dtype_like(x)

@@ -423,6 +423,61 @@ def case_order_fallback() -> None:
     ok("order_fallback")
 
 
+def case_order_first_refused() -> None:
+    """(A fuzz.) A plan's first call refused on process 0 (a source of another dtype): process
+    1's first call raises naming it, and the next calls pair up, each with its own step's
+    weights. The refusal took no place in the order (it came before the plan agreed):
+    process 1's call paired with process 0's next one and returned that step's weights."""
+    trainer = mesh(BY_PROCESS[0], (4,), ("x",))
+    sampler = mesh(BY_PROCESS[1], (4,), ("x",))
+    # (Its own leaf name: a plan of the same layout agreed earlier would make this one agreed.)
+    dst = {"first": NamedSharding(sampler, P(None, "x"))}
+
+    def tree(step: int, bad: bool = False) -> dict:
+        full = data((8, 8), 50) + step
+        return {
+            "first": source(full.astype(np.int32) if bad else full, NamedSharding(trainer, P("x")))
+        }
+
+    plan = jr.plan(tree(0), dst)
+    os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost refusal fails in seconds
+    try:
+        _refused("FIRST", lambda: plan(tree(1, bad=PID == 0)))
+        for step in (2, 3):
+            check(plan(tree(step)), {"first": data((8, 8), 50) + step}, dst)
+    finally:
+        del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
+    ok("order_first_refused")
+
+
+def case_order_unplanned() -> None:
+    """(A fuzz.) A `jr.reshard` refit loop whose step-1 call process 0 refuses before it finds
+    a plan (a dst_shardings tree of another structure): process 1's same call raises naming
+    it, and the next steps pair up, each with its own weights. Process 1 returned step 2's
+    weights for step 1, silently, and stayed one step apart."""
+    trainer = mesh(BY_PROCESS[0], (4,), ("x",))
+    sampler = NamedSharding(mesh(BY_PROCESS[1], (4,), ("x",)), P(None, "x"))
+
+    def tree(step: int) -> dict:
+        return {"unplanned": source(data((8, 8), 51) + step, NamedSharding(trainer, P("x")))}
+
+    check(
+        jr.reshard(tree(0), {"unplanned": sampler}),
+        {"unplanned": data((8, 8), 51)},
+        {"unplanned": sampler},
+    )
+    bad = {"other": sampler} if PID == 0 else {"unplanned": sampler}
+    os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost refusal fails in seconds
+    try:
+        _refused("UNPLANNED", lambda: jr.reshard(tree(1), bad))
+        for step in (2, 3):
+            want = {"unplanned": data((8, 8), 51) + step}
+            check(jr.reshard(tree(step), {"unplanned": sampler}), want, {"unplanned": sampler})
+    finally:
+        del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
+    ok("order_unplanned")
+
+
 def _refused(name: str, call, lines: int | None = 2) -> None:
     """Run ``call``, which must raise `ReshardError`; print its first ``lines`` lines (None:
     all) as one line."""
@@ -639,6 +694,8 @@ SCENARIOS = {
         case_order_refused,
         case_order_fallback,
         case_order_refusals,
+        case_order_first_refused,
+        case_order_unplanned,
         case_order_threads,
         case_order_swapped,
     ],

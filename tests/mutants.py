@@ -377,17 +377,6 @@ MULTIHOST_MUTANTS = [
         "holding different key types run, handing one's key data out as the other's keys",
     ),
     Mutant(
-        "api-refusal-of-a-remade-plan-unpublished",
-        "jaxreshard/api.py",
-        (("            if not has_agreed(self.identity):", "            if True:"),),
-        (
-            "tests/test_multihost.py::"
-            "test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once",
-        ),
-        "a refusal of the first call of a plan made again (identical, so agreed) is not "
-        "published: the peer waits for the timeout or pairs with the next call",
-    ),
-    Mutant(
         "order-crossed-call-taken-silently",
         "jaxreshard/run/multihost.py",
         (
@@ -2754,6 +2743,46 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "where a unit's stages are coloured as one, the lowering takes no pair for a relay: "
         "the relays' streams cut with their link's chunk",
+    ),
+    Mutant(
+        "api-first-call-refusal-not-placed",
+        API,
+        (
+            (
+                "            try:\n                agree(self.identity)\n",
+                "            try:\n                raise ReshardError('not agreed')\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_first_call_refused_on_one_process_raises_on_the_"
+            "others_and_the_next_calls_pair",
+            "tests/test_multihost.py::"
+            "test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once",
+        ),
+        "a plan's first call refused before this plan object agreed (a new plan, or one made "
+        "again, identical to one that agreed) takes no place in the order of calls: the peer's "
+        "first call pairs with this process's next one (another step's data)",
+    ),
+    Mutant(
+        "api-reshard-refusal-before-plan-not-placed",
+        API,
+        (("        refuse_unplanned(src_tree, e)\n", "        pass\n"),),
+        (
+            "tests/test_multihost.py::test_a_reshard_refused_before_its_plan_raises_on_the_"
+            "others_and_the_next_calls_pair",
+        ),
+        "a jr.reshard refused before it found a plan publishes nothing: the peer's call pairs "
+        "with this process's next one",
+    ),
+    Mutant(
+        "tunix-refusal-before-plan-not-placed",
+        "jaxreshard/integrations/tunix.py",
+        (("        api.refuse_unplanned(source, e)\n", "        pass\n"),),
+        (
+            "tests/test_tunix_adapter.py::test_a_sync_refused_before_its_plan_is_placed_among_"
+            "the_plans_calls",
+        ),
+        "a Tunix sync refused before its plan is called publishes nothing under jax.distributed",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -510,6 +510,30 @@ def test_every_refusal_and_a_given_up_call_raise_on_the_peer_and_the_next_calls_
 
 
 @pytest.mark.multiprocess
+def test_a_first_call_refused_on_one_process_raises_on_the_others_and_the_next_calls_pair(
+    run_order,
+):
+    """(A fuzz.) A refusal before the plan agreed took no place in the order of calls: the
+    peer's first call paired with the refusing process's next one (another step's weights,
+    no error), and every later call was one step apart. The refusal now agrees first."""
+    run_order.case_ok("order_first_refused")
+    assert "FIRST 0: these source leaves do not match the plan" in run_order.outputs[0]
+    assert "FIRST 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
+def test_a_reshard_refused_before_its_plan_raises_on_the_others_and_the_next_calls_pair(
+    run_order,
+):
+    """(A fuzz.) A `jr.reshard` refused before it found a plan (a dst_shardings tree that
+    does not fit) published nothing: the peer's call paired with the next step's. It now
+    takes the place of a call of the plan last used for that source layout."""
+    run_order.case_ok("order_unplanned")
+    assert "UNPLANNED 0: dst_shardings does not match the structure" in run_order.outputs[0]
+    assert "UNPLANNED 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
 def test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once():
     """Regression: the refusal was not published (this plan object had not agreed, though
     its fingerprint had), so the peer waited for the agreement timeout or paired with the

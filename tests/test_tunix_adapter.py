@@ -324,6 +324,29 @@ def test_shape_dtype_struct_targets_give_their_shardings():
         jr_tunix.reshard_pytree(trainer, bare)
 
 
+def test_a_sync_refused_before_its_plan_is_placed_among_the_plans_calls(monkeypatch):
+    """Under jax.distributed a sync refused before any plan is called (a target leaf with no
+    sharding) must take a call's place in the order of calls, or the peers' same sync pairs
+    with this process's next one (`jaxreshard.api.refuse_unplanned`, a no-op in one
+    process: the multi-process tests run it); a sync refused inside the plan's call is
+    placed by the call itself, not twice."""
+    placed = []
+    monkeypatch.setattr(
+        jr_tunix.api, "refuse_unplanned", lambda source, error: placed.append(type(error))
+    )
+    trainer, rollout = states()
+    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout)
+    with pytest.raises(jr_tunix.ReshardTypeError):
+        jr_tunix.reshard_pytree(trainer, bare)
+    assert placed == [jr_tunix.ReshardTypeError]
+    jr_tunix.reshard_pytree(trainer, rollout)  # planned
+    gone = jax.tree.map(lambda x: x, trainer)
+    jax.tree.leaves(gone)[0].delete()
+    with pytest.raises(jr_tunix.ReshardError, match="deleted"):
+        jr_tunix.reshard_pytree(gone, rollout)
+    assert placed == [jr_tunix.ReshardTypeError]
+
+
 def test_a_one_device_rollout_and_host_offload_targets():
     trainer, _ = states()
     one = jax.sharding.SingleDeviceSharding(jax.devices()[7])

@@ -85,6 +85,38 @@ def reshard_pytree(
     del use_experimental_pre_reshard
     with _LOCK:
         _COUNTERS["calls"] += 1
+    try:
+        plan, dst, kept, moving, host, old = _planned(source, target, cache_plan)
+    except ReshardError as e:
+        # Refused before a plan was called (a target leaf with no sharding, ...): under
+        # jax.distributed the peers' same sync must raise too, not pair with this process's
+        # next one (`jaxreshard.api.refuse_unplanned`). A plan's call places its own.
+        api.refuse_unplanned(source, e)
+        raise
+    out = _run(plan, moving, old)
+    if kept:
+        out = _with_kept(dst, out, source)
+    with _LOCK:
+        if plan.moved:
+            _COUNTERS["jaxreshard_calls"] += 1
+        if plan.fallback or host:
+            _COUNTERS["fallback_calls"] += 1
+            _COUNTERS["fallback_leaves"] += len(plan.fallback) + len(host)
+    if donate_input:
+        # The leaves left where they are are the result's own, so is an array that is both
+        # kept and moved (one array at two paths): those stay.
+        own = _addresses(out)
+        for x in jax.tree_util.tree_leaves(moving):
+            if isinstance(x, jax.Array) and not x.is_deleted() and own.isdisjoint(_addresses(x)):
+                x.delete()
+    return out
+
+
+def _planned(
+    source: Any, target: Any, cache_plan: bool
+) -> tuple[api.Plan, Any, bool, Any, list[tuple[str, Any]], Any]:
+    """What a sync moves, and its plan: ``(plan, destinations, kept, the moving part of the
+    source, host leaves under a None target, the target's arrays to donate or None)``."""
     flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0]
     dst, kept = _destinations(source, target, flat)
     # A None target leaf leaves its source subtree where it is, as ``jax.device_put`` (Tunix's
@@ -106,24 +138,7 @@ def reshard_pytree(
         # A target array over a source array's buffers (a kept one, which `jr.plan` does not
         # see, included): the result would lose it. Not donated (the call moves as usual).
         old = None
-    plan = _plan(moving, dst, cache_plan)
-    out = _run(plan, moving, old)
-    if kept:
-        out = _with_kept(dst, out, source)
-    with _LOCK:
-        if plan.moved:
-            _COUNTERS["jaxreshard_calls"] += 1
-        if plan.fallback or host:
-            _COUNTERS["fallback_calls"] += 1
-            _COUNTERS["fallback_leaves"] += len(plan.fallback) + len(host)
-    if donate_input:
-        # The leaves left where they are are the result's own, so is an array that is both
-        # kept and moved (one array at two paths): those stay.
-        own = _addresses(out)
-        for x in jax.tree_util.tree_leaves(moving):
-            if isinstance(x, jax.Array) and not x.is_deleted() and own.isdisjoint(_addresses(x)):
-                x.delete()
-    return out
+    return _plan(moving, dst, cache_plan), dst, kept, moving, host, old
 
 
 def install(*, fallback: str | None = "device_put", donate_target: bool = False) -> None:
