@@ -563,6 +563,32 @@ def case_crossed_groups() -> None:
     ok("crossed_groups")
 
 
+def case_crossed_new() -> None:
+    """(A fuzz.) Process 0 calls an agreed plan A while process 1 makes a new plan B's first
+    call: each waited for the other the whole agreement timeout (300 s), then they were one
+    call apart. Both raise within a few polls, each naming the other's call; process 1's
+    next call of A, the crossed one, raises too (both count it alike), and then calls of A
+    and B pair up. WORKER_LATE names a process that arrives half a poll after the other."""
+    plans = _two_plans()
+    a, tree_a, dst_a, full_a = plans["a"]
+    b, tree_b, dst_b, full_b = plans["b"]
+    check(a(tree_a), full_a, dst_a)  # A agreed; B not yet
+    if os.environ.get("WORKER_LATE") == str(PID):
+        time.sleep(0.5)
+    start = time.monotonic()
+    if PID == 0:
+        _refused("CROSSNEW_A", lambda: a(tree_a))
+    else:
+        _refused("CROSSNEW_B", lambda: b(tree_b))
+    print(f"CROSSNEW {PID} raised after {time.monotonic() - start:.2f} s", flush=True)
+    if PID == 1:
+        _refused("CROSSNEW_GIVEN_UP", lambda: a(tree_a))
+    check(a(tree_a), full_a, dst_a)
+    check(b(tree_b), full_b, dst_b)
+    check(a(tree_a), full_a, dst_a)
+    ok("crossed_new")
+
+
 def case_order_remade() -> None:
     """A plan made again (identical, so agreed already) whose first call process 0 refuses:
     process 1's same call raises naming it at once, and the next calls pair up (it waited
@@ -701,6 +727,7 @@ SCENARIOS = {
     ],
     "remade": [case_order_remade],
     "crossed_groups": [case_crossed_groups],
+    "crossed_new": [case_crossed_new],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],
 }

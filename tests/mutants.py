@@ -2785,6 +2785,55 @@ SURFACE_MUTANTS: list[Mutant] = [
         "a Tunix sync refused before its plan is called publishes nothing under jax.distributed",
     ),
     Mutant(
+        "order-wait-blind-to-an-agreement",
+        "jaxreshard/run/multihost.py",
+        (("            self._check_agreeing(q)\n", ""),),
+        (
+            "tests/test_multihost.py::test_a_call_waiting_for_a_peer_that_agrees_on_a_new_plan_gives_"
+            "both_up",
+        ),
+        "a call of an agreed plan waiting for a peer that agrees on a new plan over the same "
+        "processes does not see it: both wait the whole agreement timeout",
+    ),
+    Mutant(
+        "order-crossed-agreement-round-kept",
+        "jaxreshard/run/multihost.py",
+        (('            _STATE.rounds[other["key"]] = other["n"] + 1\n', "            pass\n"),),
+        (
+            "tests/test_multihost.py::test_a_call_waiting_for_a_peer_that_agrees_on_a_new_plan_gives_"
+            "both_up",
+        ),
+        "a call that gives a crossed agreement round up for this process keeps that round: "
+        "its next agreement over the group reads the failed round and raises",
+    ),
+    Mutant(
+        "agree-blind-to-a-peers-call",
+        "jaxreshard/run/multihost.py",
+        (("        for q in missing:\n            self._check_calling(q)\n", ""),),
+        (
+            "tests/test_multihost.py::test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_gives_"
+            "both_up",
+        ),
+        "a new plan's agreement waiting for a peer that waits in a call of an agreed plan "
+        "does not see it: both wait the whole agreement timeout",
+    ),
+    Mutant(
+        "agree-earlier-failed-round-taken-for-lost",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                '                if other["key"] == self.waiting["key"] and other["n"] < self.n:\n',
+                "                if False:\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_gives_"
+            "both_up",
+        ),
+        "an agreement fails at once where the peer gave an earlier round of the same group "
+        "up (a crossing), though the peer's next round is this one",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -10,6 +10,7 @@ threads over an in-memory key-value store.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -322,6 +323,53 @@ def test_a_peer_arriving_after_an_agreement_was_given_up_raises_instead_of_passi
     assert "No data was moved" in str(late[1])
 
 
+def test_a_call_waiting_for_a_peer_that_agrees_on_a_new_plan_gives_both_up(monkeypatch):
+    """The order check's side of a crossing between a call of an agreed plan (here, call #3
+    over processes {0, 1}) and a peer's first call of a new plan over them (its agreement
+    round 5, which this process has not reached): this call raises, giving itself up, and
+    gives that round up for this process, whose next agreement over the group takes round
+    6, as the peer's does once its round failed."""
+    monkeypatch.setattr(multihost, "_STATE", multihost._State())
+    client = FakeClient()
+    multihost._STATE.rounds["g"] = 5
+    waiting = {"group": [0, 1], "key": "g", "n": 5}
+    client.key_value_set(f"{multihost._PREFIX}/waiting/1", json.dumps(waiting))
+    call = multihost._Waiting(client, 0, (0, 1), "g", 2, "plan A")
+    with pytest.raises(jr.ReshardError, match="in the first call of a plan this process"):
+        call.check(1)
+    assert "abandoned" in json.loads(client.store[multihost._call_key("g", 2, 0)])
+    assert "failed" in json.loads(client.store[f"{multihost._PREFIX}/g/5/fp/0"])
+    assert multihost._STATE.rounds["g"] == 6
+    # A round this process passed (or is not at yet) is no crossing.
+    monkeypatch.setattr(multihost, "_STATE", multihost._State())
+    multihost._STATE.rounds["g"] = 6
+    multihost._Waiting(FakeClient(), 0, (0, 1), "g", 2, "plan A").check(1)
+
+
+def test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_gives_both_up(devices, monkeypatch):
+    """The agreement's side of the same crossing: the peer waits in call #3 over {0, 1},
+    which this process has not made. The agreement raises, gives that call up for the peer
+    (which raises at once, and whose next agreement over the group skips this round) and for
+    this process (its own call #3 raises when made). A peer that failed an earlier round of
+    this group (a crossing) is no reason to fail this one: its next round is this one."""
+    monkeypatch.setattr(multihost, "_STATE", multihost._State())
+    plan = _plans(devices)[0].identity
+    client = FakeClient()
+    multihost._STATE.calls["g"] = 2
+    waiting = {"group": [0, 1], "key": "g", "n": 2, "plan": "plan A"}
+    client.key_value_set(f"{multihost._ORDER_PREFIX}/waiting/0", json.dumps(waiting))
+    agreement = multihost._Agreement(client, 1, (0, 1), "g", 5, plan.fingerprint, plan)
+    with pytest.raises(jr.ReshardError, match="in call #3 over processes"):
+        agreement._check_blocked([0])
+    given_up = json.loads(client.store[multihost._call_key("g", 2, 1)])
+    assert "abandoned" in given_up and given_up["round"] == ["g", 5]
+    assert ("g", 2) in multihost._STATE.given_up
+    client = FakeClient()
+    failed = {"group": [0, 1], "key": "g", "n": 4, "failed": "crossed"}
+    client.key_value_set(f"{multihost._PREFIX}/waiting/0", json.dumps(failed))
+    multihost._Agreement(client, 1, (0, 1), "g", 5, plan.fingerprint, plan)._check_blocked([0])
+
+
 def test_agreement_detects_processes_waiting_in_different_plans(devices):
     # Process 0 waits in a plan over {0, 1}; process 1 in a plan over {0, 1, 2}; process 2
     # waits with 1 for process 0. Nobody hangs: 0 and 1 see the crossing, 2 sees 0 fail.
@@ -531,6 +579,24 @@ def test_a_reshard_refused_before_its_plan_raises_on_the_others_and_the_next_cal
     run_order.case_ok("order_unplanned")
     assert "UNPLANNED 0: dst_shardings does not match the structure" in run_order.outputs[0]
     assert "UNPLANNED 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("late", [None, "0", "1"])
+def test_an_agreed_plan_crossed_with_a_new_plans_first_call_raises_on_both_within_seconds(late):
+    """(A fuzz.) The order check and the agreement did not see each other's waits: a process
+    calling an agreed plan and a peer making a new plan's first call waited for each other
+    the whole agreement timeout (300 s), then were one call apart. Whichever finds the
+    crossing first, both raise within a few polls, naming it, and the calls then pair up."""
+    run = launch("crossed_new", 2, 4, env={"WORKER_LATE": late} if late else None)
+    run.case_ok("crossed_new")
+    p0, p1 = run.outputs
+    assert "CROSSNEW_A 0: jaxreshard: process" in p0
+    assert "CROSSNEW_B 1: jaxreshard: process" in p1
+    assert "CROSSNEW_GIVEN_UP 1: jaxreshard: process" in p1
+    for pid, out in enumerate(run.outputs):
+        seconds = float(re.search(rf"CROSSNEW {pid} raised after ([\d.]+) s", out)[1])
+        assert seconds < 10, (pid, seconds)
 
 
 @pytest.mark.multiprocess

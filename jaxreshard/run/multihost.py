@@ -349,13 +349,20 @@ class _Agreement:
             sleep = min(_POLL_S[1], sleep * 2)
 
     def _check_blocked(self, missing: Sequence[int]) -> None:
-        """Raise if a missing peer is blocked in another round that waits for this process."""
+        """Raise if a missing peer is blocked in another round that waits for this process,
+        or in a call of an agreed plan that this process has not made (`_calling_here`)."""
+        for q in missing:
+            self._check_calling(q)
         for k, v in self.client.key_value_dir_get(f"{_PREFIX}/waiting/"):
             q = int(k.rsplit("/", 1)[1])
             if q not in missing or v == "idle":
                 continue
             other = json.loads(v)
             if "failed" in other:
+                if other["key"] == self.waiting["key"] and other["n"] < self.n:
+                    # An earlier round of this group, which the peer gave up (a crossing):
+                    # its next agreement over this group is this round.
+                    continue
                 raise ReshardError(
                     f"jaxreshard: process {q}, which this plan needs (processes "
                     f"{list(self.group)}), failed the agreement of its plan "
@@ -378,6 +385,42 @@ class _Agreement:
                 "plans (same trees, shardings with the same meshes and device order, same "
                 "options) in the same order"
             )
+
+    def _check_calling(self, q: int) -> None:
+        """Raise if peer ``q`` waits in a call of an agreed plan (its order check) that needs
+        this process and that this process has not made: it waits here, in the first call of
+        another plan, for ``q``. The call is given up for ``q`` (which raises at once, naming
+        this plan) and for this process (its own call of that number raises when made), so
+        both count it alike, as with calls crossed between groups (`_Waiting.check`)."""
+        value = _try_get(self.client, f"{_ORDER_PREFIX}/waiting/{q}")
+        if value is None or value == "idle":
+            return
+        other = json.loads(value)
+        if self.me not in other["group"]:
+            return
+        crossing = (other["key"], other["n"])
+        with _STATE.lock:
+            if _STATE.calls[other["key"]] != other["n"] or crossing in _STATE.given_up:
+                return  # this process made that call (or gave it up), or is further behind
+            error = ReshardError(
+                f"jaxreshard: processes {self.me} and {q} are waiting for each other: this "
+                f"process in the first call of a plan it has not agreed on yet (its plan "
+                f"#{self.n + 1} over processes {list(self.group)}), process {q} in call "
+                f"#{other['n'] + 1} over processes {other['group']} ({other['plan']}), which "
+                "this process has not made. No data was moved.\nHow to fix: every process "
+                "must call its plans in the same order, new plans included"
+            )
+            _STATE.given_up[crossing] = str(error).splitlines()[0]
+        # The round this agreement fails goes with the record: the peer's next agreement over
+        # this group then takes the next round, as this process's does.
+        record = {
+            "fp": "",
+            "plan": other["plan"],
+            "abandoned": str(error).splitlines()[0],
+            "round": [self.waiting["key"], self.n],
+        }
+        self.client.key_value_set(_call_key(other["key"], other["n"], self.me), json.dumps(record))
+        raise error
 
     def _mismatch(self, q: int, theirs: Mapping[str, Any]) -> ReshardError:
         mine = _leaves_entries(self.plan)
@@ -503,6 +546,11 @@ def check_order(
     for q, theirs in records.items():
         theirs = json.loads(theirs)
         if "abandoned" in theirs:
+            if "round" in theirs:  # given up in a new plan's agreement that waited for this
+                key, r = theirs["round"]  # process: that round is over for it too
+                with _STATE.lock:
+                    if _STATE.rounds[key] == r:
+                        _STATE.rounds[key] = r + 1
             raise ReshardError(
                 f"jaxreshard: process {q} gave up call #{n + 1} over processes {list(group)} "
                 f"({theirs['plan']}) before this process made it: {theirs['abandoned']}. No "
@@ -625,6 +673,7 @@ class _Waiting:
             self.said = True
         value = _try_get(self.client, f"{_ORDER_PREFIX}/waiting/{q}")
         if value is None or value == "idle":
+            self._check_agreeing(q)
             return
         other = json.loads(value)
         if other["key"] == self.key or self.me not in other["group"]:
@@ -662,6 +711,43 @@ class _Waiting:
             record = {"fp": "", "plan": other["plan"], "abandoned": reason}
             key = _call_key(other["key"], n, self.me)
             self.client.key_value_set(key, json.dumps(record))
+        raise error
+
+    def _check_agreeing(self, q: int) -> None:
+        """Raise if peer ``q`` waits in the agreement of a new plan that needs this process,
+        a round this process has not reached (it waits here for ``q``): this call is given
+        up, and so is that round, for this process (``q`` raises at once, naming this call;
+        this process's next agreement over that group takes the next round, as ``q``'s does
+        after its round failed). See `_Agreement._check_calling` for the other side."""
+        value = _try_get(self.client, f"{_PREFIX}/waiting/{q}")
+        if value is None or value == "idle":
+            return
+        other = json.loads(value)
+        if "failed" in other or self.me not in other["group"]:
+            return
+        error = ReshardError(
+            f"jaxreshard: processes {self.me} and {q} are waiting for each other: this process "
+            f"in call #{self.n + 1} over processes {self.group} ({self.label}), process {q} in "
+            f"the first call of a plan this process has not reached (plan #{other['n'] + 1} "
+            f"over processes {other['group']}, agreeing on it). No data was moved.\nHow to "
+            "fix: every process must call its plans in the same order, new plans included"
+        )
+        reason = str(error).splitlines()[0]
+        with _STATE.lock:
+            if _STATE.rounds[other["key"]] != other["n"]:
+                return  # this process passed that round, or is further behind
+            _STATE.rounds[other["key"]] = other["n"] + 1
+        # This call first (as in `check`), then the peer's round.
+        own = {"fp": "", "plan": self.label, "abandoned": reason}
+        self.client.key_value_set(
+            _call_key(self.key, self.n, self.me), json.dumps(own), allow_overwrite=True
+        )
+        failed = {"fp": "", "failed": reason}
+        self.client.key_value_set(
+            f"{_PREFIX}/{other['key']}/{other['n']}/fp/{self.me}",
+            json.dumps(failed),
+            allow_overwrite=True,
+        )
         raise error
 
     def done(self) -> None:
