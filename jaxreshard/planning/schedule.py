@@ -1330,16 +1330,20 @@ def plan_unit_rounds(
     max_chunk = bucket_bytes // 2 if chained else None
     link = classes_of(code)
     relay = np.array(label_stage, np.int64)[streams.stage] > 0
-    relay_chunk = _split_relays(
-        streams,
-        np.array(weight, np.int64),
-        link,
-        relay,
-        bucket_bytes=bucket_bytes,
-        class_latency_bytes=class_latency_bytes,
-        ladder=ladder_rungs,
-        fault_cost=fault_cost,
-        max_chunk_bytes=max_chunk,
+    relay_chunk = (
+        None  # (without link classes every stream takes the one chunk: `_cut_buckets`)
+        if link_class is None
+        else _split_relays(
+            streams,
+            np.array(weight, np.int64),
+            link,
+            relay,
+            bucket_bytes=bucket_bytes,
+            class_latency_bytes=class_latency_bytes,
+            ladder=ladder_rungs,
+            fault_cost=fault_cost,
+            max_chunk_bytes=max_chunk,
+        )
     )
     split = {} if relay_chunk is None else {int(link.max()) + RELAY_CLASS: relay_chunk}
     chunks = _class_chunks(
