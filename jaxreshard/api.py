@@ -48,6 +48,7 @@ from jaxreshard.run.multihost import (
     agree,
     check_order,
     fingerprint,
+    give_up_agreement,
     options_text,
     order_check_enabled,
     refuse_call,
@@ -1728,29 +1729,39 @@ def reshard(
             fallback=fallback,
         )
     except ReshardError as e:
-        refuse_unplanned(src_tree, e)
+        refuse_unplanned(src_tree, dst_shardings, e)
         raise
     return found(src_tree, donate=donate)
 
 
-def refuse_unplanned(src_tree: Any, error: ReshardError) -> None:
+def refuse_unplanned(src_tree: Any, dst_shardings: Any, error: ReshardError) -> None:
     """Under ``jax.distributed``, a `reshard` this process refused before it found a plan (a
     ``dst_shardings`` tree that does not fit the source, ...): the refusal takes the place of
     a call of the plan this process last used for a source laid out as ``src_tree`` (tree,
     shapes, dtypes, shardings), where the cache holds one, as if that plan had refused it
     (`Plan.refuse`). In a refit loop that is the call the peers make: theirs raises naming
     the refusal, where it would pair with this process's next call and return another step's
-    weights. Where the cache holds no such plan (the layout's first call) nothing is recorded.
-    A no-op in one process."""
-    if jax.process_count() == 1 or not order_check_enabled():
+    weights. Where the cache holds no such plan (the layout's first call), the agreement round
+    of the processes owning a device the two trees name is given up instead
+    (`multihost.give_up_agreement`): the peers' first call raises there. A no-op in one
+    process."""
+    if jax.process_count() == 1:
         return
     source = _source_key(src_tree, "device_put")
-    if source is None:
-        return
-    with _CACHE_LOCK:
-        found = next((p for k, p in reversed(_CACHE.items()) if k[:2] == source), None)
+    found = None
+    if source is not None:
+        with _CACHE_LOCK:
+            found = next((p for k, p in reversed(_CACHE.items()) if k[:2] == source), None)
     if found is not None:
-        _moving(found).refuse(error)
+        _moving(found).refuse(error)  # (only where calls are checked in order)
+        return
+    named = [
+        x if isinstance(x, Sharding) else getattr(x, "sharding", None)
+        for tree in (src_tree, dst_shardings)
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharding))
+    ]
+    processes = {d.process_index for s in named if isinstance(s, Sharding) for d in s.device_set}
+    give_up_agreement(processes, " ".join(str(error).splitlines()[:2]))
 
 
 def cached_plan(

@@ -455,27 +455,38 @@ def case_order_unplanned() -> None:
     a plan (a dst_shardings tree of another structure): process 1's same call raises naming
     it, and the next steps pair up, each with its own weights. Process 1 returned step 2's
     weights for step 1, silently, and stayed one step apart."""
+    _reshard_refused_at_step_1("UNPLANNED", "unplanned", called_before=True)
+    ok("order_unplanned")
+
+
+def case_order_unplanned_first() -> None:
+    """(A fuzz.) The same refusal at the layout's very first call: no plan, so no call to take
+    the place of, but the agreement round of the processes the trees name is given up, so
+    process 1's first call raises naming it, and the next calls pair up."""
+    _reshard_refused_at_step_1("UNPLANNED_FIRST", "fresh", called_before=False)
+    ok("order_unplanned_first")
+
+
+def _reshard_refused_at_step_1(name: str, leaf: str, called_before: bool) -> None:
+    """`jr.reshard` of one leaf named ``leaf`` (its own name: its own plan), at step 0 (where
+    ``called_before``) and steps 1-3, process 0 passing a dst_shardings tree of another
+    structure at step 1; each step's weights checked."""
     trainer = mesh(BY_PROCESS[0], (4,), ("x",))
-    sampler = NamedSharding(mesh(BY_PROCESS[1], (4,), ("x",)), P(None, "x"))
+    sampler = {leaf: NamedSharding(mesh(BY_PROCESS[1], (4,), ("x",)), P(None, "x"))}
 
     def tree(step: int) -> dict:
-        return {"unplanned": source(data((8, 8), 51) + step, NamedSharding(trainer, P("x")))}
+        return {leaf: source(data((8, 8), 51) + step, NamedSharding(trainer, P("x")))}
 
-    check(
-        jr.reshard(tree(0), {"unplanned": sampler}),
-        {"unplanned": data((8, 8), 51)},
-        {"unplanned": sampler},
-    )
-    bad = {"other": sampler} if PID == 0 else {"unplanned": sampler}
+    if called_before:
+        check(jr.reshard(tree(0), sampler), {leaf: data((8, 8), 51)}, sampler)
+    bad = {"other": sampler[leaf]} if PID == 0 else sampler
     os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost refusal fails in seconds
     try:
-        _refused("UNPLANNED", lambda: jr.reshard(tree(1), bad))
+        _refused(name, lambda: jr.reshard(tree(1), bad))
         for step in (2, 3):
-            want = {"unplanned": data((8, 8), 51) + step}
-            check(jr.reshard(tree(step), {"unplanned": sampler}), want, {"unplanned": sampler})
+            check(jr.reshard(tree(step), sampler), {leaf: data((8, 8), 51) + step}, sampler)
     finally:
         del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
-    ok("order_unplanned")
 
 
 def _refused(name: str, call, lines: int | None = 2) -> None:
@@ -722,6 +733,7 @@ SCENARIOS = {
         case_order_refusals,
         case_order_first_refused,
         case_order_unplanned,
+        case_order_unplanned_first,
         case_order_threads,
         case_order_swapped,
     ],

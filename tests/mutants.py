@@ -2766,7 +2766,7 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "api-reshard-refusal-before-plan-not-placed",
         API,
-        (("        refuse_unplanned(src_tree, e)\n", "        pass\n"),),
+        (("        refuse_unplanned(src_tree, dst_shardings, e)\n", "        pass\n"),),
         (
             "tests/test_multihost.py::test_a_reshard_refused_before_its_plan_raises_on_the_"
             "others_and_the_next_calls_pair",
@@ -2777,7 +2777,7 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "tunix-refusal-before-plan-not-placed",
         "jaxreshard/integrations/tunix.py",
-        (("        api.refuse_unplanned(source, e)\n", "        pass\n"),),
+        (("        api.refuse_unplanned(source, target, e)\n", "        pass\n"),),
         (
             "tests/test_tunix_adapter.py::test_a_sync_refused_before_its_plan_is_placed_among_"
             "the_plans_calls",
@@ -2832,6 +2832,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "an agreement fails at once where the peer gave an earlier round of the same group "
         "up (a crossing), though the peer's next round is this one",
+    ),
+    Mutant(
+        "agree-unplanned-refusal-not-given-up",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                '    client.key_value_set(f"{_PREFIX}/{key}/{n}/fp/{me}", json.dumps(failed), '
+                "allow_overwrite=True)\n",
+                "    pass\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_reshard_refused_at_its_layouts_first_call_raises_on_"
+            "the_others_and_the_next_calls_pair",
+        ),
+        "a jr.reshard refused at its layout's first call, before any plan, gives no agreement "
+        "round up: the peer's first call pairs with this process's next one",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -600,6 +600,18 @@ def test_an_agreed_plan_crossed_with_a_new_plans_first_call_raises_on_both_withi
 
 
 @pytest.mark.multiprocess
+def test_a_reshard_refused_at_its_layouts_first_call_raises_on_the_others_and_the_next_calls_pair(
+    run_order,
+):
+    """(A fuzz.) With no plan cached for the source layout there is no call to take the
+    place of: the refusal gives up the agreement round of the processes the trees name."""
+    run_order.case_ok("order_unplanned_first")
+    out0, out1 = run_order.outputs
+    assert "UNPLANNED_FIRST 0: dst_shardings does not match the structure" in out0
+    assert "UNPLANNED_FIRST 1: jaxreshard: process 0 gave up the agreement of this plan" in out1
+
+
+@pytest.mark.multiprocess
 def test_a_plan_made_again_refused_at_its_first_call_raises_on_the_peer_at_once():
     """Regression: the refusal was not published (this plan object had not agreed, though
     its fingerprint had), so the peer waited for the agreement timeout or paired with the

@@ -332,7 +332,9 @@ def test_a_sync_refused_before_its_plan_is_placed_among_the_plans_calls(monkeypa
     placed by the call itself, not twice."""
     placed = []
     monkeypatch.setattr(
-        jr_tunix.api, "refuse_unplanned", lambda source, error: placed.append(type(error))
+        jr_tunix.api,
+        "refuse_unplanned",
+        lambda source, target, error: placed.append(type(error)),
     )
     trainer, rollout = states()
     bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout)

@@ -91,7 +91,7 @@ def reshard_pytree(
         # Refused before a plan was called (a target leaf with no sharding, ...): under
         # jax.distributed the peers' same sync must raise too, not pair with this process's
         # next one (`jaxreshard.api.refuse_unplanned`). A plan's call places its own.
-        api.refuse_unplanned(source, e)
+        api.refuse_unplanned(source, target, e)
         raise
     out = _run(plan, moving, old)
     if kept:

@@ -173,6 +173,17 @@ def _involvement(plan: PlanIdentity, client: Any) -> tuple[Any, int, tuple[int, 
     others about ``plan``; None in a single process, without the distributed runtime, or when
     this process is alone in (or not part of) the plan."""
     import jax
+
+    if jax.process_count() == 1:
+        return None
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    return _talking(involved_processes(plan.leaves, process_of), client)
+
+
+def _talking(group: tuple[int, ...], client: Any) -> tuple[Any, int, tuple[int, ...]] | None:
+    """``(client, this process, group)`` where this process must talk to the others of
+    ``group`` (sorted process indices); None otherwise (see `_involvement`)."""
+    import jax
     from jax._src import distributed
 
     if jax.process_count() == 1:
@@ -181,8 +192,6 @@ def _involvement(plan: PlanIdentity, client: Any) -> tuple[Any, int, tuple[int, 
     if client is None:
         return None  # multi-process without the distributed runtime: nothing to talk through
     me = jax.process_index()
-    process_of = {d.id: d.process_index for d in jax.devices()}
-    group = involved_processes(plan.leaves, process_of)
     if me not in group or len(group) == 1:
         return None
     return client, me, group
@@ -242,6 +251,26 @@ def agree(plan: PlanIdentity, *, timeout_s: float | None = None, client: Any = N
             agreement_timeout_s() if timeout_s is None else timeout_s
         )
         _STATE.agreed.add(fp)
+
+
+def give_up_agreement(processes: Iterable[int], reason: str, *, client: Any = None) -> None:
+    """A plan's first call this process refused before it could make the plan (a
+    ``dst_shardings`` tree that does not fit the source, ...), under ``jax.distributed``: its
+    next agreement round over ``processes`` (those owning a device the call's trees name)
+    is given up, so the peers' agreement of their plan in that round raises at once, naming
+    ``reason``, instead of passing with this process's next plan (and pairing its next call
+    with their first); both then take the next round for their next plans. A no-op where
+    this process is alone, not among ``processes``, or in a single process."""
+    found = _talking(tuple(sorted(set(processes))), client)
+    if found is None:
+        return
+    client, me, group = found
+    key = digest(group)[:16]
+    with _STATE.lock:
+        n = _STATE.rounds[key]
+        _STATE.rounds[key] = n + 1
+    failed = {"fp": "", "failed": reason[:500]}
+    client.key_value_set(f"{_PREFIX}/{key}/{n}/fp/{me}", json.dumps(failed), allow_overwrite=True)
 
 
 class _Agreement:
