@@ -2798,7 +2798,12 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "order-crossed-agreement-round-kept",
         "jaxreshard/run/multihost.py",
-        (('            _STATE.rounds[other["key"]] = other["n"] + 1\n', "            pass\n"),),
+        (
+            (
+                "        _STATE.rounds[key] = n + 1\n        return True\n",
+                "        return True\n",
+            ),
+        ),
         (
             "tests/test_multihost.py::test_a_call_waiting_for_a_peer_that_agrees_on_a_new_plan_gives_"
             "both_up",
@@ -2809,7 +2814,7 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "agree-blind-to-a-peers-call",
         "jaxreshard/run/multihost.py",
-        (("        for q in missing:\n            self._check_calling(q)\n", ""),),
+        (("                self._check_calling(q, json.loads(v))\n", "                pass\n"),),
         (
             "tests/test_multihost.py::test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_gives_"
             "both_up",
@@ -2836,13 +2841,7 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "agree-unplanned-refusal-not-given-up",
         "jaxreshard/run/multihost.py",
-        (
-            (
-                '    client.key_value_set(f"{_PREFIX}/{key}/{n}/fp/{me}", json.dumps(failed), '
-                "allow_overwrite=True)\n",
-                "    pass\n",
-            ),
-        ),
+        (("    _fail_round(client, key, n, me, reason)\n", "    pass\n"),),
         (
             "tests/test_multihost.py::test_a_reshard_refused_at_its_layouts_first_call_raises_on_"
             "the_others_and_the_next_calls_pair",

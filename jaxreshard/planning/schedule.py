@@ -1883,7 +1883,7 @@ def _class_chunks(
     With ``lanes_overlap`` (and no ``beside_slowest``), the faster links' chunks shrink to fit
     a bucket beside one of the slowest's where that makes the two lanes' modeled time
     shorter."""
-    cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
+    cap = _chunk_cap(bucket_bytes, max_chunk_bytes)
     latency = bucket_bytes // 16 if latency_bytes is None else latency_bytes
     chunk_of: dict[int, int] = {}
     slowest_lane: float | None = None  # the slowest class's rounds' time, in round latencies
@@ -1960,7 +1960,7 @@ def _split_relays(
     imports = mine & ~relay
     if not relays.any() or not imports.any():
         return None
-    cap = max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
+    cap = _chunk_cap(bucket_bytes, max_chunk_bytes)
     latency = (class_latency_bytes or {}).get(slowest, bucket_bytes // 16)
 
     def best(keep: np.ndarray) -> tuple[int, int]:
@@ -1981,12 +1981,18 @@ def _excess(streams: _StreamArrays, weight: np.ndarray, keep: np.ndarray) -> int
     stage, nbytes = streams.stage[keep], streams.nbytes[keep]
     most = []
     for device in (streams.src[keep], streams.dst[keep]):
-        key, at = np.unique(stage * (int(device.max()) + 1) + device, return_inverse=True)
+        span = int(device.max()) + 1
+        key, at = np.unique(stage * span + device, return_inverse=True)
         load = np.bincount(at.reshape(-1), weights=nbytes)
         per_stage = np.zeros(len(weight))
-        np.maximum.at(per_stage, key // (int(device.max()) + 1), load)
+        np.maximum.at(per_stage, key // span, load)
         most.append(per_stage)
     return int((weight * np.maximum(most[0] - most[1], 0)).sum())
+
+
+def _chunk_cap(bucket_bytes: int, max_chunk_bytes: int | None) -> int:
+    """The largest chunk a choice may take: a bucket, or ``max_chunk_bytes``, aligned."""
+    return max(ALIGN, min(bucket_bytes, max_chunk_bytes or bucket_bytes) // ALIGN * ALIGN)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -269,6 +269,22 @@ def give_up_agreement(processes: Iterable[int], reason: str, *, client: Any = No
     with _STATE.lock:
         n = _STATE.rounds[key]
         _STATE.rounds[key] = n + 1
+    _fail_round(client, key, n, me, reason)
+
+
+def _take_round(key: str, n: int) -> bool:
+    """Count agreement round ``n`` over the group ``key`` as passed here, if it is this
+    process's next one (a round given up in a crossing); whether it was."""
+    with _STATE.lock:
+        if _STATE.rounds[key] != n:
+            return False
+        _STATE.rounds[key] = n + 1
+        return True
+
+
+def _fail_round(client: Any, key: str, n: int, me: int, reason: str) -> None:
+    """Mark agreement round ``n`` over the group ``key`` given up by this process: a peer
+    agreeing in it raises at once, naming ``reason`` (`_Agreement._wait`)."""
     failed = {"fp": "", "failed": reason[:500]}
     client.key_value_set(f"{_PREFIX}/{key}/{n}/fp/{me}", json.dumps(failed), allow_overwrite=True)
 
@@ -379,9 +395,11 @@ class _Agreement:
 
     def _check_blocked(self, missing: Sequence[int]) -> None:
         """Raise if a missing peer is blocked in another round that waits for this process,
-        or in a call of an agreed plan that this process has not made (`_calling_here`)."""
-        for q in missing:
-            self._check_calling(q)
+        or in a call of an agreed plan that this process has not made (`_check_calling`)."""
+        for k, v in self.client.key_value_dir_get(f"{_ORDER_PREFIX}/waiting/"):
+            q = int(k.rsplit("/", 1)[1])
+            if q in missing and v != "idle":
+                self._check_calling(q, json.loads(v))
         for k, v in self.client.key_value_dir_get(f"{_PREFIX}/waiting/"):
             q = int(k.rsplit("/", 1)[1])
             if q not in missing or v == "idle":
@@ -415,16 +433,13 @@ class _Agreement:
                 "options) in the same order"
             )
 
-    def _check_calling(self, q: int) -> None:
-        """Raise if peer ``q`` waits in a call of an agreed plan (its order check) that needs
-        this process and that this process has not made: it waits here, in the first call of
-        another plan, for ``q``. The call is given up for ``q`` (which raises at once, naming
-        this plan) and for this process (its own call of that number raises when made), so
-        both count it alike, as with calls crossed between groups (`_Waiting.check`)."""
-        value = _try_get(self.client, f"{_ORDER_PREFIX}/waiting/{q}")
-        if value is None or value == "idle":
-            return
-        other = json.loads(value)
+    def _check_calling(self, q: int, other: Mapping[str, Any]) -> None:
+        """Raise if peer ``q`` waits in a call of an agreed plan (its order check: ``other``,
+        what `_Waiting` says it waits for) that needs this process and that this process has
+        not made: it waits here, in the first call of another plan, for ``q``. The call is
+        given up for ``q`` (which raises at once, naming this plan) and for this process (its
+        own call of that number raises when made), so both count it alike, as with calls
+        crossed between groups (`_Waiting.check`)."""
         if self.me not in other["group"]:
             return
         crossing = (other["key"], other["n"])
@@ -576,10 +591,7 @@ def check_order(
         theirs = json.loads(theirs)
         if "abandoned" in theirs:
             if "round" in theirs:  # given up in a new plan's agreement that waited for this
-                key, r = theirs["round"]  # process: that round is over for it too
-                with _STATE.lock:
-                    if _STATE.rounds[key] == r:
-                        _STATE.rounds[key] = r + 1
+                _take_round(*theirs["round"])  # process: that round is over for it too
             raise ReshardError(
                 f"jaxreshard: process {q} gave up call #{n + 1} over processes {list(group)} "
                 f"({theirs['plan']}) before this process made it: {theirs['abandoned']}. No "
@@ -762,21 +774,14 @@ class _Waiting:
             "fix: every process must call its plans in the same order, new plans included"
         )
         reason = str(error).splitlines()[0]
-        with _STATE.lock:
-            if _STATE.rounds[other["key"]] != other["n"]:
-                return  # this process passed that round, or is further behind
-            _STATE.rounds[other["key"]] = other["n"] + 1
+        if not _take_round(other["key"], other["n"]):
+            return  # this process passed that round, or is further behind
         # This call first (as in `check`), then the peer's round.
         own = {"fp": "", "plan": self.label, "abandoned": reason}
         self.client.key_value_set(
             _call_key(self.key, self.n, self.me), json.dumps(own), allow_overwrite=True
         )
-        failed = {"fp": "", "failed": reason}
-        self.client.key_value_set(
-            f"{_PREFIX}/{other['key']}/{other['n']}/fp/{self.me}",
-            json.dumps(failed),
-            allow_overwrite=True,
-        )
+        _fail_round(self.client, other["key"], other["n"], self.me, reason)
         raise error
 
     def done(self) -> None:
