@@ -2850,6 +2850,21 @@ SURFACE_MUTANTS: list[Mutant] = [
         "round up: the peer's first call pairs with this process's next one",
     ),
     Mutant(
+        "cost-casts-at-contiguous-speed",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "        if narrow and runs == 1 and not casts:\n",
+                "        if narrow and runs == 1:\n",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::test_narrow_copies_of_whole_rows_take_the_contiguous_speed_"
+            "unless_they_cast",
+        ),
+        "a pack that casts whole rows is priced at the contiguous copy speed, as a bf16 copy",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

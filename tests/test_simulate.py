@@ -271,6 +271,36 @@ def test_modeled_time_charges_the_rows_copies_read_and_write():
     assert (rows_free.pack, rows_free.unpack) == (0.0, 0.0)
 
 
+@pytest.mark.parametrize(
+    ("src_dtype", "pack_s", "pack_s_without"),
+    [("bfloat16", 8.0, 32.0), ("float32", 32.0, 32.0)],
+    ids=["bf16 copies", "a cast on the senders"],
+)
+def test_narrow_copies_of_whole_rows_take_the_contiguous_speed_unless_they_cast(
+    src_dtype, pack_s, pack_s_without
+):
+    """A (4, 8) bf16 leaf split over its rows on devices 0 and 1 goes to devices 4 and 5,
+    split over its rows again: each sender packs 32 B of whole rows and each receiver
+    unpacks them, one contiguous run each. Narrow copies run at 1 B/s, contiguous ones at
+    4 B/s: a bf16 box of one run copies at 4 B/s (8 s), as measured on CPU, where a cast
+    (a float32 source, cast by its senders) keeps the narrow speed (32 s) and its unpack,
+    which writes bf16 as it arrived, does not. Without a contiguous speed in the profile
+    every narrow copy keeps the narrow one."""
+    src = Layout.from_mesh((4, 8), (2,), ("s",), (0, 1), ("s", None))
+    dst = Layout.from_mesh((4, 8), (2,), ("d",), (4, 5), ("d", None))
+    lf = LeafSpec("x", src, dst, src_dtype, "bfloat16", 2)
+    schedule = build_schedule([lf], topology_assign([lf], topo()).pieces, bucket_bytes=1 << 20)
+    p = profile(
+        copy_bandwidth=1000, narrow_copy_bandwidth=1, contiguous_copy_bandwidth=4,
+        bucket_overhead=0.0,
+    )  # fmt: skip
+    m = costmodel.modeled_time(schedule, topo(), p, leaves=[lf])
+    assert (m.pack, m.unpack) == pytest.approx((pack_s, 8.0))
+    without = dataclasses.replace(p, contiguous_copy_bandwidth=None)
+    m = costmodel.modeled_time(schedule, topo(), without, leaves=[lf])
+    assert (m.pack, m.unpack) == pytest.approx((pack_s_without, 32.0))
+
+
 def test_fan_out_plan_and_its_round_model_bound_by_hand():
     """128 bytes on device 0 only; devices 4 and 5 (the other domain) each need all of it.
 

@@ -10,4 +10,5 @@ timeout 60 python3 scripts/gpu/one_gpu_refit.py
 # Programs over 8 GPUs compiled on this one through JAX's mock GPU topology (read, not run).
 timeout 120 python3 scripts/gpu/mock_gpus_schedule.py
 timeout 120 python3 scripts/gpu/mock_gpus_options.py
+timeout 120 python3 scripts/gpu/mock_gpus_async.py
 timeout 120 python3 scripts/gpu/mock_gpus_groups.py
