@@ -92,6 +92,37 @@ def test_modeled_time_adds_pack_unpack_buckets_and_local_copies_by_hand():
     assert m.seconds == pytest.approx(22) and (m.buckets, m.rounds) == (2, 2)
 
 
+def test_a_round_plans_slots_copy_at_the_narrow_speed_in_the_share_of_narrow_leaves():
+    """The same two buckets as a `RoundPlan` of two units, each slot one box: unit 0 moves a
+    bf16 leaf of 100 elements (200 B), unit 1 a float32 leaf of 50 (200 B) and a bf16 one of
+    100 (200 B). With the plan's ``units`` each bucket's slots copy at the narrow speed (10
+    B/s) in its unit's share of narrow bytes, the rest at 50 B/s, as a `Schedule`'s segments
+    would: pack 100 / 10 + (50 / 2) / 50 + (50 / 2) / 10 = 13 s, unpack alike. Without the
+    units, every slot copies as wide bytes (3 s each)."""
+    p = profile(host_runs_ahead=False, narrow_copy_bandwidth=10)
+
+    def leaf(n, dtype, itemsize):
+        return dataclasses.replace(
+            uint8_leaf(n, (0,), (), (4,), ()), src_dtype=dtype, dst_dtype=dtype, itemsize=itemsize
+        )
+
+    bf16, f32 = leaf(100, "bfloat16", 2), leaf(50, "float32", 4)
+    plan = RoundPlan(
+        chunk_bytes=100,
+        class_chunk_bytes=(),
+        buckets=tuple(dataclasses.replace(b, unit=u) for u, b in enumerate(TWO_BUCKETS.buckets)),
+    )
+    units = [
+        schedule.Unit((0,), (), (), ()),
+        schedule.Unit((1, 2), (), (), ()),
+    ]
+    leaves = [bf16, f32, bf16]
+    m = costmodel.modeled_time(plan, topo(), p, leaves=leaves, units=units)
+    assert (m.pack, m.unpack) == pytest.approx((13, 13))
+    m = costmodel.modeled_time(plan, topo(), p, leaves=leaves)
+    assert (m.pack, m.unpack) == pytest.approx((3, 3))
+
+
 def test_modeled_time_hides_host_work_behind_the_devices_when_the_host_runs_ahead():
     """GPU-like: each device runs its programs in order, the host dispatching ahead. With
     launch gaps of 1/6 s per program and 1 s of host work per bucket:
@@ -647,7 +678,9 @@ def test_the_plan_is_also_priced_without_each_overhead():
     w = r.without
     assert list(w) == list(sim.WITHOUT) and r.record()["modeled_without_s"] == w
     for name, costs in sim.WITHOUT.items():
-        m = costmodel.modeled_time(r.rounds, r.topology, sim._without(r.profile, costs))
+        m = costmodel.modeled_time(
+            r.rounds, r.topology, sim._without(r.profile, costs), leaves=r.leaves, units=r.units
+        )
         assert w[name] == m.seconds
         if "copies" in costs:
             assert m.pack == m.unpack == m.local == 0.0

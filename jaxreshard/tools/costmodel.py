@@ -64,7 +64,7 @@ import numpy as np
 
 from jaxreshard.planning.layout import box_shape, box_size, contiguous_runs
 from jaxreshard.planning.route import Assignment, LeafSpec, LocalCopy
-from jaxreshard.planning.schedule import RoundPlan, Schedule
+from jaxreshard.planning.schedule import RoundPlan, Schedule, Unit
 from jaxreshard.planning.topology import Profile, Topology
 
 Pair = tuple[int, int]
@@ -376,6 +376,7 @@ def modeled_time(
     *,
     leaves: Sequence[LeafSpec] | None = None,
     local: Sequence[LocalCopy] = (),
+    units: Sequence[Unit] | None = None,
 ) -> ModeledTime:
     """Price ``schedule`` bucket by bucket, as the executor runs it.
 
@@ -407,12 +408,14 @@ def modeled_time(
     device, what it sends or receives in the bucket (`_Copies`). With a `Schedule` and its
     ``leaves``, each message's segments are counted (bytes, narrow elements, boxes, and the
     rows pack reads and unpack writes: `layout.contiguous_runs`); a `RoundPlan` has no
-    segments, so its slots are counted as wide bytes in one box each.
+    segments, so its slots are counted in one box each, as narrow bytes in the share of its
+    bucket's unit that narrow leaves make up (with ``units``, the plan's: a bf16 slot copies
+    at the bf16 speed, as its segments would), else as wide bytes.
 
     The parts reported add up to ``seconds``: ``pack`` and ``unpack`` are the copies on the
     critical path, and ``overhead`` what launches and host work add to it.
     """
-    return modeled_times(schedule, topology, [profile], leaves=leaves, local=local)[0]
+    return modeled_times(schedule, topology, [profile], leaves=leaves, local=local, units=units)[0]
 
 
 def modeled_times(
@@ -422,6 +425,7 @@ def modeled_times(
     *,
     leaves: Sequence[LeafSpec] | None = None,
     local: Sequence[LocalCopy] = (),
+    units: Sequence[Unit] | None = None,
 ) -> list[ModeledTime]:
     """`modeled_time` under each of ``profiles``, counting the schedule's copies and rounds
     once (`_counted_buckets`) and pricing that count under every profile: on thousands of
@@ -433,7 +437,8 @@ def modeled_times(
         _Timeline() if p.host_runs_ahead else _InTurn() for p in profiles
     ]
     buckets = rounds = 0
-    for counted in _counted_buckets(schedule, ids, leaves):
+    narrow = _narrow_shares(leaves, units) if leaves is not None and units is not None else None
+    for counted in _counted_buckets(schedule, ids, leaves, narrow):
         for clock, p in zip(clocks, profiles, strict=True):
             clock.add(counted.priced(topology, ids, p), p)
         buckets += 1
@@ -540,10 +545,25 @@ class _Counted:
         )
 
 
+def _narrow_shares(leaves: Sequence[LeafSpec], units: Sequence[Unit]) -> list[float]:
+    """Per unit, the share of its leaves' destination bytes that copy as narrow elements
+    (`_narrow`): what of a `RoundPlan` bucket's slots to count as narrow bytes."""
+    out = []
+    for unit in units:
+        sizes = [(math.prod(leaves[i].shape) * leaves[i].itemsize, i) for i in unit.leaves]
+        total = sum(n for n, _ in sizes)
+        out.append(sum(n for n, i in sizes if _narrow(leaves[i])) / total if total else 0.0)
+    return out
+
+
 def _counted_buckets(
-    schedule: Schedule | RoundPlan, ids: _DeviceArrays, leaves: Sequence[LeafSpec] | None
+    schedule: Schedule | RoundPlan,
+    ids: _DeviceArrays,
+    leaves: Sequence[LeafSpec] | None,
+    narrow: Sequence[float] | None = None,
 ) -> Iterator[_Counted]:
-    """Each bucket's rounds and copies, counted (`_Counted`)."""
+    """Each bucket's rounds and copies, counted (`_Counted`); ``narrow``: per unit, the share
+    of a `RoundPlan` bucket's slot bytes counted as narrow (`_narrow_shares`)."""
     with_segments = leaves is not None and isinstance(schedule, Schedule)
     for b, bucket in enumerate(_buckets(schedule)):
         rounds = [(size, np.array(pairs, np.int64).reshape(-1, 2)) for size, pairs in bucket]
@@ -558,10 +578,14 @@ def _counted_buckets(
         arrays = 4 * len(bucket)
         packs: _Slots | _Copies
         unpacks: _Slots | _Copies
-        if not with_segments:  # each slot one wide box (by arrays: millions of pairs at scale)
+        if not with_segments:  # each slot one box (by arrays: millions of pairs at scale)
             sizes = np.repeat([size for size, _ in rounds], [len(p) for _, p in rounds])
             every = np.concatenate([p for _, p in rounds] or [np.zeros((0, 2), np.int64)])
-            packs, unpacks = _Slots(every[:, 0], sizes), _Slots(every[:, 1], sizes)
+            share = 0.0
+            if narrow is not None and isinstance(schedule, RoundPlan):
+                share = narrow[schedule.buckets[b].unit]
+            packs = _Slots(every[:, 0], sizes, share)
+            unpacks = _Slots(every[:, 1], sizes, share)
         else:
             assert leaves is not None and isinstance(schedule, Schedule)
             packs, unpacks = _Copies(), _Copies()
@@ -831,12 +855,13 @@ def _by_host(per_device: Mapping[int, int], host: Mapping[int, int]) -> dict[int
 
 
 class _Slots:
-    """`_Copies` of a `RoundPlan`'s slots, ``nbytes[i]`` on ``devices[i]``: each slot one wide
-    box whose rows are not known. Their sums per device (or per host) are made once and priced
-    under any profile (`times`)."""
+    """`_Copies` of a `RoundPlan`'s slots, ``nbytes[i]`` on ``devices[i]``: each slot one box
+    whose rows are not known, ``narrow`` of its bytes narrow elements (a share), the rest
+    wide. Their sums per device (or per host) are made once and priced under any profile
+    (`times`)."""
 
-    def __init__(self, devices: np.ndarray, nbytes: np.ndarray) -> None:
-        self.devices, self.nbytes = devices, nbytes
+    def __init__(self, devices: np.ndarray, nbytes: np.ndarray, narrow: float = 0.0) -> None:
+        self.devices, self.nbytes, self.narrow = devices, nbytes, narrow
         self._sums: dict[bool, tuple[list[int], np.ndarray, np.ndarray]] = {}
 
     def _summed(
@@ -854,11 +879,16 @@ class _Slots:
         return self._sums[by_host]
 
     def times(self, ids: _DeviceArrays, profile: Profile) -> dict[int, float]:
-        """`_Copies.device_times` of the slots (no narrow bytes, no rows)."""
+        """`_Copies.device_times` of the slots (no rows)."""
         by_host = profile.host_copy_bandwidth is not None
         bandwidth = profile.host_copy_bandwidth if by_host else profile.copy_bandwidth
-        keys, wide, boxes = self._summed(ids, by_host)
-        seconds = wide / bandwidth + boxes * profile.copy_overhead
+        narrow_bw = profile.narrow_copy_bandwidth or bandwidth
+        keys, nbytes, boxes = self._summed(ids, by_host)
+        seconds = (
+            nbytes * (1 - self.narrow) / bandwidth
+            + nbytes * self.narrow / narrow_bw
+            + boxes * profile.copy_overhead
+        )
         return dict(zip(keys, seconds.tolist(), strict=True))
 
 

@@ -638,6 +638,7 @@ class Result:
     published: str
     note: str
     units: tuple[Unit, ...] = ()
+    leaves: tuple[LeafSpec, ...] = ()  # what the units' leaf indices point into
     bound_at_efficiency: costmodel.LowerBound | None = None
     # What no plan beats with copies as programs of their own (`costmodel.executor_floor`).
     executor_floor: costmodel.LowerBound | None = None
@@ -934,7 +935,9 @@ def simulate(
     lanes = profile.overlap_links and not profile.permutes_overlap
     if lanes:
         profiles.append(dataclasses.replace(profile, permutes_overlap=True))
-    times = costmodel.modeled_times(rounds, topo, profiles, leaves=leaves, local=assignment.local)
+    times = costmodel.modeled_times(
+        rounds, topo, profiles, leaves=leaves, local=assignment.local, units=units
+    )
     modeled = times[0]
     without = {
         name: t.seconds for name, t in zip(WITHOUT, times[1 : 1 + len(WITHOUT)], strict=True)
@@ -966,6 +969,7 @@ def simulate(
         published=published,
         note=note,
         units=units,
+        leaves=tuple(leaves),
     )
 
 
