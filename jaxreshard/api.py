@@ -507,9 +507,7 @@ class Plan:
         except ReshardError as e:
             self.refuse(e)
             raise
-        if jax.process_count() > 1 and not self._agreed:  # fail here, not in a collective
-            agree(self.identity)  # once per plan: the whole plan, leaf by leaf
-            self._agreed = True
+        self._agree()  # fail here, not in a collective
         taken = _DONATED.claim(old)  # last: a refused call must not keep its claim
         if taken:
             e = leaf_error(
@@ -558,10 +556,9 @@ class Plan:
             return
         if not self._agreed:  # this object's first call; the same plan made again has agreed
             try:
-                agree(self.identity)
+                self._agree(on_worker)
             except ReshardError:  # (published: the peers raise in their agreement too)
                 return
-            self._agreed = True
         record = functools.partial(
             refuse_call, self.identity, self._label, " ".join(str(error).splitlines()[:2])
         )
@@ -569,6 +566,21 @@ class Plan:
             _submit(record).result()
         else:
             record()
+
+    def _agree(self, on_worker: bool = False) -> None:
+        """Under ``jax.distributed``, once per plan object: agree on the whole plan, leaf by
+        leaf, with the other processes (`multihost.agree`). While refits started before are
+        still to be issued, on the worker thread after them (``on_worker``: the caller is
+        that thread): their calls take their numbers first, as they were made first, where
+        a first call agreed at once would cross them (a fuzz saw both processes raise on
+        three calls, 2026-12-05)."""
+        if jax.process_count() == 1 or self._agreed:
+            return
+        if _IN_FLIGHT.busy() and not on_worker:
+            _submit(functools.partial(agree, self.identity)).result()
+        else:
+            agree(self.identity)
+        self._agreed = True
 
     def _order_check(self) -> Callable[[], None] | None:
         """Every call under ``jax.distributed``: the same call on every involved process

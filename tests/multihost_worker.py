@@ -577,9 +577,10 @@ def case_crossed_groups() -> None:
 def case_crossed_new() -> None:
     """(A fuzz.) Process 0 calls an agreed plan A while process 1 makes a new plan B's first
     call: each waited for the other the whole agreement timeout (300 s), then they were one
-    call apart. Both raise within a few polls, each naming the other's call; process 1's
-    next call of A, the crossed one, raises too (both count it alike), and then calls of A
-    and B pair up. WORKER_LATE names a process that arrives half a poll after the other."""
+    call apart. Both raise within a few polls, each naming the other's call; both count the
+    crossed call of A as made (B's first call stood in its place on process 1), and then
+    calls of A and B pair up. WORKER_LATE names a process that arrives half a poll after the
+    other."""
     plans = _two_plans()
     a, tree_a, dst_a, full_a = plans["a"]
     b, tree_b, dst_b, full_b = plans["b"]
@@ -592,12 +593,71 @@ def case_crossed_new() -> None:
     else:
         _refused("CROSSNEW_B", lambda: b(tree_b))
     print(f"CROSSNEW {PID} raised after {time.monotonic() - start:.2f} s", flush=True)
-    if PID == 1:
-        _refused("CROSSNEW_GIVEN_UP", lambda: a(tree_a))
     check(a(tree_a), full_a, dst_a)
     check(b(tree_b), full_b, dst_b)
     check(a(tree_a), full_a, dst_a)
     ok("crossed_new")
+
+
+def case_crossed_substituted() -> None:
+    """(A fuzz.) A refit loop of `jr.reshard`, one call a step, whose step-1 call process 1
+    makes with an int32 source (a slip on one process: a plan of its own) while process 0
+    calls the agreed float32 plan. Both raise at step 1, and steps 2 and 3 pair up step for
+    step, each with its own weights. (Process 1 raised again at step 2, process 0 did not,
+    and from step 3 on process 1 returned the step before's weights, silently.)"""
+    trainer = NamedSharding(mesh(BY_PROCESS[0], (4,), ("x",)), P("x"))
+    sampler = {"s": NamedSharding(mesh(BY_PROCESS[1], (4,), ("x",)), P(None, "x"))}
+
+    def full(step: int) -> dict:
+        return {"s": data((8, 16), 61) + 1000 * step}
+
+    def tree(step: int, dtype=np.float32) -> dict:
+        return {"s": source(full(step)["s"].astype(dtype), trainer)}
+
+    check(jr.reshard(tree(0), sampler), full(0), sampler)
+    if os.environ.get("WORKER_LATE") == str(PID):
+        time.sleep(0.5)
+    os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost call fails in seconds
+    try:
+        slip = np.int32 if PID == 1 else np.float32
+        _refused("SUBSTITUTED", lambda: jr.reshard(tree(1, slip), sampler))
+        for step in (2, 3):
+            check(jr.reshard(tree(step), sampler), full(step), sampler)
+    finally:
+        del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
+    ok("crossed_substituted")
+
+
+def case_start_then_first_call() -> None:
+    """(A fuzz.) Plans C and D made on both processes and called in the same order: step 1's
+    call of C, then D's first call. Process 0 makes its call of C with `Plan.start` and reads
+    the result after D's. D's agreement ran at once, before the worker had issued C's call:
+    both processes raised on three calls. It now runs after the refits started before."""
+    trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
+    sampler = mesh(BY_PROCESS[1], (4,), ("tp",))
+    full = {"c": data((16, 24), 71), "d": data((24, 8), 72)}
+    made = {}
+    for name in full:
+        tree = {name: source(full[name], NamedSharding(trainer, P("tp", "fsdp")))}
+        dst = {name: NamedSharding(sampler, P("tp"))}
+        made[name] = (jr.plan(tree, dst), tree, dst, {name: full[name]})
+    c, tree_c, dst_c, full_c = made["c"]
+    d, tree_d, dst_d, full_d = made["d"]
+    check(c(tree_c), full_c, dst_c)
+    os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost call fails in seconds
+    try:
+        if PID == 0:
+            refit = c.start(tree_c)
+            check(d(tree_d), full_d, dst_d)
+            check(refit.result(), full_c, dst_c)
+        else:
+            check(c(tree_c), full_c, dst_c)
+            check(d(tree_d), full_d, dst_d)
+        check(c(tree_c), full_c, dst_c)
+        check(d(tree_d), full_d, dst_d)
+    finally:
+        del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
+    ok("start_then_first_call")
 
 
 def case_order_remade() -> None:
@@ -739,7 +799,7 @@ SCENARIOS = {
     ],
     "remade": [case_order_remade],
     "crossed_groups": [case_crossed_groups],
-    "crossed_new": [case_crossed_new],
+    "crossed_new": [case_crossed_new, case_crossed_substituted, case_start_then_first_call],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],
 }

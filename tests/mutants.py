@@ -2749,7 +2749,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         API,
         (
             (
-                "            try:\n                agree(self.identity)\n",
+                "            try:\n                self._agree(on_worker)\n",
                 "            try:\n                raise ReshardError('not agreed')\n",
             ),
         ),
@@ -2863,6 +2863,70 @@ SURFACE_MUTANTS: list[Mutant] = [
             "unless_they_cast",
         ),
         "a pack that casts whole rows is priced at the contiguous copy speed, as a bf16 copy",
+    ),
+    Mutant(
+        "cost-round-plan-slots-wide",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "            + nbytes * self.narrow / narrow_bw\n",
+                "            + nbytes * self.narrow / bandwidth\n",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::test_a_round_plans_slots_copy_at_the_narrow_speed_in_the_"
+            "share_of_narrow_leaves",
+        ),
+        "a round plan's slots copy at the wide speed whatever their leaves (the cluster model "
+        "then priced bf16 packs and unpacks at the float32 box copy's speed)",
+    ),
+    Mutant(
+        "agree-crossed-call-not-taken",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                '            _STATE.calls[other["key"]] = other["n"] + 1\n',
+                "            _STATE.given_up[crossing] = str(error).splitlines()[0]\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_"
+            "gives_both_up",
+        ),
+        "a new plan's agreement that finds a peer in a call it has not made gives the call "
+        "up for its own next call, which raises: a refit loop is then one step apart",
+    ),
+    Mutant(
+        "agree-failed-round-call-not-taken",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                '                        _take_call(*seen[q]["call"])\n',
+                "                        pass\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_call_waiting_for_a_peer_that_agrees_on_a_new_plan_"
+            "gives_both_up",
+        ),
+        "an agreement failed by a peer's crossed call does not count that call as made here: "
+        "the next steps of a refit loop pair one apart, silently",
+    ),
+    Mutant(
+        "api-first-call-agrees-before-refits-in-flight",
+        API,
+        (
+            (
+                "        if _IN_FLIGHT.busy() and not on_worker:\n            _submit(functools",
+                "        if False:\n            _submit(functools",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_an_agreed_plan_crossed_with_a_new_plans_first_call_"
+            "raises_on_both_within_seconds",
+        ),
+        "a plan's first call agrees at once while refits started before are not issued yet: "
+        "both processes raise on three calls made in the same order",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -962,8 +962,12 @@ def test_device_calibration_measures_every_figure_a_gpu_profile_assumes(devices,
 
     copies = calibrate.measure_device(devices[0], nbytes=1 << 20, reps=2, boxes=(2, 6))
     assert copies.nbytes == 1 << 20  # half the columns of a 2 MiB matrix
-    for rate in (copies.flat_copy, copies.box_copy, copies.narrow_copy):
+    rates = (copies.flat_copy, copies.box_copy, copies.narrow_copy)
+    for rate in (*rates, copies.cast_copy, copies.bf16_copy):
         assert 0 < rate < float("inf")
+    # the average of the cast and the plain bf16 copy (harmonic: the same bytes each)
+    both = 2 / (1 / copies.cast_copy + 1 / copies.bf16_copy)
+    assert copies.narrow_copy == pytest.approx(both)
     times = (copies.per_row, copies.per_box, copies.per_argument, copies.per_program)
     assert all(0 <= t < 1 for t in times) and copies.compile_per_box >= 0
     fields = [f for f, _, _ in calibrate.device_profiles_against(copies)]

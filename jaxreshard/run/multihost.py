@@ -211,7 +211,9 @@ class _State:
     # Calls ``(group key, n)`` this process gave up before making them, for a crossing it
     # found (`_Waiting.check`), with the reason: making such a call raises at once.
     given_up: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # Re-entrant: an agreement runs under it (one at a time per process), and what it finds
+    # while it waits (a peer in a call it stands for: `_take_call`) updates the counts.
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
 
 _STATE = _State()
@@ -282,10 +284,26 @@ def _take_round(key: str, n: int) -> bool:
         return True
 
 
-def _fail_round(client: Any, key: str, n: int, me: int, reason: str) -> None:
+def _take_call(key: str, n: int) -> bool:
+    """Count call ``n`` over the group ``key`` as made here, if it is this process's next one
+    (a call of an agreed plan crossed with this process's first call of a new plan: this
+    process made the new plan's call in its place); whether it was."""
+    with _STATE.lock:
+        if _STATE.calls[key] != n:
+            return False
+        _STATE.calls[key] = n + 1
+        return True
+
+
+def _fail_round(
+    client: Any, key: str, n: int, me: int, reason: str, call: tuple[str, int] | None = None
+) -> None:
     """Mark agreement round ``n`` over the group ``key`` given up by this process: a peer
-    agreeing in it raises at once, naming ``reason`` (`_Agreement._wait`)."""
-    failed = {"fp": "", "failed": reason[:500]}
+    agreeing in it raises at once, naming ``reason`` (`_Agreement._wait`), and counts
+    ``call`` (``(group key, number)``: the call this process gave up for it) as made."""
+    failed: dict[str, Any] = {"fp": "", "failed": reason[:500]}
+    if call is not None:
+        failed["call"] = list(call)
     client.key_value_set(f"{_PREFIX}/{key}/{n}/fp/{me}", json.dumps(failed), allow_overwrite=True)
 
 
@@ -367,6 +385,8 @@ class _Agreement:
             }
             for q in sorted(peers & set(seen)):
                 if "failed" in seen[q]:
+                    if "call" in seen[q]:  # crossed with q's call: it stood for that one here
+                        _take_call(*seen[q]["call"])
                     raise ReshardError(
                         f"jaxreshard: process {q} gave up the agreement of this plan (its plan "
                         f"#{self.n + 1} over processes {list(self.group)}): "
@@ -436,10 +456,12 @@ class _Agreement:
     def _check_calling(self, q: int, other: Mapping[str, Any]) -> None:
         """Raise if peer ``q`` waits in a call of an agreed plan (its order check: ``other``,
         what `_Waiting` says it waits for) that needs this process and that this process has
-        not made: it waits here, in the first call of another plan, for ``q``. The call is
-        given up for ``q`` (which raises at once, naming this plan) and for this process (its
-        own call of that number raises when made), so both count it alike, as with calls
-        crossed between groups (`_Waiting.check`)."""
+        not made: it waits here, in the first call of another plan, for ``q``. That call is
+        given up for ``q`` (which raises at once, naming this plan) and counted as made here:
+        this first call stood in its place (in a refit loop, one process's call of that step
+        made a plan of its own, a dtype or a sharding that differs), so the next calls of
+        both pair up step for step. (Until a fuzz found it, 2026-12-05, this process's next
+        call took that number and raised, leaving the loops one step apart, silently.)"""
         if self.me not in other["group"]:
             return
         crossing = (other["key"], other["n"])
@@ -454,7 +476,7 @@ class _Agreement:
                 "this process has not made. No data was moved.\nHow to fix: every process "
                 "must call its plans in the same order, new plans included"
             )
-            _STATE.given_up[crossing] = str(error).splitlines()[0]
+            _STATE.calls[other["key"]] = other["n"] + 1
         # The round this agreement fails goes with the record: the peer's next agreement over
         # this group then takes the next round, as this process's does.
         record = {
@@ -507,7 +529,10 @@ class _Agreement:
             "How to fix: every process must call jr.plan / jr.reshard with the same global "
             "description: the same tree, shapes and dtypes, shardings on the same meshes (same "
             "device order) with the same PartitionSpecs, and the same dtype=, bucket_bytes=, "
-            "topology= and compiler_options="
+            "topology= and compiler_options=; and make their plans' first calls in the same "
+            f"order (this was the first call of plan #{self.n + 1} over processes "
+            f"{list(self.group)} on both: two plans whose first calls came in another order "
+            "on each differ here, though each process holds both)"
         )
         return ReshardError("\n".join(lines))
 
@@ -757,8 +782,9 @@ class _Waiting:
     def _check_agreeing(self, q: int) -> None:
         """Raise if peer ``q`` waits in the agreement of a new plan that needs this process,
         a round this process has not reached (it waits here for ``q``): this call is given
-        up, and so is that round, for this process (``q`` raises at once, naming this call;
-        this process's next agreement over that group takes the next round, as ``q``'s does
+        up, and so is that round, for this process (``q`` raises at once, naming this call,
+        and counts this call as made, its first call having stood in its place; this
+        process's next agreement over that group takes the next round, as ``q``'s does
         after its round failed). See `_Agreement._check_calling` for the other side."""
         value = _try_get(self.client, f"{_PREFIX}/waiting/{q}")
         if value is None or value == "idle":
@@ -781,7 +807,7 @@ class _Waiting:
         self.client.key_value_set(
             _call_key(self.key, self.n, self.me), json.dumps(own), allow_overwrite=True
         )
-        _fail_round(self.client, other["key"], other["n"], self.me, reason)
+        _fail_round(self.client, other["key"], other["n"], self.me, reason, (self.key, self.n))
         raise error
 
     def done(self) -> None:

@@ -570,6 +570,9 @@ class DeviceCopies:
         donated flat buffer: `Profile.copy_bandwidth`.
       narrow_copy: bytes/s of a casting bf16 pack and a bf16 unpack, averaged:
         `Profile.narrow_copy_bandwidth`.
+      cast_copy, bf16_copy: the two apart (bf16 bytes counted): a pack that casts float32 to
+        bfloat16 reads two bytes for each it writes, where a bf16 copy without a cast (the
+        cluster scenarios' packs and unpacks) reads one.
       per_row: seconds per row of 256 bytes beyond its bytes: `Profile.run_overhead`.
       per_box: seconds per 16 KiB box of a pack-like program beyond its bytes:
         `Profile.copy_overhead`.
@@ -585,6 +588,8 @@ class DeviceCopies:
     flat_copy: float
     box_copy: float
     narrow_copy: float
+    cast_copy: float
+    bf16_copy: float
     per_row: float
     per_box: float
     per_argument: float
@@ -597,6 +602,8 @@ class DeviceCopies:
             ("flat copy into a donated buffer", f"{self.flat_copy / GB:.1f} GB/s"),
             ("box copy (16 KiB rows)", f"{self.box_copy / GB:.1f} GB/s"),
             ("bf16 / cast copy", f"{self.narrow_copy / GB:.1f} GB/s"),
+            ("  of which the cast (float32 -> bf16)", f"{self.cast_copy / GB:.1f} GB/s"),
+            ("  of which the bf16 copy, no cast", f"{self.bf16_copy / GB:.1f} GB/s"),
             ("per row of 256 bytes", f"{self.per_row * 1e9:.2f} ns"),
             ("per box of 16 KiB", f"{self.per_box * 1e6:.2f} us"),
             ("per array a program takes", f"{self.per_argument * 1e6:.2f} us"),
@@ -689,6 +696,8 @@ def measure_device(
         flat_copy=flat_copy,
         box_copy=box.nbytes / t_box,
         narrow_copy=2 * packs.nbytes / (t_cast + t_bf16),
+        cast_copy=packs.nbytes / t_cast,
+        bf16_copy=unpacks.nbytes / t_bf16,
         per_row=max(0.0, (t_rows - t_box) / (rows.runs - box.runs)),
         per_box=max(0.0, (t_many - t_few) / (many - few)),
         per_argument=max(0.0, (t_args - t_args1) / 127),
