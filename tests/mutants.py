@@ -2885,16 +2885,16 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/multihost.py",
         (
             (
-                '            _STATE.calls[other["key"]] = other["n"] + 1\n',
-                "            _STATE.given_up[crossing] = str(error).splitlines()[0]\n",
+                'not _take_call(\n                other["key"], other["n"]\n            ):\n',
+                '_STATE.calls[\n                other["key"]\n            ] != other["n"]:\n',
             ),
         ),
         (
             "tests/test_multihost.py::test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_"
             "gives_both_up",
         ),
-        "a new plan's agreement that finds a peer in a call it has not made gives the call "
-        "up for its own next call, which raises: a refit loop is then one step apart",
+        "a new plan's agreement that finds a peer in a call it has not made does not count "
+        "that call as made here: a refit loop is then one step apart",
     ),
     Mutant(
         "agree-failed-round-call-not-taken",

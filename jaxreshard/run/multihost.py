@@ -464,19 +464,19 @@ class _Agreement:
         call took that number and raised, leaving the loops one step apart, silently.)"""
         if self.me not in other["group"]:
             return
-        crossing = (other["key"], other["n"])
         with _STATE.lock:
-            if _STATE.calls[other["key"]] != other["n"] or crossing in _STATE.given_up:
+            if (other["key"], other["n"]) in _STATE.given_up or not _take_call(
+                other["key"], other["n"]
+            ):
                 return  # this process made that call (or gave it up), or is further behind
-            error = ReshardError(
-                f"jaxreshard: processes {self.me} and {q} are waiting for each other: this "
-                f"process in the first call of a plan it has not agreed on yet (its plan "
-                f"#{self.n + 1} over processes {list(self.group)}), process {q} in call "
-                f"#{other['n'] + 1} over processes {other['group']} ({other['plan']}), which "
-                "this process has not made. No data was moved.\nHow to fix: every process "
-                "must call its plans in the same order, new plans included"
-            )
-            _STATE.calls[other["key"]] = other["n"] + 1
+        error = ReshardError(
+            f"jaxreshard: processes {self.me} and {q} are waiting for each other: this "
+            f"process in the first call of a plan it has not agreed on yet (its plan "
+            f"#{self.n + 1} over processes {list(self.group)}), process {q} in call "
+            f"#{other['n'] + 1} over processes {other['group']} ({other['plan']}), which "
+            "this process has not made. No data was moved.\nHow to fix: every process "
+            "must call its plans in the same order, new plans included"
+        )
         # The round this agreement fails goes with the record: the peer's next agreement over
         # this group then takes the next round, as this process's does.
         record = {
@@ -792,6 +792,8 @@ class _Waiting:
         other = json.loads(value)
         if "failed" in other or self.me not in other["group"]:
             return
+        if not _take_round(other["key"], other["n"]):
+            return  # this process passed that round, or is further behind
         error = ReshardError(
             f"jaxreshard: processes {self.me} and {q} are waiting for each other: this process "
             f"in call #{self.n + 1} over processes {self.group} ({self.label}), process {q} in "
@@ -800,8 +802,6 @@ class _Waiting:
             "fix: every process must call its plans in the same order, new plans included"
         )
         reason = str(error).splitlines()[0]
-        if not _take_round(other["key"], other["n"]):
-            return  # this process passed that round, or is further behind
         # This call first (as in `check`), then the peer's round.
         own = {"fp": "", "plan": self.label, "abandoned": reason}
         self.client.key_value_set(
