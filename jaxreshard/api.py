@@ -51,6 +51,7 @@ from jaxreshard.run.multihost import (
     give_up_agreement,
     options_text,
     order_check_enabled,
+    place_refusal,
     refuse_call,
 )
 from jaxreshard.run.runtime import (
@@ -1749,14 +1750,17 @@ def reshard(
 def refuse_unplanned(src_tree: Any, dst_shardings: Any, error: ReshardError) -> None:
     """Under ``jax.distributed``, a `reshard` this process refused before it found a plan (a
     ``dst_shardings`` tree that does not fit the source, ...): the refusal takes the place of
+    the event its peers make at this step, so that theirs raises naming the refusal, where it
+    would pair with this process's next call and return another step's weights.
+
+    Where a peer is seen waiting for this process, in a call or in a new plan's agreement,
+    the refusal takes that place (`multihost.place_refusal`, which waits for one up to the
+    agreement timeout). Where every peer refuses alike, or none comes, it takes the place of
     a call of the plan this process last used for a source laid out as ``src_tree`` (tree,
     shapes, dtypes, shardings), where the cache holds one, as if that plan had refused it
-    (`Plan.refuse`). In a refit loop that is the call the peers make: theirs raises naming
-    the refusal, where it would pair with this process's next call and return another step's
-    weights. Where the cache holds no such plan (the layout's first call), the agreement round
-    of the processes owning a device the two trees name is given up instead
-    (`multihost.give_up_agreement`): the peers' first call raises there. A no-op in one
-    process."""
+    (`Plan.refuse`), else gives up the agreement round of the processes owning a device the
+    two trees name (`multihost.give_up_agreement`). Placed after the refits started before
+    (their calls take their numbers first). A no-op in one process."""
     if jax.process_count() == 1:
         return
     source = _source_key(src_tree, "device_put")
@@ -1764,16 +1768,30 @@ def refuse_unplanned(src_tree: Any, dst_shardings: Any, error: ReshardError) -> 
     if source is not None:
         with _CACHE_LOCK:
             found = next((p for k, p in reversed(_CACHE.items()) if k[:2] == source), None)
-    if found is not None:
-        _moving(found).refuse(error)  # (only where calls are checked in order)
-        return
     named = [
         x if isinstance(x, Sharding) else getattr(x, "sharding", None)
         for tree in (src_tree, dst_shardings)
         for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharding))
     ]
     processes = {d.process_index for s in named if isinstance(s, Sharding) for d in s.device_set}
-    give_up_agreement(processes, " ".join(str(error).splitlines()[:2]))
+    reason = " ".join(str(error).splitlines()[:2])
+    moving = None if found is None else _moving(found)
+
+    def place(on_worker: bool) -> None:
+        # Where a peer is seen waiting for this process, there; else the guess.
+        identity = None if moving is None else moving.identity
+        if place_refusal(processes, reason, identity):
+            return
+        if moving is not None:
+            moving.refuse(error, on_worker=on_worker)  # (only where calls are checked in order)
+        else:
+            give_up_agreement(processes, reason)
+
+    # After the refits started before, as their calls take their numbers first.
+    if _IN_FLIGHT.busy():
+        _submit(functools.partial(place, True)).result()
+    else:
+        place(False)
 
 
 def cached_plan(

@@ -628,6 +628,50 @@ def case_crossed_substituted() -> None:
     ok("crossed_substituted")
 
 
+def case_refused_extra_leaf() -> None:
+    """(A third fuzz.) A refit loop of `jr.reshard` in which process 0's tree at step 1 has
+    one extra leaf whose destination sharding does not fit (refused before a plan, and a
+    source layout with no plan cached) while process 1 calls the agreed plan: the refusal
+    gave up an agreement round, process 1's call of step 1 paired with process 0's call of
+    step 2, and each later step on process 1 returned the next step's weights, silently. It
+    now takes the place of process 1's call (seen waiting), both raise at step 1 and steps 2
+    and 3 pair up. Then at step 4 both processes pass that tree: both refuse at once (alike)
+    and the next steps pair up."""
+    trainer = NamedSharding(mesh(BY_PROCESS[0], (4,), ("x",)), P("x"))
+    sampler_mesh = mesh(BY_PROCESS[1], (4,), ("x",))
+    sampler = {"e": NamedSharding(sampler_mesh, P(None, "x"))}
+    bad = {**sampler, "z": NamedSharding(sampler_mesh, P(None, "x"))}  # 6 columns over 4
+
+    def full(step: int) -> dict:
+        return {"e": data((8, 16), 81) + 1000 * step}
+
+    def tree(step: int, extra: bool = False) -> dict:
+        out = {"e": source(full(step)["e"], trainer)}
+        if extra:
+            out["z"] = source(data((8, 6), 82), trainer)
+        return out
+
+    check(jr.reshard(tree(0), sampler), full(0), sampler)
+    if os.environ.get("WORKER_LATE") == str(PID):
+        time.sleep(0.5)
+    os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost call fails in seconds
+    try:
+        if PID == 0:
+            _refused("EXTRA", lambda: jr.reshard(tree(1, extra=True), bad))
+        else:
+            _refused("EXTRA", lambda: jr.reshard(tree(1), sampler))
+        for step in (2, 3):
+            check(jr.reshard(tree(step), sampler), full(step), sampler)
+        start = time.monotonic()
+        _refused("EXTRA_BOTH", lambda: jr.reshard(tree(4, extra=True), bad))
+        print(f"EXTRA_BOTH {PID} raised after {time.monotonic() - start:.2f} s", flush=True)
+        for step in (5, 6):
+            check(jr.reshard(tree(step), sampler), full(step), sampler)
+    finally:
+        del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
+    ok("refused_extra_leaf")
+
+
 def case_start_then_first_call() -> None:
     """(A fuzz.) Plans C and D made on both processes and called in the same order: step 1's
     call of C, then D's first call. Process 0 makes its call of C with `Plan.start` and reads
@@ -799,7 +843,12 @@ SCENARIOS = {
     ],
     "remade": [case_order_remade],
     "crossed_groups": [case_crossed_groups],
-    "crossed_new": [case_crossed_new, case_crossed_substituted, case_start_then_first_call],
+    "crossed_new": [
+        case_crossed_new,
+        case_crossed_substituted,
+        case_start_then_first_call,
+        case_refused_extra_leaf,
+    ],
     "lost": [case_lost],
     "lost_in_transfer": [case_lost_in_transfer],
 }

@@ -386,6 +386,58 @@ def test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_gives_both_up(device
     multihost._Agreement(client, 1, (0, 1), "g", 5, plan.fingerprint, plan)._check_blocked([0])
 
 
+def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(monkeypatch):
+    """(A third fuzz.) A call refused before its plan cannot tell from its own state whether
+    the peers make a call or a new plan's agreement at this step; its guess, where wrong,
+    left the refit loops a step apart, silently. It takes the place of whatever a peer is
+    seen waiting in for this process: its next agreement round over a group (given up:
+    the peer raises, naming the refusal) or its next call over a group (refused: the
+    peer's order check raises), never an event this process has passed or given up."""
+    client = FakeClient()
+
+    def fresh(calls=None, rounds=None):
+        monkeypatch.setattr(multihost, "_STATE", multihost._State())
+        multihost._STATE.calls.update(calls or {})
+        multihost._STATE.rounds.update(rounds or {})
+
+    monkeypatch.setattr(multihost, "_talking", lambda group, c: (client, 0, group))
+    marker = f"{multihost._PREFIX}/refusing/0"
+    # A peer in this process's next agreement round over "k": given up there.
+    fresh(rounds={"k": 5})
+    waiting = {"group": [0, 1], "key": "k", "n": 5}
+    client.key_value_set(f"{multihost._PREFIX}/waiting/1", json.dumps(waiting))
+    assert multihost.place_refusal([0, 1], "bad tree", timeout_s=5.0)
+    assert json.loads(client.store[f"{multihost._PREFIX}/k/5/fp/0"])["failed"] == "bad tree"
+    assert multihost._STATE.rounds["k"] == 6 and client.store[marker] == "idle"
+    # A round this process passed is no place: then a peer's record of its next call is.
+    fresh(calls={"k": 3}, rounds={"k": 6})
+    peer = {"fp": "ab", "plan": "the plan of 1 leaf ['e']"}
+    client.key_value_set(multihost._call_key("k", 3, 1), json.dumps(peer))
+    assert multihost.place_refusal([0, 1], "bad tree", timeout_s=5.0)
+    mine = json.loads(client.store[multihost._call_key("k", 3, 0)])
+    assert mine["refused"] == "bad tree" and mine["plan"] == peer["plan"]
+    assert multihost._STATE.calls["k"] == 4 and multihost._STATE.rounds["k"] == 6
+    # Not a call this process gave up (its own call of it raises), nor one it made: nothing
+    # is seen, and the refusal returns at the timeout for the caller to place its guess.
+    fresh(calls={"k": 3}, rounds={"k": 6})
+    multihost._STATE.given_up["k", 3] = "crossed"
+    start = time.monotonic()
+    assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 5
+    assert multihost._STATE.calls["k"] == 3
+    guess = json.loads(client.store[marker])["guess"]
+    assert guess == ["round", multihost.digest((0, 1))[:16], 0]
+    # Every peer refusing alike (the same guess): it returns at once.
+    fresh(calls={"k": 4}, rounds={"k": 6})
+    client.key_value_set(f"{multihost._PREFIX}/refusing/1", json.dumps({"guess": guess}))
+    start = time.monotonic()
+    assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
+    assert time.monotonic() - start < 5
+    # Without the order check calls publish nothing to be seen: the guess, at once.
+    monkeypatch.setenv("JAXRESHARD_ORDER_CHECK", "0")
+    assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
+
+
 def test_agreement_detects_processes_waiting_in_different_plans(devices):
     # Process 0 waits in a plan over {0, 1}; process 1 in a plan over {0, 1, 2}; process 2
     # waits with 1 for process 0. Nobody hangs: 0 and 1 see the crossing, 2 sees 0 fail.
@@ -615,9 +667,18 @@ def test_an_agreed_plan_crossed_with_a_new_plans_first_call_raises_on_both_withi
     assert "SUBSTITUTED 0: jaxreshard: process" in p0 and "SUBSTITUTED 1: jaxreshard:" in p1
     # (A fuzz.) A plan's first call made while a Plan.start is in flight agrees after it.
     run.case_ok("start_then_first_call")
+    # (A third fuzz.) A reshard refused before its plan, on one process, at one step of a
+    # refit loop whose peer calls the agreed plan: it takes the place of the peer's call
+    # (seen waiting), where it gave up an agreement round and left the loops a step apart.
+    # Refused on both, it is placed alike on both at once.
+    run.case_ok("refused_extra_leaf")
+    assert "EXTRA 0: cannot plan a reshard for these leaves" in p0, p0[-3000:]
+    assert "EXTRA 1: jaxreshard: process 0 refused call #" in p1, p1[-3000:]
     for pid, out in enumerate(run.outputs):
         seconds = float(re.search(rf"CROSSNEW {pid} raised after ([\d.]+) s", out)[1])
         assert seconds < 10, (pid, seconds)
+        seconds = float(re.search(rf"EXTRA_BOTH {pid} raised after ([\d.]+) s", out)[1])
+        assert seconds < 5, (pid, seconds)
 
 
 @pytest.mark.multiprocess

@@ -274,6 +274,126 @@ def give_up_agreement(processes: Iterable[int], reason: str, *, client: Any = No
     _fail_round(client, key, n, me, reason)
 
 
+def place_refusal(
+    processes: Iterable[int],
+    reason: str,
+    plan: PlanIdentity | None = None,
+    *,
+    timeout_s: float | None = None,
+    client: Any = None,
+) -> bool:
+    """A call this process refused before it could make its plan (`give_up_agreement`), under
+    ``jax.distributed``: wait until a peer is seen in the event this refusal stands for, and
+    take its place there; whether one was found.
+
+    The refusing process cannot tell from its own state what its peers make at this step: a
+    call of a plan they agreed on, or a new plan's agreement. Its guess (the call of
+    ``plan``, the plan it last used for a source laid out alike, where there is one; else the
+    agreement round of ``processes``, those owning a device its trees name) was wrong where
+    the peers made the other (a fuzz, 2026-12-05: one extra leaf on one process at one step
+    of a refit loop): the peers' call then paired with this process's next one and returned
+    that step's weights, silently. The peers say where they are: a call's record is published
+    when it starts (`check_order`), an agreement's wait when it starts (`_Agreement`), and
+    every process's next event over a group is the one that pairs with this process's next
+    event there. So this polls, up to ``timeout_s`` (default `agreement_timeout_s`), for a
+    peer's record of this process's next call over a group it has agreed plans in, or a peer
+    waiting in this process's next agreement round over a group that holds it, and refuses
+    that call (`check_order` raises there, naming ``reason``) or gives that round up (the
+    agreement raises). Where every other process of ``processes`` refuses alike (the same
+    guess: the same bad tree on every process), or the time runs out, it returns False and
+    the caller places the guess, as every refusing process does then.
+
+    Needs calls checked in order (`order_check_enabled`: calls publish nothing otherwise):
+    without, it returns False at once. A no-op (False) in one process or where this process
+    is alone among ``processes``."""
+    group = tuple(sorted(set(processes) | set(_plan_processes(plan))))
+    found = _talking(group, client)
+    if found is None or not order_check_enabled():
+        return False
+    client, me, group = found
+    guess = _guess(plan, group)
+    marker = f"{_PREFIX}/refusing/{me}"
+    client.key_value_set(marker, json.dumps({"guess": guess}), allow_overwrite=True)
+    deadline = time.monotonic() + (agreement_timeout_s() if timeout_s is None else timeout_s)
+    sleep = _POLL_S[0]
+    while True:
+        if _take_peers_event(client, me, reason):
+            client.key_value_set(marker, "idle", allow_overwrite=True)
+            return True
+        if _refusing_alike(client, me, group, guess) or time.monotonic() > deadline:
+            return False  # the marker stays: a peer reading it later refuses alike
+        time.sleep(sleep)
+        sleep = min(_POLL_S[1], sleep * 2)
+
+
+def _plan_processes(plan: PlanIdentity | None) -> tuple[int, ...]:
+    """The processes involved in ``plan`` (none for no plan)."""
+    if plan is None:
+        return ()
+    import jax
+
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    return involved_processes(plan.leaves, process_of)
+
+
+def _guess(plan: PlanIdentity | None, group: tuple[int, ...]) -> list[Any]:
+    """Where `place_refusal`'s caller places the refusal when no peer is seen: ``["call",
+    key, n]`` (``plan``'s next call, where it has agreed) or ``["round", key, n]`` (its
+    agreement, or that of ``group``), with this process's numbers now."""
+    with _STATE.lock:
+        if plan is not None:
+            key = digest(_plan_processes(plan))[:16]
+            if plan.fingerprint in _STATE.agreed:
+                return ["call", key, _STATE.calls[key]]
+            return ["round", key, _STATE.rounds[key]]
+        key = digest(group)[:16]
+        return ["round", key, _STATE.rounds[key]]
+
+
+def _take_peers_event(client: Any, me: int, reason: str) -> bool:
+    """Refuse the call, or give up the agreement round, that a peer waits in for this
+    process as its next one (see `place_refusal`); whether one was found."""
+    for k, v in client.key_value_dir_get(f"{_PREFIX}/waiting/"):
+        if int(k.rsplit("/", 1)[1]) == me or v == "idle":
+            continue
+        other = json.loads(v)
+        if "failed" in other or me not in other["group"]:
+            continue
+        if _take_round(other["key"], other["n"]):
+            _fail_round(client, other["key"], other["n"], me, reason)
+            return True
+    with _STATE.lock:
+        nexts = {key: _STATE.calls[key] for key in (*_STATE.calls, *_STATE.rounds)}
+    for key, n in nexts.items():
+        if (key, n) in _STATE.given_up:
+            continue  # this process gave that call up: its own call of it raises
+        records = {
+            int(k.rsplit("/", 1)[1]): json.loads(v)
+            for k, v in client.key_value_dir_get(f"{_call_key(key, n, me).rsplit('/', 1)[0]}/")
+        }
+        theirs = next((r for q, r in records.items() if q != me), None)
+        if theirs is not None and _take_call(key, n):
+            record = {"fp": "", "plan": theirs.get("plan", ""), "refused": reason[:500]}
+            client.key_value_set(_call_key(key, n, me), json.dumps(record))
+            return True
+    return False
+
+
+def _refusing_alike(client: Any, me: int, group: Sequence[int], guess: list[Any]) -> bool:
+    """Whether every other process of ``group`` has published a refusal with the same guess
+    (`place_refusal`): all refuse the same step, and each places the same guess."""
+    markers = {
+        int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{_PREFIX}/refusing/")
+    }
+    for q in group:
+        if q == me:
+            continue
+        value = markers.get(q)
+        if value is None or value == "idle" or json.loads(value)["guess"] != guess:
+            return False
+    return True
+
+
 def _take_round(key: str, n: int) -> bool:
     """Count agreement round ``n`` over the group ``key`` as passed here, if it is this
     process's next one (a round given up in a crossing); whether it was."""
