@@ -2843,11 +2843,12 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/multihost.py",
         (("    _fail_round(client, key, n, me, reason)\n", "    pass\n"),),
         (
-            "tests/test_multihost.py::test_a_reshard_refused_at_its_layouts_first_call_raises_on_"
-            "the_others_and_the_next_calls_pair",
+            "tests/test_multihost.py::test_a_refusal_guessing_a_new_plan_gives_up_the_named_"
+            "processes_next_round",
         ),
-        "a jr.reshard refused at its layout's first call, before any plan, gives no agreement "
-        "round up: the peer's first call pairs with this process's next one",
+        "a jr.reshard refused at its layout's first call, before any plan, that places its "
+        "guess gives no agreement round up: the peer's first call pairs with this process's "
+        "next one",
     ),
     Mutant(
         "cost-casts-at-contiguous-speed",
@@ -2927,6 +2928,52 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a plan's first call agrees at once while refits started before are not issued yet: "
         "both processes raise on three calls made in the same order",
+    ),
+    Mutant(
+        "refusal-peers-event-not-seen",
+        "jaxreshard/run/multihost.py",
+        (("        if _take_peers_event(client, me, reason):\n", "        if False:\n"),),
+        (
+            "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
+            "a_peer_waits_in",
+            "tests/test_multihost.py::test_an_agreed_plan_crossed_with_a_new_plans_first_call_"
+            "raises_on_both_within_seconds[None]",
+        ),
+        "a reshard refused before its plan always places its guess: one extra leaf that does "
+        "not fit, on one process at one step, leaves the refit loops a step apart, silently",
+    ),
+    Mutant(
+        "refusal-alike-not-seen",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "        if _refusing_alike(client, me, group, guess) or time.monotonic() > "
+                "deadline:\n",
+                "        if time.monotonic() > deadline:\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
+            "a_peer_waits_in",
+        ),
+        "processes that all refuse the same bad tree before a plan wait for each other the "
+        "whole agreement timeout",
+    ),
+    Mutant(
+        "refusal-takes-a-given-up-call",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "        if (key, n) in _STATE.given_up:\n            continue",
+                "        if False:\n            continue",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
+            "a_peer_waits_in",
+        ),
+        "a refusal before a plan takes the place of a call this process gave up in a crossing "
+        "(its own call of it raises too: the next calls pair one apart)",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -438,6 +438,27 @@ def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(mo
     assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
 
 
+def test_a_refusal_guessing_a_new_plan_gives_up_the_named_processes_next_round(
+    devices, monkeypatch
+):
+    """Where a refusal before any plan places its guess and nothing is cached for its source
+    layout (`place_refusal` saw no peer, or every peer refuses alike), it gives up the next
+    agreement round of the processes its trees name: a peer agreeing in that round raises,
+    naming the refusal, and both take the next round for their next plans."""
+    monkeypatch.setattr(multihost, "_STATE", multihost._State())
+    client = FakeClient()
+    monkeypatch.setattr(multihost, "_talking", lambda group, c: (client, 0, group))
+    key = multihost.digest((0, 1))[:16]
+    multihost._STATE.rounds[key] = 2
+    multihost.give_up_agreement([1, 0, 1], "bad tree")
+    assert multihost._STATE.rounds[key] == 3
+    assert json.loads(client.store[f"{multihost._PREFIX}/{key}/2/fp/0"])["failed"] == "bad tree"
+    plan = _plans(devices)[0].identity
+    peer = multihost._Agreement(client, 1, (0, 1), key, 2, plan.fingerprint, plan)
+    with pytest.raises(jr.ReshardError, match="process 0 gave up the agreement of this plan"):
+        peer._wait(5.0)
+
+
 def test_agreement_detects_processes_waiting_in_different_plans(devices):
     # Process 0 waits in a plan over {0, 1}; process 1 in a plan over {0, 1, 2}; process 2
     # waits with 1 for process 0. Nobody hangs: 0 and 1 see the crossing, 2 sees 0 fail.
