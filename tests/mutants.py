@@ -2947,9 +2947,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "        if _refusing_alike(client, me, group, guess) or time.monotonic() > "
-                "deadline:\n",
-                "        if time.monotonic() > deadline:\n",
+                "        if alike is None:  # every peer refuses alike",
+                "        if False:  # every peer refuses alike",
             ),
         ),
         (
@@ -2958,6 +2957,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "processes that all refuse the same bad tree before a plan wait for each other the "
         "whole agreement timeout",
+    ),
+    Mutant(
+        "refusal-grace-ignored",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "            deadline = min(deadline, time.monotonic() + REFUSAL_GRACE_S)\n",
+                "            pass\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
+            "a_peer_waits_in",
+        ),
+        "a call refused before its plan, beside a peer refusing with another guess, waits the "
+        "whole agreement timeout (300 s by default) before it raises",
     ),
     Mutant(
         "refusal-takes-a-given-up-call",

@@ -433,6 +433,14 @@ def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(mo
     start = time.monotonic()
     assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
     assert time.monotonic() - start < 5
+    # A peer refusing with another guess (or having done so before): a short grace, not the
+    # whole timeout.
+    monkeypatch.setattr(multihost, "REFUSAL_GRACE_S", 0.5)
+    other = {"guess": ["call", "k", 4]}
+    client.key_value_set(f"{multihost._PREFIX}/refusing/1", json.dumps(other), True)
+    start = time.monotonic()
+    assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
+    assert 0.5 <= time.monotonic() - start < 5
     # Without the order check calls publish nothing to be seen: the guess, at once.
     monkeypatch.setenv("JAXRESHARD_ORDER_CHECK", "0")
     assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)

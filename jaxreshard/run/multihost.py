@@ -51,6 +51,11 @@ Override with the ``JAXRESHARD_AGREEMENT_TIMEOUT_S`` environment variable.
 """
 
 _PREFIX = "jaxreshard/agree"
+REFUSAL_GRACE_S = 5.0
+"""How long a call refused before its plan (`place_refusal`) still waits for a peer's event
+once a peer is seen refusing with another guess (trees that name other processes, caches
+that differ), or having refused so at an earlier step (its marker stays): instead of the
+whole agreement timeout."""
 _POLL_S = (0.001, 0.25)  # first and largest sleep between polls of the key-value store
 
 
@@ -301,7 +306,8 @@ def place_refusal(
     that call (`check_order` raises there, naming ``reason``) or gives that round up (the
     agreement raises). Where every other process of ``processes`` refuses alike (the same
     guess: the same bad tree on every process), or the time runs out, it returns False and
-    the caller places the guess, as every refusing process does then.
+    the caller places the guess, as every refusing process does then. A peer seen refusing
+    with another guess (or having refused so before) cuts the wait to `REFUSAL_GRACE_S`.
 
     Needs calls checked in order (`order_check_enabled`: calls publish nothing otherwise):
     without, it returns False at once. A no-op (False) in one process or where this process
@@ -320,8 +326,13 @@ def place_refusal(
         if _take_peers_event(client, me, reason):
             client.key_value_set(marker, "idle", allow_overwrite=True)
             return True
-        if _refusing_alike(client, me, group, guess) or time.monotonic() > deadline:
-            return False  # the marker stays: a peer reading it later refuses alike
+        alike = _refusing_alike(client, me, group, guess)
+        if alike is None:  # every peer refuses alike: all place the same guess
+            return False  # (the marker stays: a peer reading it later refuses alike)
+        if alike:  # a peer refuses with another guess, or refused so before: not for long
+            deadline = min(deadline, time.monotonic() + REFUSAL_GRACE_S)
+        if time.monotonic() > deadline:
+            return False
         time.sleep(sleep)
         sleep = min(_POLL_S[1], sleep * 2)
 
@@ -379,19 +390,23 @@ def _take_peers_event(client: Any, me: int, reason: str) -> bool:
     return False
 
 
-def _refusing_alike(client: Any, me: int, group: Sequence[int], guess: list[Any]) -> bool:
-    """Whether every other process of ``group`` has published a refusal with the same guess
-    (`place_refusal`): all refuse the same step, and each places the same guess."""
+def _refusing_alike(
+    client: Any, me: int, group: Sequence[int], guess: list[Any]
+) -> list[int] | None:
+    """The other processes of ``group`` whose last refusal (`place_refusal`) placed another
+    guess than ``guess``; None where every one of them has published a refusal with the same
+    guess (all refuse the same step, and each places the same guess)."""
     markers = {
         int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{_PREFIX}/refusing/")
     }
-    for q in group:
-        if q == me:
-            continue
-        value = markers.get(q)
-        if value is None or value == "idle" or json.loads(value)["guess"] != guess:
-            return False
-    return True
+    theirs = {
+        q: json.loads(markers[q])["guess"]
+        for q in group
+        if q != me and markers.get(q, "idle") != "idle"
+    }
+    if len(theirs) == len(group) - 1 and all(g == guess for g in theirs.values()):
+        return None
+    return sorted(q for q, g in theirs.items() if g != guess)
 
 
 def _take_round(key: str, n: int) -> bool:
