@@ -635,8 +635,12 @@ def case_refused_extra_leaf() -> None:
     gave up an agreement round, process 1's call of step 1 paired with process 0's call of
     step 2, and each later step on process 1 returned the next step's weights, silently. It
     now takes the place of process 1's call (seen waiting), both raise at step 1 and steps 2
-    and 3 pair up. Then at step 4 both processes pass that tree: both refuse at once (alike)
-    and the next steps pair up."""
+    and 3 pair up. Then (a fourth fuzz, each step with the late process 0.3 s behind): both
+    processes pass that tree (the earlier one took the later one's next call, a step apart
+    again, silently), process 1 alone passes it (it waited the whole timeout for a peer whose
+    refusal of the step before it no longer read), each passes a bad tree of its own (both
+    waited the whole timeout, then were a step apart): each raises within seconds and the
+    next step pairs up."""
     trainer = NamedSharding(mesh(BY_PROCESS[0], (4,), ("x",)), P("x"))
     sampler_mesh = mesh(BY_PROCESS[1], (4,), ("x",))
     sampler = {"e": NamedSharding(sampler_mesh, P(None, "x"))}
@@ -662,11 +666,24 @@ def case_refused_extra_leaf() -> None:
             _refused("EXTRA", lambda: jr.reshard(tree(1), sampler))
         for step in (2, 3):
             check(jr.reshard(tree(step), sampler), full(step), sampler)
-        start = time.monotonic()
-        _refused("EXTRA_BOTH", lambda: jr.reshard(tree(4, extra=True), bad))
-        print(f"EXTRA_BOTH {PID} raised after {time.monotonic() - start:.2f} s", flush=True)
-        for step in (5, 6):
-            check(jr.reshard(tree(step), sampler), full(step), sampler)
+        late = os.environ.get("WORKER_LATE") == str(PID)
+        for name, step, slip in (
+            ("EXTRA_BOTH", 4, (True, True)),  # the same bad tree on both
+            ("EXTRA_ALONE", 6, (False, True)),  # then process 1 alone (a peer refused before)
+            ("EXTRA_OTHER", 8, (True, "other")),  # each its own bad tree
+        ):
+            if late:
+                time.sleep(0.3)
+            start = time.monotonic()
+            mine = slip[PID]
+            if mine == "other":
+                _refused(name, lambda s=step: jr.reshard(tree(s), {"other": sampler["e"]}))
+            elif mine:
+                _refused(name, lambda s=step: jr.reshard(tree(s, extra=True), bad))
+            else:
+                _refused(name, lambda s=step: jr.reshard(tree(s), sampler))
+            print(f"{name} {PID} raised after {time.monotonic() - start:.2f} s", flush=True)
+            check(jr.reshard(tree(step + 1), sampler), full(step + 1), sampler)
     finally:
         del os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"]
     ok("refused_extra_leaf")

@@ -2841,7 +2841,12 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "agree-unplanned-refusal-not-given-up",
         "jaxreshard/run/multihost.py",
-        (("    _fail_round(client, key, n, me, reason)\n", "    pass\n"),),
+        (
+            (
+                "    _fail_round(client, key, n, me, reason)\n\n\ndef place_refusal(",
+                "    pass\n\n\ndef place_refusal(",
+            ),
+        ),
         (
             "tests/test_multihost.py::test_a_refusal_guessing_a_new_plan_gives_up_the_named_"
             "processes_next_round",
@@ -2932,7 +2937,12 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "refusal-peers-event-not-seen",
         "jaxreshard/run/multihost.py",
-        (("        if _take_peers_event(client, me, reason):\n", "        if False:\n"),),
+        (
+            (
+                "            if _take_peers_event(client, me, reason, exclude=alike):\n",
+                "            if False:\n",
+            ),
+        ),
         (
             "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
             "a_peer_waits_in",
@@ -2947,8 +2957,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "        if alike is None:  # every peer refuses alike",
-                "        if False:  # every peer refuses alike",
+                "            if len(alike) == len(group) - 1:  # every peer refused this step\n",
+                "            if False:  # every peer refused this step\n",
             ),
         ),
         (
@@ -2959,12 +2969,46 @@ SURFACE_MUTANTS: list[Mutant] = [
         "whole agreement timeout",
     ),
     Mutant(
+        "refusal-takes-a-refusing-peers-next-call",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "if q != me and q not in exclude), None)",
+                "if q != me), None)",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
+            "a_peer_waits_in",
+        ),
+        "a refusal before a plan takes the next call of a peer that refused the same step "
+        "(the same bad tree on both, one a little late): the loops a step apart, silently",
+    ),
+    Mutant(
+        "refusal-all-refused-own-guess",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "                lowest = min({**alike, me: guess}.items())[1]\n",
+                "                lowest = guess\n",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_refusal_before_a_plan_takes_the_place_of_the_event_"
+            "a_peer_waits_in",
+            "tests/test_multihost.py::test_an_agreed_plan_crossed_with_a_new_plans_first_call_"
+            "raises_on_both_within_seconds[None]",
+        ),
+        "processes that all refuse one step, each with a bad tree of its own, place their own "
+        "guesses (a call on one, an agreement round on the other): a step apart, silently",
+    ),
+    Mutant(
         "refusal-grace-ignored",
         "jaxreshard/run/multihost.py",
         (
             (
-                "            deadline = min(deadline, time.monotonic() + REFUSAL_GRACE_S)\n",
-                "            pass\n",
+                "                deadline = min(deadline, time.monotonic() + REFUSAL_GRACE_S)\n",
+                "                pass\n",
             ),
         ),
         (

@@ -408,7 +408,7 @@ def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(mo
     client.key_value_set(f"{multihost._PREFIX}/waiting/1", json.dumps(waiting))
     assert multihost.place_refusal([0, 1], "bad tree", timeout_s=5.0)
     assert json.loads(client.store[f"{multihost._PREFIX}/k/5/fp/0"])["failed"] == "bad tree"
-    assert multihost._STATE.rounds["k"] == 6 and client.store[marker] == "idle"
+    assert multihost._STATE.rounds["k"] == 6 and not json.loads(client.store[marker])["active"]
     # A round this process passed is no place: then a peer's record of its next call is.
     fresh(calls={"k": 3}, rounds={"k": 6})
     peer = {"fp": "ab", "plan": "the plan of 1 leaf ['e']"}
@@ -425,18 +425,35 @@ def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(mo
     assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=0.3)
     assert 0.3 <= time.monotonic() - start < 5
     assert multihost._STATE.calls["k"] == 3
-    guess = json.loads(client.store[marker])["guess"]
-    assert guess == ["round", multihost.digest((0, 1))[:16], 0]
-    # Every peer refusing alike (the same guess): it returns at once.
-    fresh(calls={"k": 4}, rounds={"k": 6})
-    client.key_value_set(f"{multihost._PREFIX}/refusing/1", json.dumps({"guess": guess}))
+    key = multihost.digest((0, 1))[:16]
+    guess = json.loads(client.store[marker])["refused"][-1]["guess"]
+    assert guess == ["round", key, 0]
+    # A peer that refused this step too (its record names the step: the group and the call
+    # and round numbers over it) is at a later step: its call there is not taken. Every
+    # peer having refused, all place the lowest process's guess, at once.
+    fresh(calls={"k": 3, key: 7}, rounds={"k": 6, key: 2})
+    theirs = {"active": False, "refused": [{"step": [key, 7, 2], "guess": ["call", "k", 3]}]}
+    client.key_value_set(f"{multihost._PREFIX}/refusing/1", json.dumps(theirs), True)
     start = time.monotonic()
-    assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
+    assert multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
     assert time.monotonic() - start < 5
-    # A peer refusing with another guess (or having done so before): a short grace, not the
-    # whole timeout.
+    assert multihost._STATE.calls["k"] == 3  # (peer 1's record of call #4 over "k": later)
+    assert multihost._STATE.rounds[key] == 3  # this process's guess: the lowest
+    assert json.loads(client.store[f"{multihost._PREFIX}/{key}/2/fp/0"])["failed"] == "bad tree"
+    mine = json.loads(client.store[marker])
+    assert not mine["active"] and mine["refused"][-1]["step"] == [key, 7, 2]
+    # Seen from process 1 (the same step), process 0's guess is placed, not its own.
+    fresh(calls={"k": 3, key: 7}, rounds={"k": 6, key: 2})
+    monkeypatch.setattr(multihost, "_talking", lambda group, c: (client, 1, group))
+    client.store.pop(multihost._call_key("k", 3, 1))
+    assert multihost.place_refusal([0, 1], "bad tree too", timeout_s=30.0)
+    assert multihost._STATE.rounds[key] == 3 and multihost._STATE.calls["k"] == 3
+    monkeypatch.setattr(multihost, "_talking", lambda group, c: (client, 0, group))
+    # A peer refusing now at another step (its trees name other processes): a short grace,
+    # not the whole timeout.
+    fresh(calls={"k": 4}, rounds={"k": 6})
     monkeypatch.setattr(multihost, "REFUSAL_GRACE_S", 0.5)
-    other = {"guess": ["call", "k", 4]}
+    other = {"active": True, "refused": [{"step": ["elsewhere", 0, 0], "guess": guess}]}
     client.key_value_set(f"{multihost._PREFIX}/refusing/1", json.dumps(other), True)
     start = time.monotonic()
     assert not multihost.place_refusal([0, 1], "bad tree", timeout_s=30.0)
@@ -706,8 +723,9 @@ def test_an_agreed_plan_crossed_with_a_new_plans_first_call_raises_on_both_withi
     for pid, out in enumerate(run.outputs):
         seconds = float(re.search(rf"CROSSNEW {pid} raised after ([\d.]+) s", out)[1])
         assert seconds < 10, (pid, seconds)
-        seconds = float(re.search(rf"EXTRA_BOTH {pid} raised after ([\d.]+) s", out)[1])
-        assert seconds < 5, (pid, seconds)
+        for name in ("EXTRA_BOTH", "EXTRA_ALONE", "EXTRA_OTHER"):
+            seconds = float(re.search(rf"{name} {pid} raised after ([\d.]+) s", out)[1])
+            assert seconds < 5, (name, pid, seconds)
 
 
 @pytest.mark.multiprocess

@@ -33,7 +33,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxreshard.errors import ReshardError
@@ -216,6 +216,8 @@ class _State:
     # Calls ``(group key, n)`` this process gave up before making them, for a crossing it
     # found (`_Waiting.check`), with the reason: making such a call raises at once.
     given_up: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
+    # This process's last refusals before a plan (`place_refusal`): step and guess.
+    refusals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # Re-entrant: an agreement runs under it (one at a time per process), and what it finds
     # while it waits (a peer in a call it stands for: `_take_call`) updates the counts.
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
@@ -288,8 +290,8 @@ def place_refusal(
     client: Any = None,
 ) -> bool:
     """A call this process refused before it could make its plan (`give_up_agreement`), under
-    ``jax.distributed``: wait until a peer is seen in the event this refusal stands for, and
-    take its place there; whether one was found.
+    ``jax.distributed``: take the place of the event its peers make at this step; whether it
+    was placed (False: the caller places its guess).
 
     The refusing process cannot tell from its own state what its peers make at this step: a
     call of a plan they agreed on, or a new plan's agreement. Its guess (the call of
@@ -304,37 +306,58 @@ def place_refusal(
     peer's record of this process's next call over a group it has agreed plans in, or a peer
     waiting in this process's next agreement round over a group that holds it, and refuses
     that call (`check_order` raises there, naming ``reason``) or gives that round up (the
-    agreement raises). Where every other process of ``processes`` refuses alike (the same
-    guess: the same bad tree on every process), or the time runs out, it returns False and
-    the caller places the guess, as every refusing process does then. A peer seen refusing
-    with another guess (or having refused so before) cuts the wait to `REFUSAL_GRACE_S`.
+    agreement raises).
 
-    Needs calls checked in order (`order_check_enabled`: calls publish nothing otherwise):
-    without, it returns False at once. A no-op (False) in one process or where this process
-    is alone among ``processes``."""
+    Peers that refuse the same step say so: each refusal publishes the step it stands at
+    (its group and this process's call and round numbers over it, equal on every process at
+    the same step) with its guess, and keeps the last `_REFUSALS_KEPT`. Their events are
+    later steps', so they are not taken; where every other process of the group refused
+    this step, all place the guess of the lowest of them (one placement everywhere, whatever
+    each guessed: a fuzz saw two processes that refused the same tree end a step apart when
+    the earlier one took the later one's next call). A peer refusing now at another step
+    (trees that name other processes) cuts the wait to `REFUSAL_GRACE_S`. Needs calls
+    checked in order (`order_check_enabled`: calls publish nothing otherwise): without, it
+    returns False at once. A no-op (False) in one process or where this process is alone
+    among ``processes``."""
     group = tuple(sorted(set(processes) | set(_plan_processes(plan))))
     found = _talking(group, client)
     if found is None or not order_check_enabled():
         return False
     client, me, group = found
+    key = digest(group)[:16]
     guess = _guess(plan, group)
+    with _STATE.lock:
+        step = [key, _STATE.calls[key], _STATE.rounds[key]]
+        _STATE.refusals = [*_STATE.refusals, {"step": step, "guess": guess}][-_REFUSALS_KEPT:]
+        refusals = list(_STATE.refusals)
     marker = f"{_PREFIX}/refusing/{me}"
-    client.key_value_set(marker, json.dumps({"guess": guess}), allow_overwrite=True)
+    client.key_value_set(
+        marker, json.dumps({"active": True, "refused": refusals}), allow_overwrite=True
+    )
     deadline = time.monotonic() + (agreement_timeout_s() if timeout_s is None else timeout_s)
     sleep = _POLL_S[0]
-    while True:
-        if _take_peers_event(client, me, reason):
-            client.key_value_set(marker, "idle", allow_overwrite=True)
-            return True
-        alike = _refusing_alike(client, me, group, guess)
-        if alike is None:  # every peer refuses alike: all place the same guess
-            return False  # (the marker stays: a peer reading it later refuses alike)
-        if alike:  # a peer refuses with another guess, or refused so before: not for long
-            deadline = min(deadline, time.monotonic() + REFUSAL_GRACE_S)
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(sleep)
-        sleep = min(_POLL_S[1], sleep * 2)
+    try:
+        while True:
+            alike, elsewhere = _refusing(client, me, group, step)
+            if _take_peers_event(client, me, reason, exclude=alike):
+                return True
+            if len(alike) == len(group) - 1:  # every peer refused this step
+                lowest = min({**alike, me: guess}.items())[1]
+                return _place_guess(client, me, reason, lowest)
+            if elsewhere:
+                deadline = min(deadline, time.monotonic() + REFUSAL_GRACE_S)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(sleep)
+            sleep = min(_POLL_S[1], sleep * 2)
+    finally:
+        done = json.dumps({"active": False, "refused": refusals})
+        client.key_value_set(marker, done, allow_overwrite=True)
+
+
+_REFUSALS_KEPT = 16
+"""Refusals before a plan a process keeps published (`place_refusal`): a peer still waiting
+in the step of an older one reads it there."""
 
 
 def _plan_processes(plan: PlanIdentity | None) -> tuple[int, ...]:
@@ -361,11 +384,33 @@ def _guess(plan: PlanIdentity | None, group: tuple[int, ...]) -> list[Any]:
         return ["round", key, _STATE.rounds[key]]
 
 
-def _take_peers_event(client: Any, me: int, reason: str) -> bool:
-    """Refuse the call, or give up the agreement round, that a peer waits in for this
-    process as its next one (see `place_refusal`); whether one was found."""
+def _refusing(
+    client: Any, me: int, group: Sequence[int], step: list[Any]
+) -> tuple[dict[int, list[Any]], bool]:
+    """The other processes of ``group`` that refused at ``step`` (`place_refusal`), with
+    their guesses, and whether another of them is refusing now at another step."""
+    alike: dict[int, list[Any]] = {}
+    elsewhere = False
+    for k, v in client.key_value_dir_get(f"{_PREFIX}/refusing/"):
+        q = int(k.rsplit("/", 1)[1])
+        if q == me or q not in group:
+            continue
+        marker = json.loads(v)
+        guesses = [r["guess"] for r in marker["refused"] if r["step"] == step]
+        if guesses:
+            alike[q] = guesses[-1]
+        elif marker["active"]:
+            elsewhere = True
+    return alike, elsewhere
+
+
+def _take_peers_event(client: Any, me: int, reason: str, exclude: Collection[int] = ()) -> bool:
+    """Refuse the call, or give up the agreement round, that a peer (not in ``exclude``:
+    peers that refused this step themselves) waits in for this process as its next one (see
+    `place_refusal`); whether one was found."""
     for k, v in client.key_value_dir_get(f"{_PREFIX}/waiting/"):
-        if int(k.rsplit("/", 1)[1]) == me or v == "idle":
+        q = int(k.rsplit("/", 1)[1])
+        if q == me or q in exclude or v == "idle":
             continue
         other = json.loads(v)
         if "failed" in other or me not in other["group"]:
@@ -382,31 +427,35 @@ def _take_peers_event(client: Any, me: int, reason: str) -> bool:
             int(k.rsplit("/", 1)[1]): json.loads(v)
             for k, v in client.key_value_dir_get(f"{_call_key(key, n, me).rsplit('/', 1)[0]}/")
         }
-        theirs = next((r for q, r in records.items() if q != me), None)
-        if theirs is not None and _take_call(key, n):
-            record = {"fp": "", "plan": theirs.get("plan", ""), "refused": reason[:500]}
-            client.key_value_set(_call_key(key, n, me), json.dumps(record))
+        theirs = next((r for q, r in records.items() if q != me and q not in exclude), None)
+        if theirs is not None and _refuse_call_as(client, me, (key, n), theirs["plan"], reason):
             return True
     return False
 
 
-def _refusing_alike(
-    client: Any, me: int, group: Sequence[int], guess: list[Any]
-) -> list[int] | None:
-    """The other processes of ``group`` whose last refusal (`place_refusal`) placed another
-    guess than ``guess``; None where every one of them has published a refusal with the same
-    guess (all refuse the same step, and each places the same guess)."""
-    markers = {
-        int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{_PREFIX}/refusing/")
-    }
-    theirs = {
-        q: json.loads(markers[q])["guess"]
-        for q in group
-        if q != me and markers.get(q, "idle") != "idle"
-    }
-    if len(theirs) == len(group) - 1 and all(g == guess for g in theirs.values()):
-        return None
-    return sorted(q for q, g in theirs.items() if g != guess)
+def _place_guess(client: Any, me: int, reason: str, guess: list[Any]) -> bool:
+    """Place a refusal at ``guess`` (`_guess`: a call or an agreement round, by the numbers
+    of the process that guessed it) where it is this process's next one; whether it was."""
+    kind, key, n = guess
+    if kind == "round":
+        if not _take_round(key, n):
+            return False
+        _fail_round(client, key, n, me, reason)
+        return True
+    if (key, n) in _STATE.given_up:
+        return False
+    return _refuse_call_as(client, me, (key, n), "", reason)
+
+
+def _refuse_call_as(client: Any, me: int, call: tuple[str, int], label: str, reason: str) -> bool:
+    """Take ``call`` (``(group key, n)``) as refused here, if it is this process's next call
+    over that group (the peers' `check_order` raises there, naming ``reason``); whether it
+    was."""
+    if not _take_call(*call):
+        return False
+    record = {"fp": "", "plan": label, "refused": reason[:500]}
+    client.key_value_set(_call_key(*call, me), json.dumps(record))
+    return True
 
 
 def _take_round(key: str, n: int) -> bool:
