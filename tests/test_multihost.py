@@ -442,12 +442,15 @@ def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(mo
     assert json.loads(client.store[f"{multihost._PREFIX}/{key}/2/fp/0"])["failed"] == "bad tree"
     mine = json.loads(client.store[marker])
     assert not mine["active"] and mine["refused"][-1]["step"] == [key, 7, 2]
-    # Seen from process 1 (the same step), process 0's guess is placed, not its own.
+    # Seen from process 1 (the same step), process 0's guess is placed, not its own (a call
+    # of a plan it has cached for its source layout, say).
     fresh(calls={"k": 3, key: 7}, rounds={"k": 6, key: 2})
     monkeypatch.setattr(multihost, "_talking", lambda group, c: (client, 1, group))
+    monkeypatch.setattr(multihost, "_guess", lambda plan, group: ["call", "k", 3])
     client.store.pop(multihost._call_key("k", 3, 1))
     assert multihost.place_refusal([0, 1], "bad tree too", timeout_s=30.0)
     assert multihost._STATE.rounds[key] == 3 and multihost._STATE.calls["k"] == 3
+    monkeypatch.undo()
     monkeypatch.setattr(multihost, "_talking", lambda group, c: (client, 0, group))
     # A peer refusing now at another step (its trees name other processes): a short grace,
     # not the whole timeout.
