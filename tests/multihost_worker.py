@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 SCENARIO, PID, NPROC, PORT, NDEV = sys.argv[1], *map(int, sys.argv[2:6])
@@ -693,7 +694,9 @@ def case_start_then_first_call() -> None:
     """(A fuzz.) Plans C and D made on both processes and called in the same order: step 1's
     call of C, then D's first call. Process 0 makes its call of C with `Plan.start` and reads
     the result after D's. D's agreement ran at once, before the worker had issued C's call:
-    both processes raised on three calls. It now runs after the refits started before."""
+    both processes raised on three calls. It now runs after the refits started before. (The
+    worker issues C's call 2 s late here, so that process 1 is seen waiting in it: without
+    that delay the worker usually won the race and the bug went unseen.)"""
     trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
     sampler = mesh(BY_PROCESS[1], (4,), ("tp",))
     full = {"c": data((16, 24), 71), "d": data((24, 8), 72)}
@@ -708,9 +711,20 @@ def case_start_then_first_call() -> None:
     os.environ["JAXRESHARD_AGREEMENT_TIMEOUT_S"] = "10"  # a lost call fails in seconds
     try:
         if PID == 0:
-            refit = c.start(tree_c)
-            check(d(tree_d), full_d, dst_d)
-            check(refit.result(), full_c, dst_c)
+            issue = jr.api.check_order
+
+            def late(*args, **kwargs):
+                if threading.current_thread().name.startswith("jaxreshard"):  # the worker
+                    time.sleep(2.0)
+                return issue(*args, **kwargs)
+
+            jr.api.check_order = late
+            try:
+                refit = c.start(tree_c)
+                check(d(tree_d), full_d, dst_d)
+                check(refit.result(), full_c, dst_c)
+            finally:
+                jr.api.check_order = issue
         else:
             check(c(tree_c), full_c, dst_c)
             check(d(tree_d), full_d, dst_d)
