@@ -1755,11 +1755,12 @@ def refuse_unplanned(src_tree: Any, dst_shardings: Any, error: ReshardError) -> 
 
     Where a peer is seen waiting for this process, in a call or in a new plan's agreement,
     the refusal takes that place (`multihost.place_refusal`, which waits for one up to the
-    agreement timeout). Where every peer refuses alike, or none comes, it takes the place of
-    a call of the plan this process last used for a source laid out as ``src_tree`` (tree,
-    shapes, dtypes, shardings), where the cache holds one, as if that plan had refused it
-    (`Plan.refuse`), else gives up the agreement round of the processes owning a device the
-    two trees name (`multihost.give_up_agreement`). Placed after the refits started before
+    agreement timeout; where every peer refused the step too, all place the lowest process's
+    guess). Where none comes, it places its own guess: a call of the plan this process last
+    used for a source laid out as ``src_tree`` (tree, shapes, dtypes, shardings), where the
+    cache holds one, as if that plan had refused it (`Plan.refuse`), else the agreement round
+    of the processes owning a device the two trees name, given up
+    (`multihost.give_up_agreement`). Placed after the refits started before
     (their calls take their numbers first). A no-op in one process."""
     if jax.process_count() == 1:
         return
