@@ -3023,8 +3023,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "        if (key, n) in _STATE.given_up:\n            continue",
-                "        if False:\n            continue",
+                "        if call in _STATE.given_up or not _take_call(*call):",
+                "        if not _take_call(*call):",
             ),
         ),
         (

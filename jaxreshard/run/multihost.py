@@ -53,9 +53,8 @@ Override with the ``JAXRESHARD_AGREEMENT_TIMEOUT_S`` environment variable.
 _PREFIX = "jaxreshard/agree"
 REFUSAL_GRACE_S = 5.0
 """How long a call refused before its plan (`place_refusal`) still waits for a peer's event
-once a peer is seen refusing with another guess (trees that name other processes, caches
-that differ), or having refused so at an earlier step (its marker stays): instead of the
-whole agreement timeout."""
+once a peer of its group is seen refusing now at another step (trees that name other
+processes): instead of the whole agreement timeout."""
 _POLL_S = (0.001, 0.25)  # first and largest sleep between polls of the key-value store
 
 
@@ -421,8 +420,6 @@ def _take_peers_event(client: Any, me: int, reason: str, exclude: Collection[int
     with _STATE.lock:
         nexts = {key: _STATE.calls[key] for key in (*_STATE.calls, *_STATE.rounds)}
     for key, n in nexts.items():
-        if (key, n) in _STATE.given_up:
-            continue  # this process gave that call up: its own call of it raises
         records = {
             int(k.rsplit("/", 1)[1]): json.loads(v)
             for k, v in client.key_value_dir_get(f"{_call_key(key, n, me).rsplit('/', 1)[0]}/")
@@ -442,17 +439,16 @@ def _place_guess(client: Any, me: int, reason: str, guess: list[Any]) -> bool:
             return False
         _fail_round(client, key, n, me, reason)
         return True
-    if (key, n) in _STATE.given_up:
-        return False
     return _refuse_call_as(client, me, (key, n), "", reason)
 
 
 def _refuse_call_as(client: Any, me: int, call: tuple[str, int], label: str, reason: str) -> bool:
     """Take ``call`` (``(group key, n)``) as refused here, if it is this process's next call
-    over that group (the peers' `check_order` raises there, naming ``reason``); whether it
-    was."""
-    if not _take_call(*call):
-        return False
+    over that group and not one it gave up in a crossing (its own call of that one raises);
+    the peers' `check_order` raises there, naming ``reason``. Whether it was."""
+    with _STATE.lock:  # one hold: no call of that number is given up or taken in between
+        if call in _STATE.given_up or not _take_call(*call):
+            return False
     record = {"fp": "", "plan": label, "refused": reason[:500]}
     client.key_value_set(_call_key(*call, me), json.dumps(record))
     return True
