@@ -1616,6 +1616,7 @@ def _plan_quantized(
     inner_src, inner_dst, inner_dtype = [], [], []
     src_values, src_scales = [], []
     plain: list[tuple[tuple[Any, Any], Any, Any]] = []  # the other leaves, as the inner plan
+    unfit: list[tuple[tuple[Any, Any], Any]] = []  # fp8 leaves failing any leaf's checks
     for i, ((_, x), dst, want, own) in enumerate(zip(flat, dsts, dtypes, named, strict=True)):
         if isinstance(want, Fp8Blockwise) and not own and not _blockable(x, want):
             want = None  # an entry for a subtree quantizes what it can; the rest keep theirs
@@ -1633,6 +1634,11 @@ def _plan_quantized(
             x.dtype, jnp.floating
         ):
             problems.append((paths[i], "is not a floating jax.Array (only those quantize)"))
+            continue
+        try:  # the leaf as any leaf first: a problem of its own is named with its own fix
+            _leaf_spec(paths[i], x, dst, None, False)
+        except _LeafProblem:
+            unfit.append((flat[i], dst))
             continue
         if not isinstance(dst, NamedSharding) or not isinstance(x.sharding, NamedSharding):
             problems.append((paths[i], "an fp8 leaf needs NamedSharding source and destination"))
@@ -1669,7 +1675,8 @@ def _plan_quantized(
         avals.append((shape, x.dtype, x.sharding))
         src_values.append(on_mesh)
         src_scales.append(s_src)
-    if problems:  # (with the other leaves' problems, which the inner plan would name next)
+    if problems or unfit:  # (with the other leaves' problems, which the inner plan would
+        # name next)
         others = _checked_leaves(
             [f for f, _, _ in plain],
             [d for _, d, _ in plain],
@@ -1677,7 +1684,19 @@ def _plan_quantized(
             [True] * len(plain),
             options.get("fallback"),
         )
-        raise merged_error([quant.refuse(problems), *filter(None, [others.error])])
+        own = _checked_leaves(  # (refused whatever the fallback: an fp8 entry names them)
+            [f for f, _ in unfit],
+            [d for _, d in unfit],
+            [None] * len(unfit),
+            [True] * len(unfit),
+            None,
+        )
+        raise merged_error(
+            [
+                *([quant.refuse(problems)] if problems else []),
+                *filter(None, [own.error, others.error]),
+            ]
+        )
     inner = plan(
         jax.tree_util.tree_unflatten(treedef, inner_src),
         jax.tree_util.tree_unflatten(treedef, inner_dst),

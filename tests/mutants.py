@@ -3035,6 +3035,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         "(its own call of it raises too: the next calls pair one apart)",
     ),
     Mutant(
+        "fp8-skips-the-leafs-own-checks",
+        "jaxreshard/api.py",
+        (
+            (
+                "            _leaf_spec(paths[i], x, dst, None, False)\n",
+                "            pass\n",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::test_an_fp8_leaf_whose_destination_does_not_fit_its_shape_is_"
+            "named_with_that_fix",
+        ),
+        "an fp8 leaf whose destination does not fit its shape escapes as JAX's own exception "
+        "(IndexError, IndivisibleError), naming no leaf and no fix",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -7,6 +7,7 @@ and the dequantized result lies within the format's rounding of each block's ama
 
 from __future__ import annotations
 
+import re
 import threading
 
 import jax
@@ -292,6 +293,26 @@ def test_a_destination_that_cuts_blocks_is_refused_before_anything_moves():
     ints = jax.device_put(np.zeros((128, 128), np.int32), sharding(*SRC))
     with pytest.raises(jr.ReshardError, match="not a floating"):
         jr.plan(ints, sharding(*DST), dtype=jr.Fp8Blockwise())
+    assert not src.is_deleted()
+
+
+def test_an_fp8_leaf_whose_destination_does_not_fit_its_shape_is_named_with_that_fix():
+    """A destination that would not fit the leaf without its format is refused as it is for
+    any leaf (a fuzz of 2026-12-06: JAX's IndexError / IndivisibleError escaped from the fp8
+    checks), beside another leaf's problem with its format."""
+    src = jax.device_put(weights((16, 16)), sharding(*SRC, "fsdp", "tp"))
+    fmt = jr.Fp8Blockwise(block=(4, 4))
+    for bad in (sharding((0, 1, 2), (3,), ("t",), "t"), sharding(*DST, None, None, "tp")):
+        with pytest.raises(jr.ReshardError) as e:
+            jr.plan(
+                {"w": src, "v": src},
+                {"w": bad, "v": sharding(*DST)},
+                dtype={"w": fmt, "v": jr.Fp8Blockwise(block=(3, 4))},
+            )
+        message = str(e.value)
+        assert re.search(r"\['w'\]: destination .* does not fit shape \(16, 16\)", message)
+        assert "make every destination PartitionSpec fit the array" in message
+        assert re.search(r"\['v'\]: dimension\(s\) \[0\] .* not multiples of the block", message)
     assert not src.is_deleted()
 
 
