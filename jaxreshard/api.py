@@ -691,8 +691,9 @@ class Plan:
         its source, shard by shard, bit for bit (on device; a flag per shard reaches the
         host)."""
         problems = []
-        for i, dst in self.fallback:
-            want, got = self._fallback_copy(i, flat[i], dst), out[i]
+        wants = self._fallback_copies(flat)  # (refused as a call refuses them, naming them)
+        for i, _ in self.fallback:
+            want, got = wants[i], out[i]
             if (
                 not isinstance(got, jax.Array)
                 or got.is_deleted()
@@ -1625,8 +1626,7 @@ def _plan_quantized(
             inner_dst.append(dst)
             # The inner plan gets a full dtype tree (every entry at its leaf): apply the
             # subtree rule here.
-            array = isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-            takes = want is not None and (own or (array and _takes_cast(x.dtype, own)))
+            takes = want is not None and (own or _floating(x))
             inner_dtype.append(want if takes else None)
             plain.append((flat[i], dst, inner_dtype[-1]))
             continue
@@ -1705,6 +1705,17 @@ def _plan_quantized(
     )
     quantizer = Quantizer(formats, src_values, src_scales)
     return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
+
+
+def _floating(x: Any) -> bool:
+    """Whether leaf ``x`` is floating, as ``jax.device_put`` would make it (a NumPy array or a
+    Python float under a fallback too): a dtype entry standing for a subtree casts it."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return _takes_cast(x.dtype, False)
+    try:
+        return _takes_cast(_host_dtype(x), False)
+    except TypeError:  # (not a leaf jax.device_put takes: the checks name it)
+        return False
 
 
 def _blockable(x: Any, fmt: Fp8Blockwise) -> bool:
@@ -1995,6 +2006,10 @@ def _placement_key(s: Any, ndim: int) -> Any:
 # ------------------------------------------------------------------------------- helpers
 
 
+MAX_LEAF_BYTES = 1 << 62
+"""The most bytes a leaf may hold: the plan counts byte offsets and sizes in int64 arrays."""
+
+
 class _LeafProblem(Exception):
     def __init__(self, message: str, kind: str, device_put_ok: bool = False) -> None:
         super().__init__(message)
@@ -2008,6 +2023,7 @@ _FIXES = {
     'with fallback="device_put") or jax.ShapeDtypeStruct(shape, dtype, '
     "sharding=NamedSharding(...)), and jax.sharding.Sharding destinations (NamedSharding, "
     "SingleDeviceSharding, ...)",
+    "size": "plan such a leaf in parts (a ShapeDtypeStruct per slice), each under 2**62 bytes",
     "layout": "make every destination PartitionSpec fit the array: at most one entry per "
     "dimension, mesh axes of that mesh, and axis sizes whose product divides the dimension "
     "(or leave that dimension unsharded with None)",
@@ -2082,6 +2098,12 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
                 f"the {side} sharding {reason}", "sharding", device_put_ok=device_put_ok
             )
     user_shape = tuple(x.shape)
+    if math.prod(user_shape) * getattr(x.dtype, "itemsize", 1) >= MAX_LEAF_BYTES:
+        raise _LeafProblem(
+            f"has shape {user_shape}: at least 2**62 bytes, beyond the byte offsets a plan "
+            "counts in (int64)",
+            "size",
+        )
     key_impl = None
     try:
         dst_named = boundary.as_named(dst, user_shape)
@@ -2174,19 +2196,30 @@ def _host_dtype(x: Any) -> Any:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
+def device_put_problem(x: Any) -> str | None:
+    """Why ``jax.device_put`` cannot take leaf ``x`` (None: it can), found without calling it:
+    it would refuse a string, an object or an array of strings only when called."""
+    try:
+        dtype = _host_dtype(x)
+    except TypeError as e:
+        return str(e)
+    if not isinstance(x, jax.Array) and not _on_device(dtype):
+        return f"arrays of dtype {dtype} cannot be on a device"
+    if isinstance(x, (np.ndarray, np.generic)) and not x.dtype.isnative:
+        return (
+            f"dtype {x.dtype.str} is not in this machine's byte order: "
+            "x.astype(x.dtype.newbyteorder('=')) first"
+        )
+    return None
+
+
 def _fallback_aval(x: Any, dst: Sharding, want: Any, own: bool) -> _FallbackAval:
     """A fallback leaf's `_FallbackAval`, once its destination is known to fit it: checked
     when planning, so that a call never fails half way (its donated buffers gone)."""
-    try:
-        shape, dtype = tuple(np.shape(x)), _host_dtype(x)
-    except TypeError as e:
-        raise _LeafProblem(f"jax.device_put cannot take it either ({e})", "type") from None
-    if not isinstance(x, jax.Array) and not _on_device(dtype):
-        # strings, objects: jax.device_put would refuse them only when called
-        raise _LeafProblem(
-            f"jax.device_put cannot take it either (arrays of dtype {dtype} cannot be on a device)",
-            "type",
-        )
+    why = device_put_problem(x)
+    if why:
+        raise _LeafProblem(f"jax.device_put cannot take it either ({why})", "type")
+    shape, dtype = tuple(np.shape(x)), _host_dtype(x)
     try:
         spec = dst.spec if isinstance(dst, NamedSharding) else None
         reduced = spec is not None and (spec.reduced or spec.unreduced)
@@ -2423,7 +2456,8 @@ def _structure_error(
         and all(p.endswith(".value") for p in expected_paths)
         and sorted(got) == sorted(p.removesuffix(".value") for p in expected_paths)
     )
-    if unwrapped and not problems:
+    said_once = unwrapped and not problems
+    if said_once:
         n = len(got)
         problems = [(
             got[0] + (f" and {n - 1} more" if n > 1 else ""),
@@ -2442,7 +2476,8 @@ def _structure_error(
     else:
         problems += [(p, "missing here") for p in missing]
         problems += [(p, f"not in {what}") for p in extra]
-    if is_leaf is None:  # not a prefix tree: a leaf standing where a subtree should be
+    if is_leaf is None and not said_once:  # not a prefix tree: a leaf standing where a
+        # subtree should be (each plain leaf in place of its Variable is said once above)
         wanted = set(expected_paths)
         for path, x in ((keystr(p), x) for p, x in flat if x is not None):
             if path not in wanted and covering[path]:
@@ -2469,12 +2504,18 @@ def _structure_error(
     )
     if wrapped:
         fix = (
-            f"make both plain or both nnx.State: pass {name} as a pure dict "
+            f"pass {name} as a pure dict (state.to_pure_dict()), as the plan was made for, or "
+            "make a plan for the nnx.State"
+            if planned
+            else f"make both plain or both nnx.State: pass {name} as a pure dict "
             "(state.to_pure_dict() of an nnx.State), or the source as the nnx.State itself"
         )
     if unwrapped:
         fix = (
-            f"make both plain or both nnx.State: pass {name} as an nnx.State (as "
+            f"pass {name} as the nnx.State the plan was made for, not its pure dict, or make "
+            "a plan for the pure dict (jr.plan(state.to_pure_dict(), ...))"
+            if planned
+            else f"make both plain or both nnx.State: pass {name} as an nnx.State (as "
             "nnx.get_named_sharding(state, mesh) gives it), or the source as a pure dict "
             "(state.to_pure_dict())"
         )

@@ -2482,7 +2482,7 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "api-nnx-state-beside-pure-dict-shardings-unexplained",
         "jaxreshard/api.py",
-        (("    if unwrapped and not problems:\n", "    if False:\n"),),
+        (("    said_once = unwrapped and not problems\n", "    said_once = False\n"),),
         ("tests/test_errors.py::test_nnx_mistakes_are_named_with_their_fix",),
         "an nnx.State source beside shardings as its pure dict is reported as differing "
         "nodes, without the one difference or the fix",
@@ -3049,6 +3049,44 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "an fp8 leaf whose destination does not fit its shape escapes as JAX's own exception "
         "(IndexError, IndivisibleError), naming no leaf and no fix",
+    ),
+    Mutant(
+        "tunix-host-leaves-unchecked",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "    if unfit:  # (Tunix's path fails on them too",
+                "    if False:  # (Tunix's path fails on them too",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::test_a_leaf_under_a_none_target_device_put_cannot_take_"
+            "is_refused_before_anything_moves",
+        ),
+        "a string under a None target escapes as JAX's TypeError after the other leaves moved, "
+        "the donated target consumed",
+    ),
+    Mutant(
+        "verify-fallback-copies-unchecked",
+        "jaxreshard/api.py",
+        (
+            (
+                "        wants = self._fallback_copies(flat)",
+                "        wants = {i: self._fallback_copy(i, flat[i], d) for i, d in self.fallback}",
+            ),
+        ),
+        ("tests/test_errors.py::test_verify_of_a_fallback_leaf_device_put_refuses_names_it",),
+        "verify of a fallback leaf that jax.device_put refuses lets JAX's own error escape",
+    ),
+    Mutant(
+        "nnx-plain-leaves-listed-again",
+        "jaxreshard/api.py",
+        (("    if is_leaf is None and not said_once:", "    if is_leaf is None:"),),
+        (
+            "tests/test_errors.py::test_a_call_with_the_pure_dict_of_the_nnx_state_planned_says_so_once",
+        ),
+        "a call with the pure dict of the nnx.State planned lists every leaf again below the "
+        "one difference",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

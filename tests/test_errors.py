@@ -93,6 +93,61 @@ def test_shardings_as_an_nnx_state_over_a_pure_dict_source_say_so_once(src):
     assert "to_pure_dict()" in message
 
 
+def test_a_call_with_the_pure_dict_of_the_nnx_state_planned_says_so_once(src):
+    """Calling (or donating to) a plan made for an nnx.State with its pure dict names the one
+    difference once. Regression (a fuzz, 2026-12-06): every leaf was listed again below it ("a
+    leaf here, where the tree the plan was made for has a leaf below")."""
+    nnx = pytest.importorskip("flax.nnx")
+    state = nnx.State({"a": nnx.Param(src["a"]), "b": {"c": nnx.Param(src["b"]["c"])}})
+    plan = jr.plan(state, sharding(*DST))
+    out = plan(state)
+    for call in (
+        lambda: plan(state.to_pure_dict()),
+        lambda: plan(state, donate=out.to_pure_dict()),
+    ):
+        with pytest.raises(jr.ReshardError) as e:
+            call()
+        message = str(e.value)
+        assert "holds plain leaves where the tree the plan was made for holds nnx Variables" in (
+            message
+        )
+        assert "(1 leaf)" in message and "has a leaf below" not in message, message
+    assert not any(x.is_deleted() for x in jax.tree.leaves(out))
+
+
+def test_a_fallback_leaf_device_put_cannot_take_is_refused_when_planning():
+    """A NumPy array in another byte order ('>f4'), which jax.device_put refuses only when
+    called, is refused when planning, as a string is (a fuzz, 2026-12-06: a call refused it)."""
+    dst = sharding(*DST[:3], "tp")
+    with pytest.raises(jr.ReshardTypeError, match=r"\['n'\]: .*dtype >f4 is not in this machine"):
+        jr.plan({"n": np.arange(8, dtype=">f4")}, {"n": dst}, fallback="device_put")
+
+
+def test_verify_of_a_fallback_leaf_device_put_refuses_names_it(src):
+    """`verify` puts fallback leaves again: under a transfer guard that refuses it, it raises
+    the error a call raises, naming the leaf (a fuzz, 2026-12-06: JAX's own JaxRuntimeError
+    escaped)."""
+    tree = {"a": src["a"], "n": np.arange(8, dtype=np.float32)}
+    plan = jr.plan(
+        tree, {"a": sharding(*DST), "n": sharding(*DST[:3], "tp")}, fallback="device_put"
+    )
+    out = plan(tree)
+    with jax.transfer_guard("disallow_explicit"):
+        with pytest.raises(jr.ReshardError, match=r"\['n'\]: .*Disallowed host-to-device"):
+            plan(tree)
+        with pytest.raises(jr.ReshardError, match=r"\['n'\]: .*Disallowed host-to-device"):
+            plan.verify(tree, out)
+
+
+def test_a_leaf_of_2_62_bytes_or_more_is_refused_naming_it():
+    """Byte offsets are int64: a ShapeDtypeStruct of 2**62 bytes or more is refused by name (a
+    fuzz, 2026-12-06: Python's OverflowError escaped from the planner)."""
+    for shape in ((2**60, 4), (2**63, 4)):
+        leaf = jax.ShapeDtypeStruct(shape, jnp.int8, sharding=sharding(*SRC[:3], "fsdp"))
+        with pytest.raises(jr.ReshardError, match=r"\['w'\]: has shape .* at least 2\*\*62 bytes"):
+            jr.plan({"w": leaf}, {"w": sharding(*DST)})
+
+
 def test_nnx_mistakes_are_named_with_their_fix(src):
     """(A probe of Flax NNX usage.) An nnx.State source beside shardings as its pure dict
     (the other way round from the test above), an nnx module passed where its state belongs,

@@ -316,6 +316,19 @@ def test_an_fp8_leaf_whose_destination_does_not_fit_its_shape_is_named_with_that
     assert not src.is_deleted()
 
 
+def test_a_subtree_dtype_casts_its_fallback_leaves_beside_an_fp8_entry_as_without_it():
+    """A dtype entry standing for a subtree casts its floating fallback leaves (a NumPy array, a
+    Python float) to bf16 in a plan with an Fp8Blockwise entry elsewhere, as in a plain plan.
+    Regression (a fuzz, 2026-12-06): beside an fp8 entry they arrived float32."""
+    src = jax.device_put(weights((16, 16)), sharding(*SRC, "fsdp", "tp"))
+    tree = {"q": src, "sub": {"h": np.ones((8,), np.float32), "s": 1.5, "i": np.int32(3)}}
+    dst = {"q": sharding(*DST, None, "tp"), "sub": sharding(*DST)}
+    for q in (None, jr.Fp8Blockwise(block=(4, 4))):
+        out = jr.plan(tree, dst, dtype={"q": q, "sub": jnp.bfloat16}, fallback="device_put")(tree)
+        assert out["sub"]["h"].dtype == jnp.bfloat16 and out["sub"]["s"].dtype == jnp.bfloat16
+        assert not out["sub"]["s"].weak_type and out["sub"]["i"].dtype == jnp.int32
+
+
 def test_transfers_hold_collective_permutes_only_and_calls_compile_once():
     host = weights((512, 512))
     src = jax.device_put(host, sharding(*SRC, "fsdp", "tp"))

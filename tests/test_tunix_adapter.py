@@ -247,6 +247,27 @@ def test_host_leaves_under_a_none_target_become_arrays_as_tunix_makes_them():
         tunix_reshard.reshard_pytree(source, target)
 
 
+def test_a_leaf_under_a_none_target_device_put_cannot_take_is_refused_before_anything_moves():
+    """A string (or an object, an array of strings, a big-endian array) under a None target:
+    Tunix's path fails on it with JAX's TypeError. Regression (a fuzz, 2026-12-06): the adapter
+    moved the other leaves first, consuming the donated target, then let the TypeError
+    escape; it is refused by name before anything moves, and the target survives."""
+    trainer, rollout = states()
+    with pytest.raises(TypeError):
+        tunix_reshard.reshard_pytree({"name": "llama"}, {"name": None})
+    source = {"w": trainer["up"]["kernel"], "name": "llama", "be": np.arange(4, dtype=">f4")}
+    target = {"w": rollout["up"]["kernel"], "name": None, "be": None}
+    with (
+        jr_tunix.installed(donate_target=True),
+        pytest.raises(jr_tunix.ReshardTypeError) as e,
+    ):
+        tunix_reshard.reshard_pytree(source, target)
+    assert "['be']: dtype >f4 is not in this machine's byte order" in str(e.value)
+    assert "['name']: a str is not an array or a number" in str(e.value)
+    assert not target["w"].is_deleted() and not source["w"].is_deleted()
+    assert jr_tunix.counters()["jaxreshard_calls"] == 0
+
+
 def test_a_target_that_fits_the_source_neither_way_is_refused_by_jaxreshard():
     """A target neither a prefix of the source nor laid out leaf for leaf like it is refused
     with jaxreshard's error naming the structures. Regression: taking the None target leaves

@@ -133,6 +133,14 @@ def _planned(
             "jax.device_put",
             cls=ReshardTypeError,
         )
+    unfit = [(path, why) for path, x in host if (why := api.device_put_problem(x))]
+    if unfit:  # (Tunix's path fails on them too, but after moving the rest)
+        raise leaf_error(
+            "jax.device_put cannot take these leaves under a None target",
+            unfit,
+            "make them arrays or numbers, or leave them out of the synced tree",
+            cls=ReshardTypeError,
+        )
     old = _old_buffers(moving, flat) if _DONATE_TARGET else None
     if old is not None and not _addresses(old).isdisjoint(_addresses(source)):
         # A target array over a source array's buffers (a kept one, which `jr.plan` does not
