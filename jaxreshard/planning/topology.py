@@ -520,9 +520,9 @@ class Topology:
         if missing:
             raise ReshardError(
                 f"the topology {self.name!r} does not place devices {missing} (it knows "
-                f"{len(self.devices)} devices). Fix: build it over every device of the source "
-                "and destination shardings, e.g. jr.Topology.from_devices(jax.devices()) or "
-                "jr.Topology.from_groups([...]) with every device in some group."
+                f"{len(self.devices)} devices)\nHow to fix: build it over every device of the "
+                "source and destination shardings, e.g. jr.Topology.from_devices(jax.devices()) "
+                "or jr.Topology.from_groups([...]) with every device in some group"
             )
 
 
