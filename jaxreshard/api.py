@@ -244,6 +244,10 @@ class Plan:
         self.fallback = tuple(fallback)
         self._fallback_avals = dict(fallback_avals or {})  # leaf -> shape, dtype, cast
         self.boundaries = tuple(boundaries)
+        # A `QuantizedPlan`'s inner plan: the caller's dtype each fp8 leaf's values were
+        # quantized from, by moved leaf (set by `_plan_quantized`). The moved values do not
+        # say it, so the multi-process agreement compares it beside them.
+        self.quantized_from: dict[int, str] = {}
         # The setting its dtypes were canonicalized under, in force while it runs; on where
         # a leaf is 64-bit (made under jax.enable_x64, planned outside it): its programs
         # need 64-bit words.
@@ -434,12 +438,12 @@ class Plan:
         flat, old = self._prepare(src_tree, donate)
         try:
             flat, copies = self._early_fallback_copies(flat)
-        except ReshardError as e:
+        except BaseException as e:  # a Ctrl-C here too: nothing will take the claim back
             _DONATED.release(old)
-            self.refuse(e)
+            if isinstance(e, ReshardError):
+                self.refuse(e)
             raise
         sources = [x for x in flat if isinstance(x, jax.Array)]
-        _IN_FLIGHT.add(sources)
 
         def deleted(donated_too: bool) -> ReshardError | None:
             gone = [(self.paths[i], "source") for i, x in enumerate(flat) if _deleted(x)]
@@ -473,6 +477,7 @@ class Plan:
                 _IN_FLIGHT.remove(sources)
                 _DONATED.release(old)
 
+        _IN_FLIGHT.add(sources)
         try:
             return Refit(_submit(run), sources)
         except BaseException:
@@ -484,14 +489,38 @@ class Plan:
         self, src_tree: Any, donate: Any, profile: dict[str, float] | None, verify: bool = False
     ) -> Any:
         flat, old = self._prepare(src_tree, donate, verify)
+        if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
+            return self._call_behind(flat, old, profile)
         try:
-            if _IN_FLIGHT.busy():  # keep the order of issue: after the refits started before
-                flat, copies = self._early_fallback_copies(flat)
-                move = functools.partial(self._move, flat, old, profile, copies)
-                return _submit(move).result()
             return self._move(flat, old, profile)
         finally:
             _DONATED.release(old)
+
+    def _call_behind(self, flat: list[Any], old: list[Any] | None, profile: Any) -> Any:
+        """A call made while refits are in flight: its move runs on the worker after them,
+        the caller waiting. The move itself gives up the claim on ``donate=`` when it is
+        done: a wait interrupted (Ctrl-C) leaves a move that still runs and consumes the
+        tree, which a retry must not be handed (a fuzz crashed so in XLA, 2026-12-06); one
+        interrupted before the worker took it up is cancelled, and moves nothing."""
+        try:
+            flat, copies = self._early_fallback_copies(flat)
+
+            def move() -> Any:
+                try:
+                    return self._move(flat, old, profile, copies)
+                finally:
+                    _DONATED.release(old)
+
+            future = _submit(move)
+        except BaseException:
+            _DONATED.release(old)
+            raise
+        try:
+            return future.result()
+        except BaseException:
+            if future.cancel():
+                _DONATED.release(old)
+            raise
 
     def _prepare(
         self, src_tree: Any, donate: Any, verify: bool = False
@@ -715,7 +744,8 @@ class Plan:
         # A typed key moves as its uint32 data, the same for key<rbg> and key<urbg>: its
         # dtype is hashed too, so processes holding different key types disagree.
         kinds = tuple(
-            str(dtype) if boundary.is_key(dtype) else "" for _, dtype, _ in self.src_avals
+            str(dtype) if boundary.is_key(dtype) else self.quantized_from.get(i, "")
+            for i, (_, dtype, _) in enumerate(self.src_avals)
         )
         options = options_text(self.compiler_options)
         return PlanIdentity(
@@ -749,6 +779,8 @@ class Plan:
         what, into = f"{leaf.src_dtype}{list(leaf.shape)}", leaf.dst_dtype
         if boundary.is_key(dtype):  # moved as its data; named as the caller holds it
             what, into = f"{dtype}{list(shape)}", str(dtype)
+        if i in self.quantized_from:
+            what = f"{self.quantized_from[i]}{list(shape)} quantized to {what}"
         return (
             f"{what} {_describe_devices(src, leaf.src.devices)} -> "
             f"{into} {_describe_devices(self.dst_shardings[i], leaf.dst.devices)}"
@@ -1492,12 +1524,13 @@ class QuantizedPlan:
     @_own_meshes  # (tracers refused in every argument: donate= and out too)
     def __call__(self, src_tree: Any, *, donate: Any = None, verify: bool = False) -> Any:
         """Quantize the fp8 leaves on their devices and move the tree (see `Plan.__call__`)."""
-        return self.inner(self._quantize(src_tree, call=True), donate=donate, verify=verify)
+        inner = self._quantize(src_tree, call=True, donate=donate)
+        return self.inner(inner, donate=donate, verify=verify)
 
     @_own_meshes
     def start(self, src_tree: Any, *, donate: Any = None) -> Refit:
         """`Plan.start` with the fp8 leaves quantized first (dispatched, not awaited)."""
-        return self.inner.start(self._quantize(src_tree, call=True), donate=donate)
+        return self.inner.start(self._quantize(src_tree, call=True, donate=donate), donate=donate)
 
     @_own_meshes
     def verify(self, src_tree: Any, out_tree: Any) -> None:
@@ -1508,13 +1541,15 @@ class QuantizedPlan:
     @_own_meshes
     def profile(self, src_tree: Any, *, donate: Any = None) -> tuple[Any, dict[str, float]]:
         """`Plan.profile` of the move (the quantize program is not in the phases)."""
-        return self.inner.profile(self._quantize(src_tree, call=True), donate=donate)
+        inner = self._quantize(src_tree, call=True, donate=donate)
+        return self.inner.profile(inner, donate=donate)
 
     @_own_meshes
-    def _quantize(self, src_tree: Any, call: bool = False) -> Any:
+    def _quantize(self, src_tree: Any, call: bool = False, donate: Any = None) -> Any:
         """The inner plan's source: the tree with each fp8 leaf as its quantized pair. A
         ``call`` this refuses takes its place in the order of calls (`Plan.refuse`), as the
-        inner plan's own refusals do."""
+        inner plan's own refusals do. A ``donate=`` leaf over one of the fp8 source arrays
+        is refused first: the inner plan sees their quantized copies, not them."""
         flat, treedef = jax.tree_util.tree_flatten(src_tree)
         try:
             if treedef != self.treedef:
@@ -1536,6 +1571,14 @@ class QuantizedPlan:
                     problem = _DONATED_IN_FLIGHT
                 if problem:
                     problems.append((self.paths[i], problem))
+            donated = [] if problems else self._donated_sources(flat, donate)
+            if donated:
+                raise leaf_error(
+                    "these donate= leaves cannot receive the result",
+                    donated,
+                    "pass donate= the previous result of this same plan, not the source's "
+                    "own arrays, or leave donate= out",
+                )
             if problems:  # (with the other leaves' problems, which the inner plan names next)
                 problems += self._other_problems(flat)
                 raise leaf_error(
@@ -1559,6 +1602,30 @@ class QuantizedPlan:
         for i, fmt, (values, scales) in zip(self.quantized, self.formats, pairs, strict=True):
             inner[i] = QuantizedArray(values, scales, fmt)
         return jax.tree_util.tree_unflatten(self.treedef, inner)
+
+    def _donated_sources(self, flat: Sequence[Any], donate: Any) -> list[tuple[str, str]]:
+        """The ``donate=`` leaves that are one of the fp8 source arrays, or over its buffers,
+        by path (a plain source leaf the inner plan checks itself). A fuzz found such a
+        source deleted by the call (2026-12-06)."""
+        sources = [
+            flat[i]
+            for i, fmt in zip(self.quantized, self.formats, strict=True)
+            if isinstance(flat[i], jax.Array) and flat[i].dtype == fmt.fmt
+        ]  # (only an array of the values' dtype can be donated as values)
+        if donate is None or not sources:
+            return []
+        leaves, treedef = jax.tree_util.tree_flatten(donate)
+        if treedef != self.inner.treedef:
+            return []  # (the inner plan names the mismatch)
+        ids, buffers = {id(x) for x in sources}, _buffer_addresses(sources)
+        dtypes = {x.dtype for x in sources}
+        return [
+            (self.inner.paths[j], _DONATES_A_SOURCE)
+            for j, x in enumerate(leaves)
+            if isinstance(x, jax.Array)
+            and x.dtype in dtypes
+            and (id(x) in ids or not buffers.isdisjoint(_buffer_addresses([x])))
+        ]
 
     def _other_problems(self, flat: Sequence[Any]) -> list[tuple[str, str]]:
         """The problems of the source leaves that are not fp8, against the inner plan's avals
@@ -1641,7 +1708,13 @@ def _plan_quantized(
             unfit.append((flat[i], dst))
             continue
         if not isinstance(dst, NamedSharding) or not isinstance(x.sharding, NamedSharding):
-            problems.append((paths[i], "an fp8 leaf needs NamedSharding source and destination"))
+            problems.append(
+                (
+                    paths[i],
+                    "an fp8 leaf needs NamedSharding source and destination (one device: a "
+                    "NamedSharding over a one-device Mesh)",
+                )
+            )
             continue
         shape = tuple(x.shape)
         why = quant.check_leaf(shape, want, dst)
@@ -1703,6 +1776,12 @@ def _plan_quantized(
         dtype=jax.tree_util.tree_unflatten(treedef, inner_dtype),
         **options,
     )
+    # Each fp8 leaf's values (at inner leaf i + the fp8 leaves before it: each adds its
+    # scales) are compared across processes with the dtype they are quantized from.
+    position = {leaf: k for k, leaf in enumerate(inner.moved)}
+    for n, (i, (_, dtype, _)) in enumerate(zip(quantized, avals, strict=True)):
+        if i + n in position:
+            inner.quantized_from[position[i + n]] = str(jnp.dtype(dtype))
     quantizer = Quantizer(formats, src_values, src_scales)
     return QuantizedPlan(inner, treedef, paths, quantized, formats, avals, quantizer)
 

@@ -255,7 +255,8 @@ def scale_sharding(sharding: Sharding, shape: Sequence[int], fmt: Fp8Blockwise) 
         return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
     raise ReshardError(
         f"an Fp8Blockwise leaf needs a NamedSharding, got {type(sharding).__name__}\nHow to "
-        "fix: give the leaf's destination as a jax.sharding.NamedSharding"
+        "fix: give the leaf's destination as a jax.sharding.NamedSharding (one device: "
+        "NamedSharding(Mesh(np.array([device]), ('x',)), PartitionSpec()))"
     )
 
 

@@ -24,6 +24,7 @@ from compiles import COMPILES
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
+from jaxreshard import api
 
 SRC = (tuple(range(4)), (2, 2), ("fsdp", "tp"))
 DST = (tuple(range(4, 8)), (2, 2), ("dp", "tp"))
@@ -298,6 +299,76 @@ def test_a_plain_call_made_while_refits_are_in_flight_runs_after_them():
     now = plan(src0)  # issued after the started refit, on the same worker
     check(refit.result(), host1)
     check(now, host0)
+
+
+class Interrupt(BaseException):
+    """What Ctrl-C raises (a `KeyboardInterrupt`, not an `Exception`), without pytest's
+    reaction to a real one."""
+
+
+def interrupted_waits(monkeypatch, cancellable: bool) -> None:
+    """From now on a wait for the worker thread is interrupted at once; the move it waited
+    for is cancelled if it has not started (``cancellable``), else it stays queued."""
+    submit = api._submit
+
+    class Waited:
+        def __init__(self, future):
+            self.future = future
+
+        def result(self, timeout=None):
+            raise Interrupt
+
+        def cancel(self):
+            return cancellable and self.future.cancel()
+
+    monkeypatch.setattr(api, "_submit", lambda fn: Waited(submit(fn)))
+
+
+@pytest.mark.parametrize("cancellable", [True, False], ids=["not-started", "started"])
+def test_a_call_interrupted_while_it_waits_behind_refits_keeps_its_donation_until_it_is_done(
+    monkeypatch, cancellable
+):
+    host0, src0 = trees(0)
+    host1, src1 = trees(1)
+    plan = jr.plan(src0, DST_SHARDING, dtype=jnp.bfloat16)
+    spare, current = plan(src0), plan(src0)
+    gate = threading.Event()
+    api._submit(gate.wait)  # the worker is busy until the gate opens
+    refit = plan.start(src1, donate=spare)  # in flight: the next call queues behind it
+    interrupted_waits(monkeypatch, cancellable)
+    with pytest.raises(Interrupt):
+        plan(src0, donate=current)
+    monkeypatch.undo()
+    if cancellable:  # cancelled: nothing moved, nothing claimed
+        assert not any(x.is_deleted() for x in current.values())
+        retry = plan.start(src0, donate=current)
+    else:  # still queued: it will consume `current`, so a retry may not have it (XLA crashed)
+        with pytest.raises(jr.ReshardError, match="being donated to another call in flight"):
+            plan(src0, donate=current)
+    gate.set()
+    check(refit.result(), host1)
+    if cancellable:
+        check(retry.result(), host0)
+    else:
+        api._submit(lambda: None).result()  # the interrupted move has run
+        assert all(x.is_deleted() for x in current.values())
+        with pytest.raises(jr.ReshardError, match="deleted"):
+            plan(src0, donate=current)
+
+
+def test_a_start_interrupted_before_it_submits_keeps_no_claim(monkeypatch):
+    host, src = trees(0)
+    plan = jr.plan(src, DST_SHARDING, dtype=jnp.bfloat16)
+    spare = plan(src)
+
+    def interrupted(flat):
+        raise Interrupt
+
+    monkeypatch.setattr(plan, "_early_fallback_copies", interrupted)
+    with pytest.raises(Interrupt):
+        plan.start(src, donate=spare)
+    monkeypatch.undo()
+    check(plan(src, donate=spare), host)  # not "being donated to another call in flight"
 
 
 def test_host_leaves_are_read_as_start_returns_under_the_callers_transfer_guard(monkeypatch):

@@ -165,6 +165,45 @@ def test_a_source_donated_to_a_refit_in_flight_is_refused_before_quantizing():
     np.testing.assert_array_equal(np.asarray(refit.result()), host)
 
 
+def test_an_fp8_source_donated_as_the_values_is_refused_and_kept():
+    """As a plain plan refuses donating a source (the inner plan sees only the quantized
+    copy: a fuzz found the source deleted)."""
+    layout = sharding(*SRC, "fsdp", "tp")
+    host = weights((64, 64), seed=7).astype(jnp.float8_e4m3fn)
+    src = jax.device_put(host, layout)
+    fmt = jr.Fp8Blockwise(block=(4, 4))
+    plan = jr.plan(src, layout, dtype=fmt)
+    out = plan(src)
+    for donated in (
+        src,
+        jax.make_array_from_single_device_arrays(
+            src.shape, layout, [s.data for s in src.addressable_shards]
+        ),
+    ):  # the array itself, and another array over its buffers
+        with pytest.raises(jr.ReshardError, match="would destroy the source") as e:
+            plan(src, donate=jr.QuantizedArray(donated, out.scales, fmt))
+        assert "donate=" in str(e.value) and ".values" in str(e.value)
+        assert not src.is_deleted() and not out.scales.is_deleted()
+    np.testing.assert_array_equal(np.asarray(src), host)
+    again = plan(src, donate=out)  # the result, as before
+    np.testing.assert_array_equal(np.asarray(again.values), np.asarray(plan(src).values))
+
+
+def test_the_plan_agreement_compares_the_dtype_fp8_leaves_are_quantized_from():
+    """Processes quantizing float32 on one side and bfloat16 on the other must disagree, as
+    they do without fp8 (the moved values and scales are alike; a fuzz saw them agree)."""
+    layout = sharding(*SRC, "fsdp", "tp")
+    fmt = jr.Fp8Blockwise(block=(4, 4))
+    plans = {
+        dtype: jr.plan(jax.ShapeDtypeStruct((64, 64), dtype, sharding=layout), layout, dtype=fmt)
+        for dtype in (jnp.float32, jnp.bfloat16)
+    }
+    f32, bf16 = (plans[d].inner.identity for d in (jnp.float32, jnp.bfloat16))
+    assert f32.fingerprint != bf16.fingerprint
+    assert "float32[64, 64] quantized to float8_e4m3fn" in f32.descriptions[0]
+    assert "bfloat16[64, 64] quantized to float8_e4m3fn" in bf16.descriptions[0]
+
+
 def test_a_source_over_manual_mesh_axes_quantizes_as_over_auto_ones():
     """Blocks straddling shards over Manual mesh axes (a review: the quantizer, traced over
     them, failed inside JAX)."""
