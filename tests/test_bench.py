@@ -269,6 +269,11 @@ def test_trees_and_layouts():
     for role in {role for _, role in scanned.values()}:
         for specs in (bench.TRAINER, bench.SAMPLER_TP, bench.FSDP_ONLY):
             assert role in specs
+    lora = bench.lora_tree(1024, 28, 16).leaves
+    assert len(lora) == 392 and lora["layers.00.down.lora_a"] == ((4096, 16), "lora_a_row")
+    for role in {role for _, role in lora.values()}:
+        for specs in (bench.TRAINER, bench.SAMPLER_TP, bench.FSDP_ONLY):
+            assert role in specs
     for layers, leaves in [(2, 20), (8, 74), (32, 290)]:
         assert len(bench.llama_tree(layers, 256, 688, 32000).leaves) == leaves
     assert len(bench.gpt_tree(256, 8).leaves) == 83
@@ -324,11 +329,12 @@ def test_tiny_other_scenarios(tmp_path):
     compared with XLA's own reshard, to keep compile time down.
     """
     names = ["disjoint", "disjoint_gpt32k", "disjoint_scanned_bf16", "colocated"]
-    names += ["replicated_src", "replicated_dst"]
+    names += ["replicated_src", "replicated_dst", "lora"]
     report, _ = run_bench(
         tmp_path,
         *[arg for n in names for arg in ("--scenario", n)],
         *(*TINY, "--gpt-d", "64", "--gpt-vocab", "256", "--gpt-layers", "1"),
+        *("--lora-layers", "2", "--lora-rank", "4"),
         *("--strategies", "jaxreshard,device_put,xla_reshard"),
         *("--pairs", "1", "--warmup", "1", "--profile-reps", "1"),
     )
@@ -339,6 +345,13 @@ def test_tiny_other_scenarios(tmp_path):
     assert colocated["xla_reshard"]["verified"] is True
     assert colocated["device_put"]["host_bytes"] == 0  # one device set: no host round trip
     goals = check_goals(report)
+    lora = goals["LoRA adapters: jaxreshard <= 1.5x device_put (many leaves of tens of KiB)"]
+    assert (
+        lora["value"]
+        == by_strategy(report["scenarios"][names.index("lora")])["device_put"][
+            "jr_over_this_ratio_of_medians"
+        ]
+    )
     for name in ("disjoint", "disjoint_gpt32k"):
         goal = goals[f"disjoint speed ({name}): jaxreshard <= 1.5x device_put"]
         rec = by_strategy(report["scenarios"][names.index(name)])

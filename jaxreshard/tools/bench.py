@@ -121,6 +121,10 @@ TRAINER = _with_stacked(  # fsdp x tp
         "embed": P("tp", "fsdp"),
         "bias": P("tp"),
         "vec": P("fsdp"),
+        "lora_a_col": P("fsdp", None),
+        "lora_b_col": P(None, "tp"),
+        "lora_a_row": P("tp", None),
+        "lora_b_row": P(None, "fsdp"),
     }
 )
 SAMPLER_TP = _with_stacked(  # tensor parallel (replicated over "dp" where the mesh has it)
@@ -130,6 +134,13 @@ SAMPLER_TP = _with_stacked(  # tensor parallel (replicated over "dp" where the m
         "embed": P("tp", None),
         "bias": P("tp"),
         "vec": P(),
+        # LoRA as a tensor-parallel server shards it: a column-parallel weight's A whole on
+        # every device and its B split like the weight; a row-parallel weight's A split like
+        # the weight and its B whole.
+        "lora_a_col": P(),
+        "lora_b_col": P(None, "tp"),
+        "lora_a_row": P("tp", None),
+        "lora_b_row": P(),
     }
 )
 FSDP_ONLY = _with_stacked(  # dp x fsdp: everything split on its first dimension, replicated over dp
@@ -139,6 +150,7 @@ FSDP_ONLY = _with_stacked(  # dp x fsdp: everything split on its first dimension
         "embed": P("fsdp", None),
         "bias": P("fsdp"),
         "vec": P("fsdp"),
+        **{f"lora_{m}_{k}": P("fsdp", None) for m in "ab" for k in ("col", "row")},
     }
 )
 
@@ -260,6 +272,21 @@ def small_leaves_tree(d: int, layers: int) -> Tree:
     """The small leaves of ``layers`` GPT blocks of width ``d``: layer-norm scales and biases
     and the matrices' biases, 6 a block, a few KiB each (they move by gathers)."""
     return Tree({k: v for k, v in gpt_blocks(d, layers).items() if len(v[0]) == 1})
+
+
+def lora_tree(d: int, layers: int, rank: int) -> Tree:
+    """The LoRA adapters of ``layers`` Llama-like blocks of width ``d`` (an MLP of 4 d): an A
+    (in, ``rank``) and a B (``rank``, out) matrix for each of q, k, v, o, gate, up and down,
+    14 leaves a block of tens of KiB each (what a LoRA refit moves: many small leaves)."""
+    weights = {"q": (d, d), "k": (d, d), "v": (d, d), "gate": (d, 4 * d), "up": (d, 4 * d)}
+    rows = {"o": (d, d), "down": (4 * d, d)}
+    leaves: dict[str, tuple[tuple[int, ...], str]] = {}
+    for i in range(layers):
+        for name, (n_in, n_out) in {**weights, **rows}.items():
+            kind = "row" if name in rows else "col"
+            leaves[f"layers.{i:02d}.{name}.lora_a"] = ((n_in, rank), f"lora_a_{kind}")
+            leaves[f"layers.{i:02d}.{name}.lora_b"] = ((rank, n_out), f"lora_b_{kind}")
+    return Tree(leaves)
 
 
 def one_leaf_tree(size_mib: float) -> Tree:
@@ -462,6 +489,14 @@ SCENARIOS: dict[str, Scenario] = {
             "{a.gpt_d} (no matrices: a few KiB a leaf)",
             disjoint_layouts,
             lambda a: small_leaves_tree(a.gpt_d, a.small_leaves_layers),
+            strategies=("jaxreshard", "device_put"),
+        ),
+        Scenario(
+            "lora",
+            "the rank-{a.lora_rank} LoRA adapters of {a.lora_layers} Llama-like blocks of "
+            "width {a.gpt_d} (14 small matrices a block)",
+            disjoint_layouts,
+            lambda a: lora_tree(a.gpt_d, a.lora_layers, a.lora_rank),
             strategies=("jaxreshard", "device_put"),
         ),
         Scenario(
@@ -2235,6 +2270,11 @@ def targets(records: Sequence[dict[str, Any]], platform_name: str = "cpu") -> li
         ratio("small_leaves", "device_put"),
         1.0,
     )
+    add(
+        "LoRA adapters: jaxreshard <= 1.5x device_put (many leaves of tens of KiB)",
+        ratio("lora", "device_put"),
+        1.5,
+    )
     for name in family or ["disjoint"]:
         st = next(iter(timing.get(name, {}).get("stage_profile", [])), None)
         add(
@@ -2383,6 +2423,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="blocks whose 6 small leaves make small_leaves",
     )
     p.add_argument(
+        "--lora-layers", type=int, default=28, help="blocks whose LoRA adapters make lora"
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of lora's adapters")
+    p.add_argument(
         "--big-leaf-mib", type=float, default=1024.0, help="size of big_leaf's one matrix"
     )
     p.add_argument(
@@ -2448,6 +2492,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--async-work must be 0 or more, got {args.async_work:g}")
     for flag in (
         *("--layers", "--gpt-d", "--gpt-layers", "--gpt-vocab", "--small-leaves-layers"),
+        *("--lora-layers", "--lora-rank"),
         *("--first-call-d", "--first-call-mlp", "--first-call-vocab", "--attempts"),
     ):
         if value(flag) < 1:
@@ -2466,6 +2511,7 @@ def _common_args(args: argparse.Namespace) -> list[str]:
         *("--profile-reps", str(args.profile_reps), "--size-mib", str(args.size_mib)),
         *("--layers", str(args.layers), "--many-leaves", str(args.many_leaves)),
         *("--small-leaves-layers", str(args.small_leaves_layers)),
+        *("--lora-layers", str(args.lora_layers), "--lora-rank", str(args.lora_rank)),
         *("--big-leaf-mib", str(args.big_leaf_mib), "--gpt-d", str(args.gpt_d)),
         *("--gpt-layers", str(args.gpt_layers), "--gpt-vocab", str(args.gpt_vocab)),
         *("--first-call-layers", ",".join(map(str, args.first_call_layers))),
@@ -2599,6 +2645,7 @@ def _header(args: argparse.Namespace, devices: Sequence[jax.Device]) -> dict[str
         "gpt": {"d": args.gpt_d, "layers": args.gpt_layers, "vocab": args.gpt_vocab},
         "many_leaves": args.many_leaves,
         "small_leaves_layers": args.small_leaves_layers,
+        "lora": {"layers": args.lora_layers, "rank": args.lora_rank},
         "big_leaf_mib": args.big_leaf_mib,
         "first_call": {
             "layers": args.first_call_layers,
