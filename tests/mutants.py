@@ -2259,8 +2259,9 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "        try:\n            flat, copies = self._early_fallback_copies(flat)\n",
-                "        try:\n            copies = None\n",
+                "        try:\n            flat, copies = self._early_fallback_copies(flat)\n"
+                "        except BaseException as e:",
+                "        try:\n            copies = None\n        except BaseException as e:",
             ),
         ),
         (
@@ -3087,6 +3088,71 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a call with the pure dict of the nnx.State planned lists every leaf again below the "
         "one difference",
+    ),
+    Mutant(
+        "interrupted-call-releases-its-claim",
+        "jaxreshard/api.py",
+        (
+            (
+                "                try:\n"
+                "                    return self._move(flat, old, profile, copies)\n"
+                "                finally:\n                    _DONATED.release(old)",
+                "                return self._move(flat, old, profile, copies)",
+            ),
+            (
+                "        try:\n            return future.result()\n        except BaseException:\n"
+                "            if future.cancel():\n                _DONATED.release(old)\n"
+                "            raise",
+                "        try:\n            return future.result()\n        finally:\n"
+                "            _DONATED.release(old)",
+            ),
+        ),
+        (
+            "tests/test_async.py::test_a_call_interrupted_while_it_waits_behind_refits_keeps_its_"
+            "donation_until_it_is_done",
+        ),
+        "a call interrupted while it waits behind refits gives up its donate= claim while its "
+        "move is still queued: a retry is handed the tree the move consumes (XLA crashed)",
+    ),
+    Mutant(
+        "interrupted-start-keeps-its-claim",
+        "jaxreshard/api.py",
+        (
+            (
+                "        except BaseException as e:  # a Ctrl-C here too: nothing will take the "
+                "claim back",
+                "        except ReshardError as e:",
+            ),
+        ),
+        ("tests/test_async.py::test_a_start_interrupted_before_it_submits_keeps_no_claim",),
+        "a start interrupted before it submits its move keeps its donate= claim for good",
+    ),
+    Mutant(
+        "fp8-donated-source-unchecked",
+        "jaxreshard/api.py",
+        (
+            (
+                "        if donate is None or not sources:\n            return []",
+                "        return []",
+            ),
+        ),
+        ("tests/test_fp8.py::test_an_fp8_source_donated_as_the_values_is_refused_and_kept",),
+        "an fp8 source donated as a result's values is consumed by the call",
+    ),
+    Mutant(
+        "fp8-agreement-without-source-dtype",
+        "jaxreshard/api.py",
+        (
+            (
+                "            inner.quantized_from[position[i + n]] = str(jnp.dtype(dtype))",
+                "            pass",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::test_the_plan_agreement_compares_the_dtype_fp8_leaves_are_"
+            "quantized_from",
+        ),
+        "processes quantizing fp8 leaves from different dtypes agree on one plan",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

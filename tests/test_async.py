@@ -334,18 +334,20 @@ def test_a_call_interrupted_while_it_waits_behind_refits_keeps_its_donation_unti
     spare, current = plan(src0), plan(src0)
     gate = threading.Event()
     api._submit(gate.wait)  # the worker is busy until the gate opens
-    refit = plan.start(src1, donate=spare)  # in flight: the next call queues behind it
-    interrupted_waits(monkeypatch, cancellable)
-    with pytest.raises(Interrupt):
-        plan(src0, donate=current)
-    monkeypatch.undo()
-    if cancellable:  # cancelled: nothing moved, nothing claimed
-        assert not any(x.is_deleted() for x in current.values())
-        retry = plan.start(src0, donate=current)
-    else:  # still queued: it will consume `current`, so a retry may not have it (XLA crashed)
-        with pytest.raises(jr.ReshardError, match="being donated to another call in flight"):
+    try:
+        refit = plan.start(src1, donate=spare)  # in flight: the next call queues behind it
+        interrupted_waits(monkeypatch, cancellable)
+        with pytest.raises(Interrupt):
             plan(src0, donate=current)
-    gate.set()
+        monkeypatch.undo()
+        if cancellable:  # cancelled: nothing moved, nothing claimed
+            assert not any(x.is_deleted() for x in current.values())
+            retry = plan.start(src0, donate=current)
+        else:  # still queued: it will consume `current`, so a retry may not have it (XLA crashed)
+            with pytest.raises(jr.ReshardError, match="being donated to another call in flight"):
+                plan.start(src0, donate=current)  # (a start: a call would wait for the gate)
+    finally:
+        gate.set()
     check(refit.result(), host1)
     if cancellable:
         check(retry.result(), host0)
