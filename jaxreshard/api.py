@@ -12,7 +12,7 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -180,7 +180,14 @@ def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     anything looks at them: a plan runs programs of its own on concrete arrays, so it cannot
     be traced into another program. Paths are the source tree's (the first argument), or
     start with the argument's name."""
-    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    try:
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+    except (ValueError, TypeError):
+        _check_flattenable(
+            {"the source tree" if i == 0 else f"argument {i}": tree for i, tree in enumerate(args)}
+            | {f"{name}=": tree for name, tree in kwargs.items()}
+        )
+        raise
     if not any(isinstance(x, jax.core.Tracer) for x in leaves):
         return  # (the common case: paths only for the error)
     named = {"" if i == 0 else f"<argument {i}>": tree for i, tree in enumerate(args)}
@@ -193,6 +200,47 @@ def _refuse_tracers(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     ]
     if problems:
         raise leaf_error(_TRACED, problems, _TRACED_FIX, cls=ReshardTypeError)
+
+
+def _check_flattenable(trees: Mapping[str, Any]) -> None:
+    """Refuse, by argument name, a tree JAX cannot flatten (a dict whose keys cannot be
+    sorted: str and int keys together), where JAX's own ValueError names neither the argument
+    nor the dict."""
+    for name, tree in trees.items():
+        try:
+            jax.tree_util.tree_structure(tree)
+        except (ValueError, TypeError) as e:
+            where = _unsortable_dict(tree, "")
+            if where is None:
+                raise ReshardError(
+                    f"{name} cannot be flattened as a pytree ({e})\nHow to fix: pass a tree "
+                    "jax.tree_util.tree_flatten takes"
+                ) from e
+            raise ReshardError(
+                f"{name} cannot be flattened as a pytree: the dict at {where or '<root>'} has "
+                f"keys that cannot be sorted ({e})\nHow to fix: give each dict keys of one type "
+                "(all str, or all int)"
+            ) from e
+
+
+def _unsortable_dict(tree: Any, path: str) -> str | None:
+    """The path of the first dict in ``tree`` (through dicts, lists and tuples) whose keys
+    cannot be sorted, or None."""
+    if isinstance(tree, dict):
+        try:
+            sorted(tree)
+        except TypeError:
+            return path
+        items: Iterable[tuple[Any, Any]] = tree.items()
+    elif isinstance(tree, list | tuple):
+        items = enumerate(tree)
+    else:
+        return None
+    for key, child in items:
+        found = _unsortable_dict(child, f"{path}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 class Plan:
@@ -1424,6 +1472,9 @@ def plan(
     one; other parts are balanced over all replicas.
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
+    _check_flattenable(
+        {"the source tree": src_tree, "dst_shardings": dst_shardings, "dtype=": dtype}
+    )
     _refuse_tracers((src_tree,), {})
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
     paths = [keystr(p) for p, _ in flat]
@@ -1919,6 +1970,9 @@ def cached_plan(
     Same arguments as `plan`. Useful to read a cached plan's ``stats`` or ``describe()``.
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
+    _check_flattenable(
+        {"the source tree": src_tree, "dst_shardings": dst_shardings, "dtype=": dtype}
+    )
     options = tuple(sorted((compiler_options or {}).items()))
     key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback)
     found, older = None, None

@@ -3155,6 +3155,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         "processes quantizing fp8 leaves from different dtypes agree on one plan",
     ),
     Mutant(
+        "mixed-dict-keys-escape-as-jax-errors",
+        "jaxreshard/api.py",
+        (
+            (
+                '    _check_flattenable(\n        {"the source tree": src_tree, "dst_shardings": '
+                'dst_shardings, "dtype=": dtype}\n    )\n    _refuse_tracers((src_tree,), {})',
+                "    _refuse_tracers((src_tree,), {})",
+            ),
+        ),
+        (
+            "tests/test_errors.py::test_a_dict_of_str_and_int_keys_is_refused_naming_the_"
+            "argument_and_the_dict",
+        ),
+        "a dst_shardings or dtype= dict of str and int keys escapes as JAX's ValueError, "
+        "naming neither the argument nor the dict",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -419,6 +419,27 @@ def test_a_dtype_tree_of_other_keys_names_them_and_not_its_keep_entries(src):
         assert "['a']" not in str(e.value)
 
 
+def test_a_dict_of_str_and_int_keys_is_refused_naming_the_argument_and_the_dict(src):
+    """JAX cannot sort such a dict's keys, and its ValueError names neither."""
+    mixed = {"a": src["a"], "b": [{"c": src["b"]["c"], 0: src["b"]["c"]}]}
+    dst = sharding(*DST)
+    cases = [
+        ("the source tree", "['b'][0]", lambda: jr.plan(mixed, dst)),
+        ("the source tree", "['b'][0]", lambda: jr.reshard(mixed, dst)),
+        ("dst_shardings", "<root>", lambda: jr.plan(src, {"a": dst, 1: dst})),
+        ("dtype=", "<root>", lambda: jr.plan(src, dst, dtype={"a": jnp.bfloat16, 3: None})),
+        ("the source tree", "['b'][0]", lambda: jr.plan(src, dst)(mixed)),
+        ("donate=", "['b'][0]", lambda: jr.plan(src, dst)(src, donate=mixed)),
+    ]
+    for name, where, call in cases:
+        with pytest.raises(jr.ReshardError) as e:
+            call()
+        first, fix = str(e.value).splitlines()
+        assert first.startswith(f"{name} cannot be flattened as a pytree: the dict at {where} ")
+        assert fix == "How to fix: give each dict keys of one type (all str, or all int)"
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(src))
+
+
 def test_tracers_are_refused_by_every_entry_point_naming_the_leaf_and_the_fix(src):
     """Inside jax.jit, jax.grad or jax.vmap a plan cannot run (it runs programs of its own on
     concrete arrays): each way in says so, naming the traced leaf, not a JAX error from deep
