@@ -424,7 +424,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print("  " + tunix_path_under_guard(cluster))
 
     stats = jr.plan(src, jax.tree.map(lambda x: x.sharding, dst)).stats
-    times = compare_refits(cluster, args.reps)
+    # Under the options the syncs ran with: the plan cache keys on them (fallback= included),
+    # so other options would plan and compile the same layouts again in the first timed call.
+    with jr_tunix.installed(fallback=None, donate_target=args.donate_target):
+        times = compare_refits(cluster, args.reps)
     what = "LoRA params" if args.lora else "params"
     print(
         f"refit of the trained state: {len(jax.tree.leaves(src))} {what}, "

@@ -350,13 +350,12 @@ class Plan:
             ``jax.ShapeDtypeStruct`` with the planned sharding (see `plan`).
           donate: optional result of an earlier call of this plan; its buffers are reused for
             the new result (as ``jax.jit`` donation does) and it is deleted.
+          verify: also check the result against the source (`verify`), raising
+            `ReshardError` naming any shard that differs.
 
         Returns:
           A tree of ``jax.Array`` with the destination shardings and dtypes. Under
           ``jax.distributed`` each process's arrays hold its own destination shards.
-
-          verify: also check the result against the source (`verify`), raising
-            `ReshardError` naming any shard that differs.
 
         Raises:
           ReshardError: before any data moves, if an argument does not match the plan, or (first
@@ -1091,7 +1090,8 @@ class Plan:
 
     @_own_meshes
     def compiled_transfers(self) -> list[str]:
-        """The optimized HLO text of every bucket's transfer program (compiles them).
+        """The optimized HLO text of each distinct transfer program (compiles them; buckets
+        of one shape share one).
 
         For inspection: each holds one ``collective-permute`` per round and no all-gather,
         all-reduce or all-to-all.
@@ -1421,7 +1421,8 @@ def plan(
     Args:
       src_tree: a pytree of ``jax.Array`` (or ``jax.ShapeDtypeStruct`` with a ``sharding``, to
         plan before the data exists).
-      dst_shardings: a pytree of ``NamedSharding`` with the same structure, or a prefix of it
+      dst_shardings: a pytree of shardings (``NamedSharding``, or any ``Sharding`` with a
+        device set, as ``SingleDeviceSharding``) with the same structure, or a prefix of it
         (one sharding for everything, one per subtree), as ``jax.jit``'s ``out_shardings``.
       bucket_bytes: largest per-device staging buffer, per direction (at least 16 bytes,
         the widest element). Defaults to `default_bucket_bytes` of the destination's backend.
@@ -1436,11 +1437,16 @@ def plan(
         senders in the receiver's domain are preferred, cross-domain sends are balanced, bytes
         needed by several devices of a domain cross into it once and are relayed inside it
         (hierarchical fan-out), slow and fast links get rounds of their own, and
-        ``stats.bytes_cross_domain`` counts what crosses domains. See `jaxreshard.topology`.
+        ``stats.bytes_cross_domain`` counts what crosses domains. See `jr.Topology`
+        (`jaxreshard.planning.topology`).
       compiler_options: XLA options for the transfer programs only, as ``jax.jit``'s
         ``compiler_options`` (for example, on GPUs of one host,
         ``{"xla_gpu_use_memcpy_local_p2p": True}``; see the README's GPU section). None are
         set by default: jaxreshard never changes ``XLA_FLAGS``.
+      fallback: ``"device_put"``: leaves jaxreshard cannot take (NumPy arrays, Python
+        scalars, a typed key on a sharding that is not named) go through ``jax.device_put``
+        (a copy), named in a warning of the ``"jaxreshard"`` logger when the plan is made.
+        None (default): they are refused, named.
 
     Returns:
       A `Plan`. Planning is pure: no program is compiled and no data moves.
@@ -1477,6 +1483,9 @@ def plan(
     )
     _refuse_tracers((src_tree,), {})
     flat, treedef = jax.tree_util.tree_flatten_with_path(src_tree)
+    hint = None if flat else _nnx_hint(src_tree)
+    if hint is not None:  # (an empty plan would move nothing, silently)
+        raise ReshardError(f"the source tree holds no arrays\nHow to fix: {hint}")
     paths = [keystr(p) for p, _ in flat]
     dsts = _broadcast(dst_shardings, src_tree, "dst_shardings", lambda x: isinstance(x, Sharding))
     dtypes, named = _dtype_entries(dtype, src_tree)

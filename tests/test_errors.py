@@ -167,6 +167,9 @@ def test_nnx_mistakes_are_named_with_their_fix(src):
 
     with pytest.raises(jr.ReshardError, match=r"(?s)nnx Module stands.*nnx\.state\(model\)"):
         jr.plan(Model(), {"a": {"value": sharding(*DST)}})
+    graphdef, _ = nnx.split(Model())  # (a tree of no leaves: it would plan to move nothing)
+    with pytest.raises(jr.ReshardError, match=r"(?s)holds no arrays.*GraphDef.*State alone"):
+        jr.plan(graphdef, sharding(*DST))
     with pytest.raises(jr.ReshardError, match=r"logical axis names.*nnx.logical_axis_rules"):
         jr.plan(src["a"], PartitionSpec("embed", "mlp"))
 
