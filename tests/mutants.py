@@ -3172,6 +3172,33 @@ SURFACE_MUTANTS: list[Mutant] = [
         "naming neither the argument nor the dict",
     ),
     Mutant(
+        "route-cover-dropped",
+        "jaxreshard/planning/route.py",
+        (("    covered = _cover(numbered)\n", "    covered = None\n"),),
+        (
+            "tests/test_lower.py::test_many_small_leaves_of_regular_layouts_still_run_as_one_"
+            "program_a_stage",
+        ),
+        "LoRA adapters take senders by the other candidates: two receivers with two senders, "
+        "two with three, and two programs a side in every step",
+    ),
+    Mutant(
+        "route-cover-without-turns",
+        "jaxreshard/planning/route.py",
+        (
+            (
+                "s = holders[(turn[holders] + taken[holders]) % len(holders)]",
+                "s = holders[taken[holders] % len(holders)]",
+            ),
+        ),
+        (
+            "tests/test_lower.py::test_many_small_leaves_of_regular_layouts_still_run_as_one_"
+            "program_a_stage",
+        ),
+        "receivers sharing senders split their parts between them the same way, not rotated: "
+        "the senders send different leaves and run two programs a step",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

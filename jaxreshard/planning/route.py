@@ -251,7 +251,9 @@ def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Pie
     # plain rotation may be the best of all).
     rotated = [_rotate(numbered, number, True)] if alike else []
     rotated.append(_rotate(numbered, number))
-    options = [(sent, _busiest(sent)) for sent in (*rotated, paired, plain)]
+    covered = _cover(numbered)
+    candidates = (*rotated, paired, plain, *([covered] if covered is not None else []))
+    options = [(sent, _busiest(sent)) for sent in candidates]
     best = min(busiest for _, busiest in options)
     # Within the balance slack: the fewest pairs, then (with ``alike``) the fewest bytes
     # packed, then the least busy sender; ties to the fewest shapes.
@@ -362,6 +364,78 @@ def _rotate(
             turn[key] += 1
             same[key, d.leaf, d.box] = sender
         out.append((sender, d.dst, d.leaf, d.box, d.nbytes))
+    return out
+
+
+COVER_SENDERS = 8
+"""`_cover` runs where every receiver's demands have at most this many candidate senders (and
+`COVER_WORK` bounds the rest): it tries every set of them."""
+
+COVER_WORK = 1 << 21
+"""The most (sender set, demand) trials `_cover` makes in one choice of senders; past it, it
+gives up (large clusters: their replicas are many, and the other candidates serve them)."""
+
+
+def _cover(numbered: Sequence[tuple[int, _Demand]]) -> list[_Sent] | None:
+    """Fewest senders per receiver, alike: each receiver, in id order, takes the smallest set
+    of senders holding something of every part it needs (of those, the set whose busiest
+    member ends least busy); a part two of them hold goes to them in turn, the turn carried
+    from one receiver to the next (parts in leaf order), so that receivers sharing senders
+    split their parts between them the same way, rotated. None where the problem is too
+    large to try (`COVER_SENDERS`, `COVER_WORK`).
+
+    Where the layouts are regular this pairs every receiver with as many senders as any
+    other, the same way, and every sender sends the same shapes (LoRA adapters, fsdp2 x tp2
+    -> tp4: two senders a receiver, 8 pairs, where the other candidates took 10: two
+    receivers with two senders and two with three). Devices that send, or receive, alike run
+    one SPMD program a step instead of one per group of alike devices
+    (`jaxreshard.planning.lower`), which the executor calls over the arrays' own meshes,
+    re-wrapping no per-device buffers leaf by leaf. It counts whole parts, not bytes split
+    over senders: `_choose_senders` keeps it only where it is as balanced as the others.
+    """
+    by_dst: dict[int, list[_Demand]] = defaultdict(list)
+    for _, d in numbered:
+        by_dst[d.dst].append(d)
+    work = 0
+    for demands in by_dst.values():
+        senders = {s for d in demands for s in d.candidates}
+        if len(senders) > COVER_SENDERS:
+            return None
+        work += len(demands) << len(senders)
+    if work > COVER_WORK:
+        return None
+    load: dict[int, int] = defaultdict(int)
+    turn: dict[tuple[int, ...], int] = defaultdict(int)
+    out: list[_Sent] = []
+    for dst in sorted(by_dst):
+        demands = sorted(by_dst[dst], key=lambda d: (d.leaf, d.box))
+        groups = {frozenset(d.candidates) for d in demands}
+        senders = sorted({s for group in groups for s in group})
+        best: tuple[int, list[_Sent], dict[int, int], set[tuple[int, ...]]] | None = None
+        for k in range(1, len(senders) + 1):
+            for chosen in itertools.combinations(senders, k):
+                members = frozenset(chosen)
+                if any(not (group & members) for group in groups):
+                    continue
+                trial = {s: load[s] for s in chosen}
+                taken: dict[tuple[int, ...], int] = defaultdict(int)
+                sent = []
+                for d in demands:
+                    holders = tuple(s for s in d.candidates if s in members)
+                    s = holders[(turn[holders] + taken[holders]) % len(holders)]
+                    taken[holders] += 1
+                    trial[s] += d.nbytes
+                    sent.append((s, d.dst, d.leaf, d.box, d.nbytes))
+                busiest = max(trial.values())
+                if best is None or busiest < best[0]:
+                    best = (busiest, sent, trial, set(taken))
+            if best is not None:
+                break
+        assert best is not None  # (every part has a candidate: the set of all of them covers)
+        out += best[1]
+        load.update(best[2])
+        for holders in best[3]:
+            turn[holders] += 1
     return out
 
 
