@@ -795,15 +795,40 @@ class Plan:
             for i, (_, dtype, _) in enumerate(self.src_avals)
         )
         options = options_text(self.compiler_options)
+        # Leaves sent by jax.device_put are compared too, and their destinations' processes
+        # take part: a device_put of a host value onto several processes' devices is a
+        # collective (a fuzz, 2026-12-06: a process involved only through one was not
+        # order-checked, and a plan of such leaves alone had no order check at all).
+        fallbacks, fallback_devices = [], set()
+        for i, sharding in self.fallback:
+            shape, dtype, cast = self._fallback_avals[i]
+            ids = _sharding_devices(sharding)
+            into = f" as {jnp.dtype(cast)}" if cast is not None else ""
+            fallbacks.append(
+                (
+                    self.paths[i],
+                    f"{jnp.dtype(dtype)}{list(shape)}{into} by jax.device_put -> "
+                    f"{_describe_devices(sharding, ids)}",
+                )
+            )
+            fallback_devices.update(ids)
         return PlanIdentity(
             fingerprint(
-                self.leaves, self.assignment, self.schedule, self.bucket_bytes, kinds, options
+                self.leaves,
+                self.assignment,
+                self.schedule,
+                self.bucket_bytes,
+                kinds,
+                options,
+                fallbacks,
             ),
             self.leaves,
             tuple(self._describe_leaf(i) for i in range(len(self.leaves))),
             self.bucket_bytes,
             kinds,
             options,
+            tuple(fallbacks),
+            tuple(sorted(fallback_devices)),
         )
 
     @functools.cached_property
@@ -2739,6 +2764,14 @@ def _plan_devices(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> list[A
     for _, _, sharding in avals:
         devices.update({d.id: d for d in sharding.device_set})
     return [devices[i] for i in sorted(devices)]
+
+
+def _sharding_devices(sharding: Any) -> list[int]:
+    """The ids of ``sharding``'s devices: its mesh's in mesh order, else sorted."""
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "devices"):
+        return [int(d.id) for d in np.asarray(mesh.devices).flat]
+    return sorted(int(d.id) for d in sharding.device_set)
 
 
 def _describe_devices(sharding: Any, devices: Sequence[int]) -> str:

@@ -424,6 +424,23 @@ def case_order_fallback() -> None:
     ok("order_fallback")
 
 
+def case_order_fallback_only() -> None:
+    """(A fuzz.) A plan of one NumPy counter sent to every device by
+    ``fallback="device_put"`` alone: no leaf the plan moves itself, yet its copy is a
+    collective. Process 1 refuses call 2 (a string): process 0's call 2 raises naming it,
+    and calls 3 and 4 pair up. Such a plan involved no process, so nothing was order-checked:
+    process 0's copy paired with process 1's call 3, both then failed in JAX's equality
+    check, and the last call hung."""
+    every = mesh(BY_PROCESS[0] + BY_PROCESS[1], (8,), ("x",))
+    dst = {"count": NamedSharding(every, P())}
+    plan = jr.plan({"count": np.int32(0)}, dst, fallback="device_put")
+    check(plan({"count": np.int32(1)}), {"count": np.int32(1)}, dst)
+    _refused("ALONE", lambda: plan({"count": "two" if PID == 1 else np.int32(2)}))
+    check(plan({"count": np.int32(3)}), {"count": np.int32(3)}, dst)
+    check(plan.start({"count": np.int32(4)}).result(), {"count": np.int32(4)}, dst)
+    ok("order_fallback_only")
+
+
 def case_order_first_refused() -> None:
     """(A fuzz.) A plan's first call refused on process 0 (a source of another dtype): process
     1's first call raises naming it, and the next calls pair up, each with its own step's
@@ -865,6 +882,7 @@ SCENARIOS = {
         case_order_ok,
         case_order_refused,
         case_order_fallback,
+        case_order_fallback_only,
         case_order_refusals,
         case_order_first_refused,
         case_order_unplanned,

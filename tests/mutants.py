@@ -351,8 +351,8 @@ MULTIHOST_MUTANTS = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "digests, assignment, schedule, int(bucket_bytes), compiler_options)",
-                "digests, int(bucket_bytes), compiler_options)",
+                "[digests, assignment, schedule, int(bucket_bytes), compiler_options]",
+                "[digests, int(bucket_bytes), compiler_options]",
             ),
         ),
         ("tests/test_multihost.py::test_fingerprint_covers_the_routing_and_the_schedule",),
@@ -2471,8 +2471,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/multihost.py",
         (
             (
-                "int(bucket_bytes), compiler_options)",
-                "int(bucket_bytes))",
+                "int(bucket_bytes), compiler_options]",
+                "int(bucket_bytes)]",
             ),
         ),
         (
@@ -3197,6 +3197,32 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "receivers sharing senders split their parts between them the same way, not rotated: "
         "the senders send different leaves and run two programs a step",
+    ),
+    Mutant(
+        "fallback-destinations-not-involved",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "    return involved_processes(plan.leaves, process_of, plan.fallback_devices)",
+                "    return involved_processes(plan.leaves, process_of)",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_a_plans_processes_include_its_fallback_leaves_"
+            "destinations",
+        ),
+        "a process involved only through a fallback leaf's destination is not order-checked, "
+        "and a plan of fallback leaves alone checks no call",
+    ),
+    Mutant(
+        "fallback-leaves-not-fingerprinted",
+        "jaxreshard/run/multihost.py",
+        (("        parts.append([list(f) for f in fallbacks])", "        pass"),),
+        (
+            "tests/test_multihost.py::test_agreement_compares_the_fallback_leaves_and_names_"
+            "the_one_that_differs",
+        ),
+        "processes sending a fallback leaf to different shardings agree on one plan",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -176,6 +176,21 @@ def test_involved_processes_are_the_owners_of_source_and_destination_devices():
     assert multihost.involved_processes(leaves, process_of) == (0, 2, 3)
 
 
+def test_a_plans_processes_include_its_fallback_leaves_destinations(devices):
+    """A fallback leaf's jax.device_put of a host value onto several processes' devices is a
+    collective: those processes take part in the agreement and the order checks (a fuzz: a
+    process involved through such a leaf alone was not order-checked)."""
+    src = NamedSharding(Mesh(np.array(devices[:2]), ("a",)), P("a"))
+    every = NamedSharding(Mesh(np.array(devices), ("x",)), P())
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=src), "n": np.int32(0)}
+    identity = jr.plan(tree, {"w": src, "n": every}, fallback="device_put").identity
+    process_of = {d.id: d.id // 2 for d in devices}  # (as if 4 processes of 2 devices)
+    assert multihost.involved_processes(identity.leaves, process_of) == (0,)
+    assert multihost.plan_processes(identity, process_of) == (0, 1, 2, 3)
+    alone = jr.plan({"n": np.int32(0)}, every, fallback="device_put").identity
+    assert not alone.leaves and multihost.plan_processes(alone, process_of) == (0, 1, 2, 3)
+
+
 # ------------------------------------------------------------- agreement over a fake KV store
 
 
@@ -296,6 +311,25 @@ def test_agreement_refuses_plans_whose_transfer_programs_take_other_compiler_opt
         message = str(results[me])
         assert isinstance(results[me], jr.ReshardError), message
         assert "compiler_options differ" in message and "xla_cpu_enable_fast_math" in message
+
+
+def test_agreement_compares_the_fallback_leaves_and_names_the_one_that_differs(devices):
+    """(A fuzz.) Processes sending a fallback leaf to different shardings agreed, and each
+    then held its own view of the "same" array (replicated on one, split on the other)."""
+    src = NamedSharding(Mesh(np.array(devices[:4]), ("a",)), P("a"))
+    mesh = Mesh(np.array(devices[4:]), ("e",))
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=src), "n": np.zeros(8)}
+    plans = [
+        jr.plan(tree, {"w": src, "n": NamedSharding(mesh, spec)}, fallback="device_put")
+        for spec in (P(), P("e"))
+    ]
+    assert plans[0].identity.fingerprint != plans[1].identity.fingerprint
+    results, _ = _agree_all(FakeClient(), [(p, (0, 1), "g", 0, plans[p]) for p in (0, 1)])
+    for me in (0, 1):
+        message = str(results[me])
+        assert isinstance(results[me], jr.ReshardError), message
+        assert "First differing leaf: ['n']" in message and "by jax.device_put" in message
+        assert "spec=P('e',)" in message, message
 
 
 def test_agreement_times_out_when_a_peer_never_arrives(devices):
@@ -654,6 +688,17 @@ def test_a_refused_call_of_a_plan_with_fallback_leaves_raises_on_the_peer_and_ca
     run_order.case_ok("order_fallback")
     assert "FALLBACK 0: jaxreshard: process 1 refused call #" in run_order.outputs[0]
     assert "FALLBACK 1: these source leaves do not match the plan" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
+def test_a_refused_call_of_a_plan_of_fallback_leaves_alone_raises_on_the_peer_and_calls_pair(
+    run_order,
+):
+    """(A fuzz.) Such a plan moves no leaf itself, yet its copies are collectives: its
+    processes are the fallback leaves' destinations', and every call is order-checked."""
+    run_order.case_ok("order_fallback_only")
+    assert "ALONE 0: jaxreshard: process 1 refused call #" in run_order.outputs[0]
+    assert "ALONE 1: these source leaves do not match the plan" in run_order.outputs[1]
 
 
 @pytest.mark.multiprocess

@@ -116,6 +116,7 @@ def fingerprint(
     bucket_bytes: int,
     kinds: Sequence[str] = (),
     compiler_options: str = "",
+    fallbacks: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The hash of a whole plan; equal on two processes exactly when they planned the same.
 
@@ -127,7 +128,10 @@ def fingerprint(
     """
     kinds = tuple(kinds) or ("",) * len(leaves)
     digests = [leaf_digest(leaf, kind) for leaf, kind in zip(leaves, kinds, strict=True)]
-    return digest(FORMAT, digests, assignment, schedule, int(bucket_bytes), compiler_options)
+    parts: list[object] = [digests, assignment, schedule, int(bucket_bytes), compiler_options]
+    if fallbacks:  # (plans without fallback leaves keep the fingerprints they had)
+        parts.append([list(f) for f in fallbacks])
+    return digest(FORMAT, *parts)
 
 
 def options_text(options: Mapping[str, Any] | None) -> str:
@@ -148,6 +152,11 @@ class PlanIdentity:
         (`leaf_digest`), else "" (empty: "" for every leaf).
       compiler_options: the transfer programs' XLA options (`options_text`), named when
         only they differ.
+      fallbacks: ``(path, description)`` of each leaf the plan sends by ``jax.device_put``
+        (``fallback="device_put"``), compared with the leaves (in the fingerprint too).
+      fallback_devices: the devices those leaves go to: their processes take part as the
+        moved leaves' do (a ``jax.device_put`` of a host value onto devices of several
+        processes is a collective, which must follow the calls' order).
     """
 
     fingerprint: str
@@ -156,17 +165,25 @@ class PlanIdentity:
     bucket_bytes: int
     kinds: tuple[str, ...] = ()
     compiler_options: str = ""
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    fallback_devices: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------------------------- processes
 
 
 def involved_processes(
-    leaves: Iterable[LeafSpec], process_of: Mapping[int, int]
+    leaves: Iterable[LeafSpec], process_of: Mapping[int, int], more: Iterable[int] = ()
 ) -> tuple[int, ...]:
-    """The processes owning a device of any leaf's source or destination layout (sorted)."""
+    """The processes owning a device of any leaf's source or destination layout, or one of
+    the devices ``more`` (sorted)."""
     devices = {d for leaf in leaves for d in (*leaf.src.devices, *leaf.dst.devices)}
-    return tuple(sorted({process_of[d] for d in devices}))
+    return tuple(sorted({process_of[d] for d in (*devices, *more)}))
+
+
+def plan_processes(plan: PlanIdentity, process_of: Mapping[int, int]) -> tuple[int, ...]:
+    """The processes involved in ``plan``: its moved leaves' and its fallback leaves'."""
+    return involved_processes(plan.leaves, process_of, plan.fallback_devices)
 
 
 # --------------------------------------------------------------------------------- agreement
@@ -181,7 +198,7 @@ def _involvement(plan: PlanIdentity, client: Any) -> tuple[Any, int, tuple[int, 
     if jax.process_count() == 1:
         return None
     process_of = {d.id: d.process_index for d in jax.devices()}
-    return _talking(involved_processes(plan.leaves, process_of), client)
+    return _talking(plan_processes(plan, process_of), client)
 
 
 def _talking(group: tuple[int, ...], client: Any) -> tuple[Any, int, tuple[int, ...]] | None:
@@ -366,7 +383,7 @@ def _plan_processes(plan: PlanIdentity | None) -> tuple[int, ...]:
     import jax
 
     process_of = {d.id: d.process_index for d in jax.devices()}
-    return involved_processes(plan.leaves, process_of)
+    return plan_processes(plan, process_of)
 
 
 def _guess(plan: PlanIdentity | None, group: tuple[int, ...]) -> list[Any]:
@@ -1027,8 +1044,11 @@ def _try_get(client: Any, key: str) -> str | None:
 def _leaves_entries(plan: PlanIdentity) -> list[list[str]]:
     kinds = plan.kinds or ("",) * len(plan.leaves)
     return [
-        [leaf_digest(leaf, kind), leaf.path, text]
-        for leaf, text, kind in zip(plan.leaves, plan.descriptions, kinds, strict=True)
+        *(
+            [leaf_digest(leaf, kind), leaf.path, text]
+            for leaf, text, kind in zip(plan.leaves, plan.descriptions, kinds, strict=True)
+        ),
+        *([digest(FORMAT, path, text), path, text] for path, text in plan.fallbacks),
     ]
 
 
