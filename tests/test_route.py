@@ -54,6 +54,7 @@ from oracles import (
     size,
 )
 
+from jaxreshard.planning import route as route_module
 from jaxreshard.planning.layout import Layout
 from jaxreshard.planning.route import Assignment, LeafSpec, Piece, gc_paused, route
 from jaxreshard.planning.topology import Topology
@@ -364,11 +365,24 @@ def test_small_replicated_leaves_ride_on_pairs_already_in_use():
     assert len({(p.src, p.dst) for p in a.pieces}) == fewest
 
 
-def test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf():
+WITHOUT_COVER = pytest.mark.parametrize("cover", [True, False], ids=["cover", "without-cover"])
+"""Runs a test with the cover choice (`route._cover`) and without it, as where it does not run
+(receivers with more than `route.COVER_SENDERS` candidate senders: clusters): the other
+choices must reach the same on their own."""
+
+
+def cover_or_not(cover: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not cover:
+        monkeypatch.setattr(route_module, "COVER_SENDERS", 0)
+
+
+@WITHOUT_COVER
+def test_a_replicated_leaf_rides_on_the_pairs_of_a_split_leaf(cover, monkeypatch):
     """Leaf ``b`` is split over devices 0 and 1 and its halves go crosswise (0 -> 3, 1 -> 2);
     leaf ``a`` is replicated on both and wanted whole by 2 and 3. Sending ``a`` along the same
     pairs (0 -> 3, 1 -> 2) balances the load exactly and needs 2 pairs; a sender choice that
     ignores existing pairs (the lowest id first) sends 0 -> 2 and 1 -> 3: 4 pairs."""
+    cover_or_not(cover, monkeypatch)
     cases = [
         Case((64, 8), DP2, (), ((2,), ("r",), (2, 3)), ()),
         Case((64, 8), DP2, ("dp",), ((2,), ("r",), (3, 2)), ("r",)),
@@ -406,12 +420,16 @@ def test_replicas_of_a_destination_shard_get_their_bytes_from_one_sender():
     assert all(streams[s, d] == streams[s, replica[d]] for s, d in streams if d in replica)
 
 
-def test_replicas_taking_one_holder_never_cost_the_balance_the_plain_rotation_reaches():
+@WITHOUT_COVER
+def test_replicas_taking_one_holder_never_cost_the_balance_the_plain_rotation_reaches(
+    cover, monkeypatch
+):
     """(A fuzz.) Every device of a fully replicated destination wants a matrix split over one
     source axis and a bias split over another: the replicas all taking one holder is far
     from balanced, and it replaced the plain rotation among the choices, which alone was
     optimal: the busiest sender was 17.6% above the optimum (and a round more). Both
     rotations are choices now; the balance is the optimum again."""
+    cover_or_not(cover, monkeypatch)
     src = ((2, 2, 2), ("a", "b", "c"), (5, 4, 1, 0, 7, 3, 2, 6))
     dst = ((8,), ("x",), (6, 5, 3, 1, 7, 4, 2, 0))
     cases = [Case((4, 8, 8), src, (None, None, "a"), dst, ()), Case((16,), src, ("c",), dst, ())]
