@@ -802,7 +802,7 @@ class Plan:
         fallbacks, fallback_devices = [], set()
         for i, sharding in self.fallback:
             shape, dtype, cast = self._fallback_avals[i]
-            ids = _sharding_devices(sharding)
+            ids = _device_ids(sharding)
             into = f" as {jnp.dtype(cast)}" if cast is not None else ""
             fallbacks.append(
                 (
@@ -2004,11 +2004,16 @@ def cached_plan(
     Same arguments as `plan`. Useful to read a cached plan's ``stats`` or ``describe()``.
     """
     _check_options(bucket_bytes, topology, compiler_options, fallback)
-    _check_flattenable(
-        {"the source tree": src_tree, "dst_shardings": dst_shardings, "dtype=": dtype}
-    )
     options = tuple(sorted((compiler_options or {}).items()))
-    key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback)
+    try:
+        key = _cache_key(
+            src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback
+        )
+    except (ValueError, TypeError):  # (checked only then: every jr.reshard call comes here)
+        _check_flattenable(
+            {"the source tree": src_tree, "dst_shardings": dst_shardings, "dtype=": dtype}
+        )
+        raise
     found, older = None, None
     if key is not None:
         with _CACHE_LOCK:
@@ -2764,14 +2769,6 @@ def _plan_devices(dsts: Sequence[NamedSharding], avals: Sequence[Any]) -> list[A
     for _, _, sharding in avals:
         devices.update({d.id: d for d in sharding.device_set})
     return [devices[i] for i in sorted(devices)]
-
-
-def _sharding_devices(sharding: Any) -> list[int]:
-    """The ids of ``sharding``'s devices: its mesh's in mesh order, else sorted."""
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and hasattr(mesh, "devices"):
-        return [int(d.id) for d in np.asarray(mesh.devices).flat]
-    return sorted(int(d.id) for d in sharding.device_set)
 
 
 def _describe_devices(sharding: Any, devices: Sequence[int]) -> str:

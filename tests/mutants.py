@@ -2018,10 +2018,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, (topology, "
-                "options), fallback)",
-                "key = _cache_key(src_tree, dst_shardings, bucket_bytes, dtype, "
-                "(topology,), fallback)",
+                "src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback\n",
+                "src_tree, dst_shardings, bucket_bytes, dtype, (topology,), fallback\n",
             ),
         ),
         (
