@@ -1043,10 +1043,14 @@ class Plan:
                 return False
             if not _IN_FLIGHT.isdisjoint(ids):
                 return False
-            if self._may_alias and not _buffer_addresses(sources).isdisjoint(
-                _buffer_addresses(moved)
-            ):
-                return False
+            if self._may_alias:
+                held, into = self._aliasing
+                if len(sources) != len(self.paths):
+                    return False  # (a source tree that did not pass its own checks)
+                if not _buffer_addresses([sources[j] for j in held]).isdisjoint(
+                    _buffer_addresses([moved[k] for k in into])
+                ):
+                    return False
         for x, (shape, dtype, sharding) in zip(moved, expected, strict=True):
             if not isinstance(x, jax.Array) or x.is_deleted():
                 return False
@@ -1092,23 +1096,35 @@ class Plan:
         object (`jax.make_array_from_single_device_arrays` over the source's shards, or a
         typed key wrapping them, `jax.random.wrap_key_data`, and its key data): some
         destination and source whose shards hold buffers of one dtype and shape share a
-        device. Only such plans pay for reading buffer addresses on each call."""
+        device. Only such plans pay for reading buffer addresses on each call, and only of
+        those leaves (`_aliasing`)."""
+        return bool(self._aliasing[1])
 
-        def buffer(shape: tuple[int, ...], dtype: Any, s: Sharding) -> tuple[Any, ...]:
+    @functools.cached_property
+    def _aliasing(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(source leaves, moved leaves)`` that could share buffers: the sources (by path
+        index) with a shard of the dtype and shape of a destination's shard on one device
+        (and every fallback leaf's, whose source layout the plan does not know), and the
+        moved leaves (by index among them) whose destination has such a shard."""
+
+        def buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
             shard = s.shard_shape(shape)
             if boundary.is_key(dtype):  # its buffers hold its key data
                 data, bits = boundary.key_data_shape(jax.ShapeDtypeStruct(shard, dtype))
-                return bits, data
-            return jnp.dtype(dtype), tuple(shard)
+                kind: tuple[Any, ...] = (bits, data)
+            else:
+                kind = (jnp.dtype(dtype), tuple(shard))
+            return {(*kind, d.id) for d in s.device_set}
 
-        sources = {
-            (*buffer(shape, dtype, s), d.id) for shape, dtype, s in self.src_avals
-            for d in s.device_set
-        }  # fmt: skip
-        return any(
-            (*buffer(shape, dtype, s), d.id) in sources
-            for shape, dtype, s in self._dst_avals
-            for d in s.device_set
+        src = [buffers(*aval) for aval in self.src_avals]
+        dst = [buffers(*aval) for aval in self._dst_avals]
+        every_src, every_dst = set().union(*src), set().union(*dst)
+        return (
+            (
+                *(self.moved[k] for k, b in enumerate(src) if not b.isdisjoint(every_dst)),
+                *self._fallback_avals,
+            ),
+            tuple(k for k, b in enumerate(dst) if not b.isdisjoint(every_src)),
         )
 
     # ---------------------------------------------------------------------------- reports
@@ -1161,7 +1177,12 @@ class Plan:
                 else ""
             ),
             f"  packed  {_b(self.lowered.packed_bytes)} (sent twice or more from one buffer: "
-            f"{_b(s.bytes_sent - self.lowered.packed_bytes)})",
+            f"{_b(s.bytes_sent - self.lowered.packed_bytes)})"
+            + (
+                f" | held parts passed through slots {_b(self.lowered.kept_bytes)}"
+                if self.lowered.kept_bytes
+                else ""
+            ),
             f"  rounds  {s.rounds} in {s.buckets} bucket(s) of {len(self.schedule.units)} "
             f"unit(s), largest round {_b(largest)}, bucket limit {_b(self.bucket_bytes)}",
             f"  staging {_b(s.staging_bytes)} per device, "

@@ -180,8 +180,12 @@ def run_lowered(
             assert step.slots[t] == step.slots[packed]
             send[d, t] = send[d, packed]
         recv: dict[tuple[int, int], np.ndarray] = {}
+        for d, t in step.kept:  # a message a device passes itself: its own packed buffer
+            assert step.transfer is not None and t >= len(step.transfer.slots)
+            recv[d, t] = send[d, t]
         if step.transfer is not None:
-            assert step.transfer.devices == union and step.transfer.slots == step.slots
+            rounds = step.slots[: len(step.transfer.slots)]
+            assert step.transfer.devices == union and step.transfer.slots == rounds
             for t, perm in enumerate(step.transfer.perms):
                 assert len({s for s, _ in perm}) == len(perm), "a device sends twice in a round"
                 assert len({r for _, r in perm}) == len(perm), "a device receives twice"

@@ -438,6 +438,29 @@ def test_staging_held_by_the_runtime_is_what_the_plan_reports():
     assert max(plan.runtime.pool_bytes().values()) <= plan.stats.staging_bytes
 
 
+def test_colocated_small_leaves_pass_held_parts_through_slots_of_their_own_exactly():
+    """Colocated small leaves (rows over fsdp4 x tp2 -> columns over the same 8 devices):
+    the devices that hold one of their parts pass it through a slot of their own, packed and
+    unpacked on the device (`Step.kept`), so every device of a side runs one program a step
+    over the leaves' own meshes. Bit-exact, call after call, donated, under a transfer guard,
+    with no more staging held than the plan reports."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "tp"))
+    line = Mesh(np.array(jax.devices()), ("t",))
+    host = {f"l{i}": random_array((8, 64), "float32", i) for i in range(24)}
+    src = {k: jax.device_put(v, NamedSharding(mesh, P("fsdp", "tp"))) for k, v in host.items()}
+    dst = {k: NamedSharding(line, P(None, "t")) for k in host}
+    plan = jr.plan(src, dst)
+    assert all(step.kept for step in plan.lowered.steps)
+    assert all(len(s.packs) == len(s.unpacks) == 1 for s in plan.lowered.steps)
+    out = plan(src)
+    with jax.transfer_guard("disallow"):
+        for _ in range(2):
+            out = plan(src, donate=out)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
+    assert max(plan.runtime.pool_bytes().values()) <= plan.stats.staging_bytes
+
+
 def test_staging_held_inside_every_step_of_every_call_is_within_what_the_plan_reports(
     monkeypatch,
 ):

@@ -367,6 +367,38 @@ def test_donating_another_array_over_the_sources_own_buffers_is_refused(src):
     assert np.asarray(out["a"]).tobytes() == want["a"].tobytes()
 
 
+def test_the_buffer_check_reads_only_leaves_whose_shards_could_share_buffers(monkeypatch):
+    """A donate= leaf can hold a source's buffers only where a source shard and a
+    destination shard have one dtype and shape on one device: a call reads the buffer
+    addresses of those leaves alone (reading all of 392 colocated LoRA adapters' took 60 ms
+    a call), and still refuses a leaf made over another leaf's source buffers."""
+    from jaxreshard import api
+
+    read = []
+    addresses = api._buffer_addresses
+    monkeypatch.setattr(api, "_buffer_addresses", lambda xs: read.extend(xs) or addresses(xs))
+    rows, cols = (tuple(range(4)), (4,), ("x",), "x"), (tuple(range(4)), (4,), ("x",), None, "x")
+    src = {  # x: rows -> columns, y: columns -> rows; each one's result has the other's shards
+        "x": jax.device_put(random_array((8, 8), "float32"), sharding(*rows)),
+        "y": jax.device_put(random_array((8, 8), "float32", 1), sharding(*cols)),
+    }
+    for i in range(6):  # shards of shapes no other leaf's have
+        src[f"z{i}"] = jax.device_put(random_array((16, 4), "float32", 2 + i), sharding(*rows))
+    dst = {k: sharding(*cols) for k in src}
+    dst["y"] = sharding(*rows)
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    read.clear()
+    old, out = out, plan(src, donate=out)
+    assert sorted(map(id, read)) == sorted(map(id, [src["x"], src["y"], old["x"], old["y"]]))
+    over_x = jax.make_array_from_single_device_arrays(
+        (8, 8), dst["y"], [s.data for s in src["x"].addressable_shards]
+    )
+    with pytest.raises(jr.ReshardError, match=r"\['y'\]: holds a source array's own buffers"):
+        plan(src, donate={**out, "y": over_x})
+    assert not over_x.is_deleted() and not out["y"].is_deleted()
+
+
 def test_donating_a_key_array_over_a_source_keys_own_buffers_is_refused():
     """Regression: typed PRNG keys were left out of the buffer check, so in a plan of keys a
     key array made over a source key's data (``wrap_key_data(key_data(k))``) was donated and

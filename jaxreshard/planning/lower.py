@@ -69,6 +69,11 @@ CPU (one device, boxes of half a shard's columns), rows of 64 words copied no fa
 flat slot (3.3-5.4 GB/s against 3.0-5.9, and half its speed on small boxes), rows of 128 or
 256 words 1.7-6x faster (8.6-20.5 GB/s)."""
 
+KEEP_HELD_PARTS = True
+"""Whether a step may pass devices' held parts through slots of their own (`Step.kept`) to
+make their copies alike; off, every held part is a local copy of the unpack (for A/B runs
+and the tests that specify the plain lowering)."""
+
 MIN_CAST_SLOT_WIDTH = 64
 """`MIN_SLOT_WIDTH` for slots whose every message casts: their packs compile with XLA's newer
 CPU fusion emitters (`runtime.program_options`), under which a flat slot is slower still and
@@ -294,8 +299,15 @@ class Step:
         several peers): its pack fills only ``packed slot``, and the transfer sends that
         buffer in both rounds. Packed once, sent many times; not where sharing would take
         more pack programs than packing every message.
-      packed_bytes: the payload its packs write (its messages' bytes, less those of the
-        rounds in ``shared``).
+      packed_bytes: the payload its packs write for its rounds (its messages' bytes, less
+        those of the rounds in ``shared``).
+      kept: ``(device, step slot)`` of every message a device passes itself: parts it holds
+        of its own destination shards, packed into a slot of the step after its rounds'
+        (``slots[len(transfer.slots):]``) and unpacked from that same buffer, never
+        transferred. Only where it makes devices that hold some of what they need do the
+        same copies as those that hold none, so that they run one program (`_kept`).
+      kept_bytes: the payload of the ``kept`` messages (packed and unpacked, where a local
+        copy would copy it once).
     """
 
     unit: int
@@ -306,6 +318,8 @@ class Step:
     unpacks: tuple[UnpackCall, ...]
     shared: tuple[tuple[int, int, int], ...] = ()
     packed_bytes: int = 0
+    kept: tuple[tuple[int, int], ...] = ()
+    kept_bytes: int = 0
 
     def senders(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(device, step slot) -> (pack call index, program slot)`` for every sent slot."""
@@ -347,6 +361,11 @@ class Lowered:
         send again from a buffer they packed for another round (`Step.shared`)."""
         return sum(step.packed_bytes for step in self.steps)
 
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes devices pass themselves through slots in one call (`Step.kept`)."""
+        return sum(step.kept_bytes for step in self.steps)
+
     def dispatches(self) -> int:
         """Program runs of one call with donated destinations (no allocation)."""
         return sum(len(s.packs) + len(s.unpacks) + (s.transfer is not None) for s in self.steps)
@@ -375,16 +394,19 @@ def lower(
     for b in laid:
         by_unit[b.bucket.unit].append(b)
     widths = _slot_widths(leaves, small, laid)
+    cap = 2 * int(bucket_bytes)
     steps: list[Step] = []
     for u, unit in enumerate(schedule.units):
         buckets = by_unit.get(u, [])
         if not buckets and (unit.local or unit.fresh):
-            steps.append(_step(leaves, small, None, unit.local, u, unit.fresh, position, widths))
+            steps.append(
+                _step(leaves, small, None, unit.local, u, unit.fresh, position, widths, cap)
+            )
         for i, bucket in enumerate(buckets):
             local = unit.local if i == 0 else ()
             fresh = unit.fresh if i == 0 else ()
-            steps.append(_step(leaves, small, bucket, local, u, fresh, position, widths))
-    return Lowered(union, tuple(steps), 2 * int(bucket_bytes))
+            steps.append(_step(leaves, small, bucket, local, u, fresh, position, widths, cap))
+    return Lowered(union, tuple(steps), cap)
 
 
 def _word_bytes(leaves: Sequence[LeafSpec], segments: Iterable[Segment]) -> int:
@@ -425,12 +447,44 @@ def _step(
     fresh: tuple[int, ...],
     position: Mapping[int, int],
     widths: Mapping[tuple[int, str], int],
+    cap: int,
 ) -> Step:
     if laid is None:
         unpacks = _unpacks(leaves, small, {}, local, 1)
         return Step(unit, fresh, (), (), None, unpacks)
     bucket, w, word = laid.bucket, laid.w, laid.word
     slots = tuple(Slot(n // w, word, widths[n // w, word]) for n in bucket.slot_bytes)
+    step = _exchange(leaves, small, laid, local, unit, fresh, position, slots)
+    if KEEP_HELD_PARTS and local and len(step.packs) + len(step.unpacks) > 2:
+        # Devices that hold part of what they need copy it locally, the others receive it:
+        # their copies differ, so each kind runs programs of its own (over meshes of their
+        # own, every leaf re-wrapped). Passed through a slot as a message to itself, a
+        # held part makes them alike: a copy more of those bytes, a program less a side.
+        kept = _kept(leaves, small, laid, local, slots, cap)
+        if kept is not None:
+            more, messages, rest = kept
+            alike = _exchange(
+                leaves, small, laid, rest, unit, fresh, position, (*slots, *more), messages
+            )
+            if len(alike.packs) + len(alike.unpacks) < len(step.packs) + len(step.unpacks):
+                return alike
+    return step
+
+
+def _exchange(
+    leaves: Sequence[LeafSpec],
+    small: frozenset[int],
+    laid: _Laid,
+    local: Sequence[LocalCopy],
+    unit: int,
+    fresh: tuple[int, ...],
+    position: Mapping[int, int],
+    slots: tuple[Slot, ...],
+    kept: Mapping[int, tuple[int, list[Segment]]] | None = None,
+) -> Step:
+    """The step of a bucket with transfers, its ``slots`` the rounds' and then those of the
+    ``kept`` messages (device -> (step slot, segments): what it passes itself)."""
+    bucket, w = laid.bucket, laid.w
     every: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     got: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
@@ -448,10 +502,13 @@ def _step(
             packed_bytes += m.nbytes
         else:
             shared.append((m.src, m.slot, t))
+    for d, (t, segments) in (kept or {}).items():
+        got[d][t] = every[d][t] = sent[d][t] = segments
+    kept_bytes = sum(g.nbytes for _, segments in (kept or {}).values() for g in segments)
     perms = tuple(
         tuple(sorted((position[s], position[d]) for s, d in perm)) for perm in bucket.perms()
     )
-    transfer = TransferProgram(tuple(position), slots, perms)
+    transfer = TransferProgram(tuple(position), slots[: bucket.slots], perms)
     packs = _packs(leaves, small, sent, slots, w)
     if shared:
         # Only where it splits no pack program: senders that share unlike each other no
@@ -462,7 +519,73 @@ def _step(
         if len(alone) < len(packs):
             packs, shared, packed_bytes = alone, [], total
     unpacks = _unpacks(leaves, small, got, local, w, slots)
-    return Step(unit, fresh, slots, packs, transfer, unpacks, tuple(sorted(shared)), packed_bytes)
+    return Step(
+        unit,
+        fresh,
+        slots,
+        packs,
+        transfer,
+        unpacks,
+        tuple(sorted(shared)),
+        packed_bytes,
+        tuple(sorted((d, t) for d, (t, _) in (kept or {}).items())),
+        kept_bytes,
+    )
+
+
+def _kept(
+    leaves: Sequence[LeafSpec],
+    small: frozenset[int],
+    laid: _Laid,
+    local: Sequence[LocalCopy],
+    slots: Sequence[Slot],
+    cap: int,
+) -> tuple[tuple[Slot, ...], dict[int, tuple[int, list[Segment]]], list[LocalCopy]] | None:
+    """As messages to themselves (`Step.kept`), the local copies of the leaves that some
+    devices receive in this step without holding any of them (where every receiver of a leaf
+    holds part of it, its copies are alike already), on the devices that receive in the step.
+    Each message is laid as a stream is (`schedule._streams`, gathered
+    leaves first), in a slot as large as the smallest round's it fits in, those of one size
+    sharing one step slot after the rounds'. Returns the new slots, each device's message and
+    the copies left, or None where no device's copies fit (or keep to the bucket's word). A
+    device's staging in the step (at most a receive and a send buffer a round, and this
+    slot) stays within the pool's ``cap``, as every step's does."""
+    bucket, w = laid.bucket, laid.w
+    room = cap - 2 * sum(slot.nbytes for slot in slots[: bucket.slots])
+    receivers: dict[int, set[int]] = defaultdict(set)  # leaf -> devices that receive of it
+    for m, segments in zip(bucket.messages, laid.segments, strict=True):
+        for g in segments:
+            receivers[g.leaf].add(m.dst)
+    holders: dict[int, set[int]] = defaultdict(set)
+    for c in local:
+        holders[c.leaf].add(c.device)
+    anyone = {m.dst for m in bucket.messages}
+    by_device: dict[int, list[LocalCopy]] = defaultdict(list)
+    for c in local:
+        if c.device in anyone and receivers[c.leaf] - holders[c.leaf]:
+            by_device[c.device].append(c)
+    fits = sorted({(slot.nbytes, slot) for slot in slots[: bucket.slots]})
+    more: list[Slot] = []
+    messages: dict[int, tuple[int, list[Segment]]] = {}
+    for d, copies in sorted(by_device.items()):
+        if any(_bits_itemsize(leaves[c.leaf]) % w for c in copies):
+            continue  # an element narrower than the bucket's word
+        copies.sort(key=lambda c: (-leaves[c.leaf].itemsize, c.leaf, c.box))
+        segments, at = [], 0
+        for c in copies:
+            nbytes = box_size(c.box) * leaves[c.leaf].itemsize
+            segments.append(Segment(c.leaf, c.box, at, nbytes))
+            at += nbytes
+        slot = next((slot for nbytes, slot in fits if at <= nbytes <= room), None)
+        if slot is None:
+            continue
+        if slot not in more:
+            more.append(slot)
+        messages[d] = (bucket.slots + more.index(slot), _gathered_first(segments, small))
+    if not messages:
+        return None
+    moved = {id(c) for d in messages for c in by_device[d]}
+    return tuple(more), messages, [c for c in local if id(c) not in moved]
 
 
 def _slot_widths(
@@ -1035,7 +1158,8 @@ class Roles:
       recv: ``(slot index, slot)`` of every round: the buffer it receives into (donated to
         the transfer).
       send: ``(slot index, slot)`` of every round whose buffer its pack fills (donated to
-        the pack): every round it sends in but those it sends from another's (`Step.shared`).
+        the pack): every round it sends in but those it sends from another's (`Step.shared`),
+        and every slot of a message it passes itself (`Step.kept`: its unpack reads it).
       idle: the distinct slots of the rounds it sends nothing in: a buffer of that size is
         passed to the transfer and never read (one per size, shared by its rounds).
     """
@@ -1056,9 +1180,11 @@ def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
     senders = step.senders()
     shared = {(d, t) for d, t, _ in step.shared}  # sent from another round's buffer
     out = {}
+    rounds = len(step.transfer.slots)
     for d in union:
-        recv = tuple(enumerate(step.slots))
-        send = tuple((t, s) for t, s in recv if (d, t) in senders)
+        recv = tuple(enumerate(step.slots[:rounds]))
+        # (and the slots of the messages it passes itself, `Step.kept`, which it packs)
+        send = tuple((t, s) for t, s in enumerate(step.slots) if (d, t) in senders)
         idle = tuple(
             dict.fromkeys(s for t, s in recv if (d, t) not in senders and (d, t) not in shared)
         )

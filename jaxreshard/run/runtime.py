@@ -235,9 +235,10 @@ class Runtime:
         if step.transfer is not None:
             received = step.transfer.run(sent, staging)
             clock.mark("transfer", list(received.values()))
+        kept = {(d, t): sent[d, t] for d, t in step.kept if (d, t) in sent}
         written = []
         for call in step.unpacks:
-            outs = call.run(received, src, dst)
+            outs = call.run({**received, **kept} if kept else received, src, dst)
             call.store(outs, dst)
             written.extend(outs)
         clock.mark("unpack", dst.pending())
@@ -413,7 +414,7 @@ class Runtime:
         transfer = None
         if step.transfer is not None and local_union:
             transfer = _TransferRun(self, step, local_union)
-        return _StepRun(step.fresh, step.slots, roles, packs, transfer, unpacks)
+        return _StepRun(step.fresh, step.slots, roles, packs, transfer, unpacks, step.kept)
 
     def _is_local(self, mesh: MeshSpec) -> bool:
         return any(d in self.local for d in mesh.devices)
@@ -725,6 +726,7 @@ class _StepRun:
     packs: list[_PackRun]
     transfer: _TransferRun | None
     unpacks: list[_UnpackRun]
+    kept: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         self.needs = {d: roles.need() for d, roles in self.roles.items()}

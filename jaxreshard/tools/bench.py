@@ -375,6 +375,19 @@ def colocated_layouts(n: int) -> Layouts:
     )
 
 
+def shared_layouts(n: int) -> Layouts:
+    """All ``n`` devices on both sides in one order: fsdp x tp2 -> tp over all of them (a
+    sampler colocated with its trainer on the trainer's own mesh)."""
+    return Layouts(
+        tuple(range(n)),
+        ((n // 2, 2), ("fsdp", "tp")),
+        TRAINER,
+        tuple(range(n)),
+        ((n,), ("tp",)),
+        SAMPLER_TP,
+    )
+
+
 def first_call_layouts(n: int) -> Layouts:
     """fsdp2 x tp2 on 0-3 -> dp2 x tp2 on 4-7 (scaled); one device: both on device 0."""
     return one_device_layouts(n) if n == 1 else replicated_dst_layouts(n)
@@ -496,6 +509,14 @@ SCENARIOS: dict[str, Scenario] = {
             "the rank-{a.lora_rank} LoRA adapters of {a.lora_layers} Llama-like blocks of "
             "width {a.gpt_d} (14 small matrices a block)",
             disjoint_layouts,
+            lambda a: lora_tree(a.gpt_d, a.lora_layers, a.lora_rank),
+            strategies=("jaxreshard", "device_put"),
+        ),
+        Scenario(
+            "lora_colocated",
+            "the same adapters ({a.lora_layers} blocks, rank {a.lora_rank}), the sampler's tp "
+            "over the trainer's devices in their order (colocated, as LoRA RL often runs)",
+            shared_layouts,
             lambda a: lora_tree(a.gpt_d, a.lora_layers, a.lora_rank),
             strategies=("jaxreshard", "device_put"),
         ),
@@ -1397,6 +1418,7 @@ class _Bench:
             "plan_s": s.plan_s,
             **st,
             "bytes_packed": s.plan.lowered.packed_bytes,
+            "bytes_kept": s.plan.lowered.kept_bytes,
             "host_syncs_counted": syncs[0],
             "sent_equals_lower_bound": st["bytes_sent"] == st["bytes_lower_bound"],
         }
@@ -1430,10 +1452,10 @@ def _stage_bytes(plan: jr.Plan) -> dict[str, tuple[list[int], int, str]]:
     writers = sorted({p.dst for p in pieces} | {c.device for c in local})
     return {
         "pack": (
-            senders,
-            plan.lowered.packed_bytes,
+            sorted({*senders, *(d for s in plan.lowered.steps for d, _ in s.kept)}),
+            plan.lowered.packed_bytes + plan.lowered.kept_bytes,
             "bytes packed on the senders (bytes_sent less what a sender sends twice from one "
-            "buffer)",
+            "buffer, plus the held parts devices pass themselves)",
         ),
         "transfer": (receivers, st.bytes_wire, "bytes_wire into the receivers"),
         "unpack": (writers, st.bytes_total, "bytes_total (received + local) on the receivers"),
