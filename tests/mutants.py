@@ -3223,6 +3223,97 @@ SURFACE_MUTANTS: list[Mutant] = [
         "processes sending a fallback leaf to different shardings agree on one plan",
     ),
     Mutant(
+        "lower-held-parts-never-kept",
+        "jaxreshard/planning/lower.py",
+        (("KEEP_HELD_PARTS = True\n", "KEEP_HELD_PARTS = False\n"),),
+        (
+            "tests/test_compiled.py::test_colocated_small_leaves_pass_held_parts_through_slots_"
+            "of_their_own_exactly",
+        ),
+        "devices holding part of their shards copy it locally where their peers receive theirs: "
+        "two programs a side a step, every leaf re-wrapped for each",
+    ),
+    Mutant(
+        "lower-kept-slot-beyond-the-cap",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        if rounds_bytes + sum(slot.nbytes for slot, _ in messages) > cap:",
+                "        if False:",
+            ),
+        ),
+        ("tests/test_lower.py::test_rounds_per_unit_meet_the_konig_bound_of_each_round_size",),
+        "a held part's slot takes a step's staging past two buckets",
+    ),
+    Mutant(
+        "lower-kept-slot-gets-a-receive-buffer",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        recv = tuple(enumerate(step.slots[:rounds]))",
+                "        recv = tuple(enumerate(step.slots))",
+            ),
+        ),
+        (
+            "tests/test_lower.py::test_devices_holding_part_of_their_shards_pass_it_to_"
+            "themselves_to_run_one_program",
+        ),
+        "every device holds a receive buffer for the held parts' slot too (staging grows)",
+    ),
+    Mutant(
+        "runtime-kept-parts-not-handed-to-the-unpack",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "        kept = {(d, t): sent[d, t] for d, t in step.kept if (d, t) in sent}",
+                "        kept = {(d, t): received.get((d, 0)) for d, t in step.kept}",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::test_colocated_small_leaves_pass_held_parts_through_slots_"
+            "of_their_own_exactly",
+        ),
+        "the unpack reads a held part from another round's buffer",
+    ),
+    Mutant(
+        "api-alias-check-reads-the-wrong-sources",
+        "jaxreshard/api.py",
+        (
+            (
+                "*(self.moved[k] for k, b in enumerate(src) if not b.isdisjoint(every_dst)),",
+                "*(self.moved[k] for k, b in enumerate(src) if b.isdisjoint(every_dst)),",
+            ),
+        ),
+        (
+            "tests/test_errors.py::test_the_buffer_check_reads_only_leaves_whose_shards_could_"
+            "share_buffers",
+        ),
+        "a donate= leaf over another leaf's source buffers goes in (the source destroyed)",
+    ),
+    Mutant(
+        "lower-held-parts-passed-in-one-message",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "            return [[c for c in copies if c.leaf in p] for p in parts]",
+                "            return [list(copies)]",
+            ),
+        ),
+        ("tests/test_lower.py::test_held_parts_are_cut_as_a_peer_that_holds_none_receives_them",),
+        "a holder passes itself all its parts in one message where its peers get them in two: "
+        "its unpack still differs from theirs",
+    ),
+    Mutant(
+        "lower-held-parts-kept-whatever-their-bytes",
+        "jaxreshard/planning/lower.py",
+        (("* REWRAP_BYTES + alike.kept_bytes\n", "* REWRAP_BYTES\n"),),
+        (
+            "tests/test_lower.py::test_a_held_part_stays_a_local_copy_where_passing_it_costs_"
+            "more_than_it_saves",
+        ),
+        "a held part of megabytes is copied twice to save a program",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

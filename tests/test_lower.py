@@ -343,17 +343,48 @@ def test_devices_holding_part_of_their_shards_pass_it_to_themselves_to_run_one_p
     assert more == {d: slot if d in kept else 0 for d in alike.union}
 
 
-def test_a_held_part_stays_a_local_copy_where_passing_it_saves_no_program(monkeypatch):
-    """Where every device holds parts alike (one layout over one mesh, or held parts beside
-    unlike messages), passing them through slots would add copies and save no program: the
-    step keeps its local copies."""
+@pytest.mark.parametrize("moves", ["by copies", "by gathers"])
+def test_held_parts_are_cut_as_a_peer_that_holds_none_receives_them(moves, monkeypatch):
+    """LoRA adapters colocated on the trainer's own mesh (fsdp4 x tp2 -> tp8 over the same
+    devices): devices 0, 2, 5 and 7 hold the tensor-parallel adapters' parts they need,
+    which their peers receive in two messages from two senders. Each holder passes its parts
+    to itself cut the same way (two messages, the same leaves in each), so the unpack is one
+    program over the leaves' own mesh; the packs are then cut finer, and the step takes the
+    cut that re-wraps fewer leaves (`lower._host_work`)."""
+    src = ((4, 2), ("fsdp", "tp"), tuple(range(8)))
+    dst = ((8,), ("tp",), tuple(range(8)))
+    leaves = lora(src, dst)
+    options = dict(bucket_bytes=1 << 20, pooled=True, gather_bytes=MOVES[moves])
+    keep_held_parts(False, monkeypatch)
+    _, plain = check(leaves, **options)
+    keep_held_parts(True, monkeypatch)
+    _, alike = check(leaves, **options)
+    for step, old in zip(alike.steps, plain.steps, strict=True):
+        (unpack,) = step.unpacks
+        assert all(o.spec is not None for o in unpack.program.targets)
+        assert lower_module._host_work(step) < lower_module._host_work(old)
+        holders = sorted({d for d, _ in step.kept})
+        assert holders == [0, 2, 5, 7]
+        kept_slots = {d: [t for e, t in step.kept if e == d] for d in holders}
+        assert all(len(ts) == 2 for ts in kept_slots.values())
+        for d in holders:  # each passed from the holder's own pack
+            (call,) = [c for c in step.packs if d in c.program.mesh.devices]
+            assert set(kept_slots[d]) <= set(call.slots[call.program.mesh.devices.index(d)])
+
+
+def test_a_held_part_stays_a_local_copy_where_passing_it_costs_more_than_it_saves():
+    """Where every device holds its parts alike (one layout over one mesh) there is nothing
+    to make alike; where the held part is large (2 MiB of a 16 MiB leaf on devices 0 and 3),
+    copying it twice costs more than the programs and re-wrapped leaves it would save
+    (`lower.REWRAP_BYTES` a leaf): both keep their local copies."""
     src = ((2, 2), ("fsdp", "tp"), (0, 1, 2, 3))
     same = [leaf_spec((8, 64), (*src, ("fsdp", "tp")), (*src, ("fsdp", "tp")))]
     _, lowered = check(same)
     assert all(not s.kept for s in lowered.steps)
-    _, lowered = check(gpt(FSDP_TP, ((4,), ("tp",), (0, 1, 2, 3)), layers=2, d=64))
-    for step in lowered.steps:
-        assert not step.kept or len(step.packs) + len(step.unpacks) <= 2
+    columns = ((4,), ("tp",), (0, 1, 2, 3), (None, "tp"))
+    large = [leaf_spec((2048, 2048), (*FSDP_TP, ("fsdp", "tp")), columns)]
+    _, lowered = check(large, bucket_bytes=1 << 24)
+    assert all(not s.kept and s.unpacks[0].program.copies for s in lowered.steps)
 
 
 def test_leaves_of_the_same_meshes_share_units_wherever_they_sit_in_the_tree():

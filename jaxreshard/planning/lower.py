@@ -69,6 +69,14 @@ CPU (one device, boxes of half a shard's columns), rows of 64 words copied no fa
 flat slot (3.3-5.4 GB/s against 3.0-5.9, and half its speed on small boxes), rows of 128 or
 256 words 1.7-6x faster (8.6-20.5 GB/s)."""
 
+REWRAP_BYTES = 1 << 16
+"""The bytes whose extra copy costs about as much as re-wrapping one operand over a group's
+mesh (`_host_work`): 15-30 us of Python a leaf, where a copy of 64 KiB on each of 8 CPU
+devices sharing 2 cores takes about 25 us (measured on this project's machine)."""
+
+DISPATCH_OPERANDS = 4
+"""A program run's host cost, in re-wrapped operands (`_host_work`)."""
+
 KEEP_HELD_PARTS = True
 """Whether a step may pass devices' held parts through slots of their own (`Step.kept`) to
 make their copies alike; off, every held part is a local copy of the unpack (for A/B runs
@@ -459,14 +467,18 @@ def _step(
         # Devices that hold part of what they need copy it locally, the others receive it:
         # their copies differ, so each kind runs programs of its own (over meshes of their
         # own, every leaf re-wrapped). Passed through a slot as a message to itself, a
-        # held part makes them alike: a copy more of those bytes, a program less a side.
+        # held part makes them alike: a copy more of those bytes, fewer programs and
+        # re-wrapped leaves (taken where those cost the host more than the copy).
         kept = _kept(leaves, small, laid, local, slots, cap)
         if kept is not None:
             more, messages, rest = kept
             alike = _exchange(
                 leaves, small, laid, rest, unit, fresh, position, (*slots, *more), messages
             )
-            if len(alike.packs) + len(alike.unpacks) < len(step.packs) + len(step.unpacks):
+            if (
+                _host_work(alike) * REWRAP_BYTES + alike.kept_bytes
+                < _host_work(step) * REWRAP_BYTES
+            ):
                 return alike
     return step
 
@@ -480,10 +492,10 @@ def _exchange(
     fresh: tuple[int, ...],
     position: Mapping[int, int],
     slots: tuple[Slot, ...],
-    kept: Mapping[int, tuple[int, list[Segment]]] | None = None,
+    kept: Kept | None = None,
 ) -> Step:
     """The step of a bucket with transfers, its ``slots`` the rounds' and then those of the
-    ``kept`` messages (device -> (step slot, segments): what it passes itself)."""
+    ``kept`` messages (what devices pass themselves)."""
     bucket, w = laid.bucket, laid.w
     every: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
     sent: dict[int, dict[int, list[Segment]]] = defaultdict(dict)
@@ -502,9 +514,10 @@ def _exchange(
             packed_bytes += m.nbytes
         else:
             shared.append((m.src, m.slot, t))
-    for d, (t, segments) in (kept or {}).items():
+    passed = [(d, t, segments) for d, messages in (kept or {}).items() for t, segments in messages]
+    for d, t, segments in passed:
         got[d][t] = every[d][t] = sent[d][t] = segments
-    kept_bytes = sum(g.nbytes for _, segments in (kept or {}).values() for g in segments)
+    kept_bytes = sum(g.nbytes for _, _, segments in passed for g in segments)
     perms = tuple(
         tuple(sorted((position[s], position[d]) for s, d in perm)) for perm in bucket.perms()
     )
@@ -528,9 +541,27 @@ def _exchange(
         unpacks,
         tuple(sorted(shared)),
         packed_bytes,
-        tuple(sorted((d, t) for d, (t, _) in (kept or {}).items())),
+        tuple(sorted((d, t) for d, t, _ in passed)),
         kept_bytes,
     )
+
+
+def _host_work(step: Step) -> int:
+    """What a step costs the host beyond its bytes, in re-wrapped operands: each program run
+    (`DISPATCH_OPERANDS`), and each operand over a mesh of its own group (re-wrapped from its
+    array's buffers; an unpack's targets twice: in, and split back out)."""
+    work = 0
+    for pack in step.packs:
+        work += DISPATCH_OPERANDS + sum(o.spec is None for o in pack.program.operands)
+    for unpack in step.unpacks:
+        program = unpack.program
+        work += DISPATCH_OPERANDS + sum(o.spec is None for o in program.sources)
+        work += 2 * sum(o.spec is None for o in program.targets)
+    return work
+
+
+Kept = dict[int, list[tuple[int, list[Segment]]]]
+"""Per device, the messages it passes itself: ``(step slot, segments)`` (`Step.kept`)."""
 
 
 def _kept(
@@ -540,52 +571,86 @@ def _kept(
     local: Sequence[LocalCopy],
     slots: Sequence[Slot],
     cap: int,
-) -> tuple[tuple[Slot, ...], dict[int, tuple[int, list[Segment]]], list[LocalCopy]] | None:
+) -> tuple[tuple[Slot, ...], Kept, list[LocalCopy]] | None:
     """As messages to themselves (`Step.kept`), the local copies of the leaves that some
     devices receive in this step without holding any of them (where every receiver of a leaf
     holds part of it, its copies are alike already), on the devices that receive in the step.
-    Each message is laid as a stream is (`schedule._streams`, gathered
-    leaves first), in a slot as large as the smallest round's it fits in, those of one size
-    sharing one step slot after the rounds'. Returns the new slots, each device's message and
-    the copies left, or None where no device's copies fit (or keep to the bucket's word). A
-    device's staging in the step (at most a receive and a send buffer a round, and this
-    slot) stays within the pool's ``cap``, as every step's does."""
+
+    A device's copies are cut as a peer that holds none of those leaves receives them: one
+    message per message of the peer's that carries some of them (so that the device then
+    does what the peer does), or one message where no peer takes them all. Each is laid as a
+    stream is (`schedule._streams`, gathered leaves first), in a slot as large as the
+    smallest round's it fits in, after the rounds' slots. Returns the new slots, each
+    device's messages and the copies left, or None where no device's copies fit (or keep to
+    the bucket's word). A device's staging in the step (at most a receive and a send buffer
+    a round, and these slots) stays within the pool's ``cap``, as every step's does."""
     bucket, w = laid.bucket, laid.w
-    room = cap - 2 * sum(slot.nbytes for slot in slots[: bucket.slots])
     receivers: dict[int, set[int]] = defaultdict(set)  # leaf -> devices that receive of it
-    for m, segments in zip(bucket.messages, laid.segments, strict=True):
+    carried: dict[int, list[set[int]]] = defaultdict(list)  # device -> leaves of each message
+    for m, segments in sorted(
+        zip(bucket.messages, laid.segments, strict=True), key=lambda x: x[0].slot
+    ):
+        carried[m.dst].append({g.leaf for g in segments})
         for g in segments:
             receivers[g.leaf].add(m.dst)
     holders: dict[int, set[int]] = defaultdict(set)
     for c in local:
         holders[c.leaf].add(c.device)
-    anyone = {m.dst for m in bucket.messages}
     by_device: dict[int, list[LocalCopy]] = defaultdict(list)
     for c in local:
-        if c.device in anyone and receivers[c.leaf] - holders[c.leaf]:
+        if c.device in carried and receivers[c.leaf] - holders[c.leaf]:
             by_device[c.device].append(c)
     fits = sorted({(slot.nbytes, slot) for slot in slots[: bucket.slots]})
+    rounds_bytes = 2 * sum(slot.nbytes for slot in slots[: bucket.slots])
     more: list[Slot] = []
-    messages: dict[int, tuple[int, list[Segment]]] = {}
+    kept: Kept = {}
     for d, copies in sorted(by_device.items()):
         if any(_bits_itemsize(leaves[c.leaf]) % w for c in copies):
             continue  # an element narrower than the bucket's word
-        copies.sort(key=lambda c: (-leaves[c.leaf].itemsize, c.leaf, c.box))
-        segments, at = [], 0
-        for c in copies:
-            nbytes = box_size(c.box) * leaves[c.leaf].itemsize
-            segments.append(Segment(c.leaf, c.box, at, nbytes))
-            at += nbytes
-        slot = next((slot for nbytes, slot in fits if at <= nbytes <= room), None)
-        if slot is None:
+        messages = []
+        for part in _as_a_peer_gets(copies, holders, receivers, carried):
+            part.sort(key=lambda c: (-leaves[c.leaf].itemsize, c.leaf, c.box))
+            segments, at = [], 0
+            for c in part:
+                nbytes = box_size(c.box) * leaves[c.leaf].itemsize
+                segments.append(Segment(c.leaf, c.box, at, nbytes))
+                at += nbytes
+            messages.append((next((s for n, s in fits if at <= n), None), segments))
+        if any(slot is None for slot, _ in messages):
             continue
-        if slot not in more:
-            more.append(slot)
-        messages[d] = (bucket.slots + more.index(slot), _gathered_first(segments, small))
-    if not messages:
+        if rounds_bytes + sum(slot.nbytes for slot, _ in messages) > cap:
+            continue
+        taken: list[int] = []
+        kept[d] = []
+        for slot, segments in messages:
+            t = next((i for i, s in enumerate(more) if s == slot and i not in taken), None)
+            if t is None:
+                t = len(more)
+                more.append(slot)
+            taken.append(t)
+            kept[d].append((bucket.slots + t, _gathered_first(segments, small)))
+    if not kept:
         return None
-    moved = {id(c) for d in messages for c in by_device[d]}
-    return tuple(more), messages, [c for c in local if id(c) not in moved]
+    moved = {id(c) for d in kept for c in by_device[d]}
+    return tuple(more), kept, [c for c in local if id(c) not in moved]
+
+
+def _as_a_peer_gets(
+    copies: Sequence[LocalCopy],
+    holders: Mapping[int, set[int]],
+    receivers: Mapping[int, set[int]],
+    carried: Mapping[int, Sequence[set[int]]],
+) -> list[list[LocalCopy]]:
+    """``copies`` cut as the first peer that receives all of their leaves and holds none of
+    them gets those leaves: a part per message of the peer's that carries some, where every
+    leaf is in one message only; else all of them as one part."""
+    mine = {c.leaf for c in copies}
+    peers = set.intersection(*(receivers[i] - holders[i] for i in mine))
+    for peer in sorted(peers):
+        parts = [mine & leaves for leaves in carried[peer] if mine & leaves]
+        if sum(len(p) for p in parts) == len(mine):
+            return [[c for c in copies if c.leaf in p] for p in parts]
+    return [list(copies)]
 
 
 def _slot_widths(
