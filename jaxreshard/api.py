@@ -975,7 +975,9 @@ class Plan:
                     )
             if problem is None and sources is None and _DONATED.holds(x):
                 problem = _DONATED_IN_FLIGHT
-            if problem is None and sources is not None and (self._may_alias or i in fallen):
+            # (a plan with fallback leaves: their sources' layouts are not planned, so any
+            # donated leaf could be over one of their buffers)
+            if problem is None and sources is not None and (self._may_alias or fallen):
                 if source_buffers is None:
                     source_buffers = _buffer_addresses(sources)
                 if isinstance(x, jax.Array) and not source_buffers.isdisjoint(
@@ -1103,9 +1105,10 @@ class Plan:
     @functools.cached_property
     def _aliasing(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(source leaves, moved leaves)`` that could share buffers: the sources (by path
-        index) with a shard of the dtype and shape of a destination's shard on one device
-        (and every fallback leaf's, whose source layout the plan does not know), and the
-        moved leaves (by index among them) whose destination has such a shard."""
+        index) with a shard of the dtype and shape of a destination's shard on one device,
+        and the moved leaves (by index among them) whose destination has such a shard. (A
+        plan with fallback leaves, whose sources' layouts it does not know, checks every
+        donated leaf against every source: `_check_arrays`.)"""
 
         def buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
             shard = s.shard_shape(shape)
@@ -1120,10 +1123,7 @@ class Plan:
         dst = [buffers(*aval) for aval in self._dst_avals]
         every_src, every_dst = set().union(*src), set().union(*dst)
         return (
-            (
-                *(self.moved[k] for k, b in enumerate(src) if not b.isdisjoint(every_dst)),
-                *self._fallback_avals,
-            ),
+            tuple(self.moved[k] for k, b in enumerate(src) if not b.isdisjoint(every_dst)),
             tuple(k for k, b in enumerate(dst) if not b.isdisjoint(every_src)),
         )
 

@@ -3314,6 +3314,21 @@ SURFACE_MUTANTS: list[Mutant] = [
         "a held part of megabytes is copied twice to save a program",
     ),
     Mutant(
+        "api-fallback-sources-unchecked-for-aliases",
+        "jaxreshard/api.py",
+        (
+            (
+                "sources is not None and (self._may_alias or fallen):",
+                "sources is not None and (self._may_alias or i in fallen):",
+            ),
+        ),
+        (
+            "tests/test_errors.py::test_donating_a_leaf_over_a_fallback_leafs_source_buffers_"
+            "is_refused",
+        ),
+        "a donate= leaf over a fallback leaf's source buffers goes in (the source destroyed)",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from arrays import assert_exact, random_array, sharding
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 
@@ -397,6 +398,34 @@ def test_the_buffer_check_reads_only_leaves_whose_shards_could_share_buffers(mon
     with pytest.raises(jr.ReshardError, match=r"\['y'\]: holds a source array's own buffers"):
         plan(src, donate={**out, "y": over_x})
     assert not over_x.is_deleted() and not out["y"].is_deleted()
+
+
+def test_donating_a_leaf_over_a_fallback_leafs_source_buffers_is_refused():
+    """(A fuzz.) A fallback leaf's source layout is not planned, so no shard shapes say which
+    donated leaf could hold its buffers: a donate= leaf made over a fallback source key's
+    data was donated and the source key destroyed. Every donated leaf is now checked against
+    every source where the plan has fallback leaves."""
+    from jax._src.sharding_impls import GSPMDSharding  # (a sharding not named: a fallback)
+
+    line = lambda ids: Mesh(np.array([jax.devices()[i] for i in ids]), ("x",))  # noqa: E731
+    key = jax.device_put(jax.random.key(0), GSPMDSharding.get_replicated([jax.devices()[0]]))
+    words = jax.device_put(np.arange(2, dtype=np.uint32), NamedSharding(line([4, 5, 6, 7]), P()))
+    src = {"k": key, "u": words}
+    dst = {"k": NamedSharding(line([0]), P()), "u": NamedSharding(line([0, 1, 2, 3]), P())}
+    plan = jr.plan(src, dst, fallback="device_put")
+    assert plan.fallback and not plan._may_alias  # (no moved leaves' shards alike)
+    out = plan(src)
+    data = jax.random.key_data(key)  # over the key's own buffer
+    per = {s.device.id: s.data for s in out["u"].addressable_shards}
+    per[0] = data.addressable_shards[0].data
+    over = jax.make_array_from_single_device_arrays(
+        (2,), dst["u"], [per[d.id] for d in dst["u"].addressable_devices_indices_map((2,))]
+    )
+    with pytest.raises(jr.ReshardError, match=r"\['u'\]: holds a source array's own buffers"):
+        plan(src, donate={"k": out["k"], "u": over})
+    assert not key.is_deleted() and not over.is_deleted()
+    out = plan(src, donate=out)  # its own results still go in
+    assert np.asarray(out["u"]).tolist() == [0, 1]
 
 
 def test_donating_a_key_array_over_a_source_keys_own_buffers_is_refused():

@@ -312,8 +312,9 @@ class Step:
       kept: ``(device, step slot)`` of every message a device passes itself: parts it holds
         of its own destination shards, packed into a slot of the step after its rounds'
         (``slots[len(transfer.slots):]``) and unpacked from that same buffer, never
-        transferred. Only where it makes devices that hold some of what they need do the
-        same copies as those that hold none, so that they run one program (`_kept`).
+        transferred: devices that hold some of what they need then do the same copies as
+        those that hold none, and run programs with them (`_kept`); only where that costs
+        the host less than the extra copy (`_host_work`).
       kept_bytes: the payload of the ``kept`` messages (packed and unpacked, where a local
         copy would copy it once).
     """
