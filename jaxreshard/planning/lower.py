@@ -70,9 +70,9 @@ flat slot (3.3-5.4 GB/s against 3.0-5.9, and half its speed on small boxes), row
 256 words 1.7-6x faster (8.6-20.5 GB/s)."""
 
 REWRAP_BYTES = 1 << 16
-"""The bytes whose extra copy costs about as much as re-wrapping one operand over a group's
-mesh (`_host_work`): 15-30 us of Python a leaf, where a copy of 64 KiB on each of 8 CPU
-devices sharing 2 cores takes about 25 us (measured on this project's machine)."""
+"""The bytes whose extra copy on each device costs about as much as re-wrapping one operand
+over a group's mesh (`_host_work`): 15-30 us of Python a leaf, where a copy of 64 KiB on each
+of 8 CPU devices sharing 2 cores takes about 25 us (measured on this project's machine)."""
 
 DISPATCH_OPERANDS = 4
 """A program run's host cost, in re-wrapped operands (`_host_work`)."""
@@ -476,10 +476,9 @@ def _step(
             alike = _exchange(
                 leaves, small, laid, rest, unit, fresh, position, (*slots, *more), messages
             )
-            if (
-                _host_work(alike) * REWRAP_BYTES + alike.kept_bytes
-                < _host_work(step) * REWRAP_BYTES
-            ):
+            # (the devices copy at once: the extra copy costs the one that copies the most)
+            most = max(sum(g.nbytes for _, gs in m for g in gs) for m in messages.values())
+            if _host_work(alike) * REWRAP_BYTES + most < _host_work(step) * REWRAP_BYTES:
                 return alike
     return step
 
