@@ -277,6 +277,23 @@ def case_interleaved_reversed() -> None:
     ok("interleaved_reversed_2x4", checked=n)
 
 
+def case_colocated_adapters() -> None:
+    """Small leaves colocated over both processes: rows over fsdp4 x tp2 -> columns over the
+    same 8 devices in the same order. Devices 0, 2, 5 and 7 hold one of the parts they need
+    and pass it through a slot of their own (`Step.kept`), so every device of a side runs one
+    program a step; the programs span both processes."""
+    trainer = mesh(GLOBAL, (4, 2), ("fsdp", "tp"))
+    sampler = mesh(GLOBAL, (8,), ("tp",))
+    full = {f"a{i}": oracle((8, 64), np.float32, 500 + i) for i in range(24)}
+    srcs = {k: NamedSharding(trainer, P("fsdp", "tp")) for k in full}
+    dsts = {k: NamedSharding(sampler, P(None, "tp")) for k in full}
+    n, plan = move(full, srcs, dsts, {})
+    assert all(step.kept for step in plan.lowered.steps)
+    assert all(len(s.packs) == len(s.unpacks) == 1 for s in plan.lowered.steps)
+    assert n == 2 * 24 * 4, n
+    ok("colocated_adapters_2x4", checked=n)
+
+
 def case_chained() -> None:
     """Four declared domains of two devices (0-1, 2-3 on process 0; 4-5, 6-7 on process 1):
     the trainer on 0, 1, the sampler replicated over the other six. The sources alone would
@@ -352,7 +369,7 @@ def case_many_leaves() -> None:
 
 SCENARIOS = {
     "8x1": [case_one_device_per_process_disjoint, case_one_device_per_process_colocated],
-    "2x4": [case_interleaved, case_interleaved_reversed, case_chained],
+    "2x4": [case_interleaved, case_interleaved_reversed, case_chained, case_colocated_adapters],
     "2x4_many": [case_many_leaves],
     "startup": [],
 }
