@@ -50,6 +50,7 @@ from jaxreshard.planning.schedule import (
     PlanStats,
     Schedule,
     Segment,
+    end_to_end,
     gathered,
     plan_pool,
 )
@@ -579,7 +580,7 @@ def _kept(
     A device's copies are cut as a peer that holds none of those leaves receives them: one
     message per message of the peer's that carries some of them (so that the device then
     does what the peer does), or one message where no peer takes them all. Each is laid as a
-    stream is (`schedule._streams`, gathered leaves first), in a slot as large as the
+    stream is (`schedule.end_to_end`, gathered leaves first), in a slot as large as the
     smallest round's it fits in, after the rounds' slots. Returns the new slots, each
     device's messages and the copies left, or None where no device's copies fit (or keep to
     the bucket's word). A device's staging in the step (at most a receive and a send buffer
@@ -609,12 +610,8 @@ def _kept(
             continue  # an element narrower than the bucket's word
         messages = []
         for part in _as_a_peer_gets(copies, holders, receivers, carried):
-            part.sort(key=lambda c: (-leaves[c.leaf].itemsize, c.leaf, c.box))
-            segments, at = [], 0
-            for c in part:
-                nbytes = box_size(c.box) * leaves[c.leaf].itemsize
-                segments.append(Segment(c.leaf, c.box, at, nbytes))
-                at += nbytes
+            segments = end_to_end(leaves, part)
+            at = sum(g.nbytes for g in segments)
             messages.append((next((s for n, s in fits if at <= n), None), segments))
         if any(slot is None for slot, _ in messages):
             continue

@@ -2322,20 +2322,25 @@ def _parted_rounds(
 def _streams(
     leaves: Sequence[LeafSpec], pieces: Iterable[Piece]
 ) -> dict[tuple[int, int], list[Segment]]:
-    """Each pair's pieces end to end, widest elements first so every element stays aligned."""
+    """Each pair's pieces end to end (`end_to_end`)."""
     pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
     for p in pieces:
         pairs[p.src, p.dst].append(p)
-    out = {}
-    for pair, ps in sorted(pairs.items()):
-        ps.sort(key=lambda p: (-leaves[p.leaf].itemsize, p.leaf, p.box))
-        offset, stream = 0, []
-        for p in ps:
-            nbytes = box_size(p.box) * leaves[p.leaf].itemsize
-            stream.append(Segment(p.leaf, p.box, offset, nbytes, p.from_dst))
-            offset += nbytes
-        out[pair] = stream
-    return out
+    return {pair: end_to_end(leaves, ps) for pair, ps in sorted(pairs.items())}
+
+
+def end_to_end(leaves: Sequence[LeafSpec], parts: Iterable[Piece | LocalCopy]) -> list[Segment]:
+    """Parts of leaves laid end to end as one stream from offset 0, widest elements first so
+    every element stays aligned (then by leaf and box). A `LocalCopy` reads the source shard
+    (the lowering lays the parts a device passes itself so, `lower.Step.kept`)."""
+    ordered = sorted(parts, key=lambda p: (-leaves[p.leaf].itemsize, p.leaf, p.box))
+    offset, stream = 0, []
+    for p in ordered:
+        nbytes = box_size(p.box) * leaves[p.leaf].itemsize
+        from_dst = not isinstance(p, LocalCopy) and p.from_dst
+        stream.append(Segment(p.leaf, p.box, offset, nbytes, from_dst))
+        offset += nbytes
+    return stream
 
 
 def _cut(stream: Sequence[Segment], chunk: int) -> list[tuple[Segment, ...]]:

@@ -235,10 +235,12 @@ class Runtime:
         if step.transfer is not None:
             received = step.transfer.run(sent, staging)
             clock.mark("transfer", list(received.values()))
+        # (what devices pass themselves, `Step.kept`: read from the buffers their packs filled)
         kept = {(d, t): sent[d, t] for d, t in step.kept if (d, t) in sent}
+        readable = {**received, **kept} if kept else received
         written = []
         for call in step.unpacks:
-            outs = call.run({**received, **kept} if kept else received, src, dst)
+            outs = call.run(readable, src, dst)
             call.store(outs, dst)
             written.extend(outs)
         clock.mark("unpack", dst.pending())

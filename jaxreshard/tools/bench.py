@@ -378,13 +378,8 @@ def colocated_layouts(n: int) -> Layouts:
 def shared_layouts(n: int) -> Layouts:
     """All ``n`` devices on both sides in one order: fsdp x tp2 -> tp over all of them (a
     sampler colocated with its trainer on the trainer's own mesh)."""
-    return Layouts(
-        tuple(range(n)),
-        ((n // 2, 2), ("fsdp", "tp")),
-        TRAINER,
-        tuple(range(n)),
-        ((n,), ("tp",)),
-        SAMPLER_TP,
+    return dataclasses.replace(
+        colocated_layouts(n), dst_devices=tuple(range(n)), dst_mesh=((n,), ("tp",))
     )
 
 
