@@ -2394,8 +2394,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/runtime.py",
         (
             (
-                "buf = lax.dynamic_update_slice(buf, part, (np.int32(row), np.int32(col)))",
-                "buf = lax.dynamic_update_slice(buf, part, (np.int32(row), ZERO))",
+                "buf = lax.dynamic_update_slice(buf, part, (first + np.int32(row), np.int32(col)))",
+                "buf = lax.dynamic_update_slice(buf, part, (first + np.int32(row), ZERO))",
             ),
         ),
         ("tests/test_reshard.py::test_boxes_of_narrow_rows_beside_wide_ones_arrive_bit_for_bit",),
@@ -3328,6 +3328,92 @@ SURFACE_MUTANTS: list[Mutant] = [
             "is_refused",
         ),
         "a donate= leaf over a fallback leaf's source buffers goes in (the source destroyed)",
+    ),
+    Mutant(
+        "lower-join-ignores-relays",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "return not any(i in written for call in step.packs for i, side in call.args "
+                'if side == "dst")',
+                "return True",
+            ),
+        ),
+        ("tests/test_lower.py::test_a_relay_never_joins_the_step_that_delivers_what_it_forwards",),
+        "a relay's step joins the step that delivers what it forwards: its pack reads them first",
+    ),
+    Mutant(
+        "lower-join-at-base-zero",
+        "jaxreshard/planning/lower.py",
+        (("bases = [tuple(j * first.slots[t].words", "bases = [tuple(0 * first.slots[t].words"),),
+        ("tests/test_lower.py::test_steps_of_the_same_rounds_run_as_one_step_of_half_a_bucket",),
+        "every joined step's messages at the slot's start: each overwrites the last",
+    ),
+    Mutant(
+        "lower-join-whole-bucket",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "steps = _joined(steps, int(bucket_bytes) // 2)",
+                "steps = _joined(steps, int(bucket_bytes) * 2)",
+            ),
+        ),
+        ("tests/test_lower.py::test_steps_of_the_same_rounds_run_as_one_step_of_half_a_bucket",),
+        "joined steps fill two buckets of slots a device (staging beyond the cap)",
+    ),
+    Mutant(
+        "lower-join-groups-of-any-size",
+        "jaxreshard/planning/lower.py",
+        (("        if n % k == 0:\n", "        if False:\n"),),
+        ("tests/test_lower.py::test_a_run_is_cut_into_groups_of_one_size_where_a_divisor_allows",),
+        "runs joined in groups of the most and a shorter last one: programs compiled per size",
+    ),
+    Mutant(
+        "lower-join-ignores-kept",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "if (step.slots, step.shared, step.kept) != "
+                "(first.slots, first.shared, first.kept):",
+                "if (step.slots[: len(step.transfer.slots)], step.shared) != "
+                "(first.slots[: len(first.transfer.slots)], first.shared):",
+            ),
+        ),
+        ("tests/test_lower.py::test_joined_steps_keep_held_parts_and_gathers_exact",),
+        "steps whose held parts differ join: one program slot a round's on one device and a "
+        "kept one on another",
+    ),
+    Mutant(
+        "runtime-pack-ignores-base",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "_put_words(bufs[r.slot], words, r.offset, slot.width, bases[r.slot])",
+                "_put_words(bufs[r.slot], words, r.offset, slot.width)",
+            ),
+        ),
+        (
+            "tests/test_compiled.py::test_many_small_leaves_move_in_joined_steps_exactly_and_through_no_host",
+        ),
+        "a joined step's packs write their messages at the slot's start",
+    ),
+    Mutant(
+        "runtime-unpack-ignores-base",
+        "jaxreshard/run/runtime.py",
+        (("            if bases[slot] is None:\n", "            if True:\n"),),
+        (
+            "tests/test_compiled.py::test_many_small_leaves_move_in_joined_steps_exactly_and_through_no_host",
+        ),
+        "a joined step's unpacks read every step's messages from the slot's start",
+    ),
+    Mutant(
+        "lower-stats-count-buckets-not-steps",
+        "jaxreshard/planning/lower.py",
+        (("        buckets=len(moving),\n", ""),),
+        (
+            "tests/test_compiled.py::test_many_small_leaves_move_in_joined_steps_exactly_and_through_no_host",
+        ),
+        "a joined plan reports the schedule's buckets, not the steps a call runs",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -138,12 +138,19 @@ def run_lowered(
     union = lowered.union
     for step in lowered.steps:
         send: dict[tuple[int, int], np.ndarray] = {}
+        filled: dict[tuple[int, int], np.ndarray] = {}
         for call in step.packs:
             program = call.program
             assert len(call.table) == len(program.mesh.devices)
             for row, d in zip(call.table, program.mesh.devices, strict=True):
                 assert len(row) == program.columns
-                bufs = [rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in program.slots]
+                slots = call.slots[program.mesh.devices.index(d)]
+                base = _bases(program, row)
+                # (a joined step's packs each fill their part of one buffer: `based`)
+                bufs = [
+                    send[d, t] if (d, t) in send else rng.integers(0, 256, s.nbytes, np.uint8)
+                    for t, s in zip(slots, program.slots, strict=True)
+                ]
                 for r in program.reads:
                     shard = _shard(src, dst, call.args[r.operand], d)
                     operand = program.operands[r.operand]
@@ -156,8 +163,9 @@ def run_lowered(
                     assert part.shape == tuple(r.shape), "a read leaves its shard"
                     raw = np.ascontiguousarray(part.astype(np.dtype(r.wire))).reshape(-1)
                     raw = raw.view(np.uint8)
-                    at = r.offset * _word(program.slots[r.slot])
+                    at = (base[r.slot] + r.offset) * _word(program.slots[r.slot])
                     assert at + raw.size <= bufs[r.slot].size, "a read overflows its slot"
+                    _fill(filled, (d, slots[r.slot]), at, raw.size)
                     bufs[r.slot][at : at + raw.size] = raw
                 if program.gathers:
                     word = _word(program.slots[0])
@@ -170,9 +178,11 @@ def run_lowered(
                     )
                     for g in program.gathers:
                         picks = row[g.column : g.column + g.words]
-                        bufs[g.slot][: g.words * word] = flat[list(picks)].view(np.uint8)
-                for k, t in enumerate(call.slots[program.mesh.devices.index(d)]):
-                    assert (d, t) not in send, "two packs fill one slot of a device"
+                        at = base[g.slot] * word
+                        _fill(filled, (d, slots[g.slot]), at, g.words * word)
+                        bufs[g.slot][at : at + g.words * word] = flat[list(picks)].view(np.uint8)
+                for k, t in enumerate(slots):
+                    assert program.based or (d, t) not in send, "two packs fill one slot"
                     assert program.slots[k] == step.slots[t]
                     send[d, t] = bufs[k]
         for d, t, packed in step.shared:  # sent again from the buffer packed for a round
@@ -195,12 +205,13 @@ def run_lowered(
         for call in step.unpacks:
             program = call.program
             for row, d in zip(call.table, program.mesh.devices, strict=True):
+                base = _bases(program, row)
                 for w in program.writes:
                     leaf = call.targets[w.target]
                     target = dst[leaf][d]
                     assert tuple(target.shape) == program.targets[w.target].shard
                     buf = recv[d, call.slots[program.mesh.devices.index(d)][w.slot]]
-                    at = w.offset * _word(program.slots[w.slot])
+                    at = (base[w.slot] + w.offset) * _word(program.slots[w.slot])
                     n = int(np.prod(w.shape)) * target.dtype.itemsize
                     start = row[w.column : w.column + len(w.shape)]
                     box = tuple(slice(a, a + m) for a, m in zip(start, w.shape, strict=True))
@@ -220,7 +231,10 @@ def run_lowered(
                     word = int(program.word.removeprefix("uint")) // 8
                     slots = call.slots[program.mesh.devices.index(d)]
                     heads = [
-                        recv[d, slots[k]][: n * _word(program.slots[k])]
+                        recv[d, slots[k]][
+                            base[k] * _word(program.slots[k]) : (base[k] + n)
+                            * _word(program.slots[k])
+                        ]
                         for k, n in enumerate(program.prefix)
                         if n
                     ]
@@ -239,6 +253,28 @@ def run_lowered(
                         picks = row[r.column : r.column + n]
                         target[...] = flat[list(picks)].view(target.dtype).reshape(target.shape)
     return dst
+
+
+def _bases(program, row) -> list[int]:
+    """Each program slot's base word in the table row (0 where the program has none)."""
+    n = len(program.slots)
+    if not program.based:
+        return [0] * n
+    bases = list(row[program.columns - n :])
+    for base, slot in zip(bases, program.slots, strict=True):
+        assert 0 <= base < slot.words and base % slot.width == 0, "a base leaves its slot"
+    return bases
+
+
+def _fill(filled: dict, key, at: int, n: int) -> None:
+    """Mark bytes ``at .. at + n`` of a device's slot as packed; each byte is packed once."""
+    if key not in filled:
+        filled[key] = np.zeros(0, bool)
+    mask = filled[key]
+    if mask.size < at + n:
+        mask = filled[key] = np.concatenate([mask, np.zeros(at + n - mask.size, bool)])
+    assert not mask[at : at + n].any(), "two packs fill the same words of a slot"
+    mask[at : at + n] = True
 
 
 def _shard(src, dst, arg, device) -> np.ndarray:

@@ -376,6 +376,43 @@ def test_a_refit_runs_under_transfer_guard_disallow():
     assert_exact(out["b"], host[:32].astype(jnp.bfloat16), dst["b"])
 
 
+@pytest.mark.parametrize("gather_bytes", [0, None], ids=["by copies", "by gathers"])
+def test_many_small_leaves_move_in_joined_steps_exactly_and_through_no_host(
+    gather_bytes, monkeypatch
+):
+    """512 small leaves whose units (capped for compile time) make 8 buckets (16 by copies)
+    run in 2 steps (`lower._joined`): each round's slot carries the messages of four buckets
+    (eight), each pack and unpack finds its part by a base in its table. Exact on the first
+    call and into donated buffers, under the transfer guard; the stats count what a call
+    runs (rounds, one host sync between steps on CPU); unjoined, the same plan runs 4x (8x)
+    the rounds."""
+    from jaxreshard.planning import lower as lower_module
+    from jaxreshard.planning import schedule as schedule_module
+
+    if gather_bytes is not None:
+        monkeypatch.setattr(schedule_module, "GATHER_BYTES", gather_bytes)
+    host, src = tree(512)
+    dst = {k: sharding(*DST) for k in host}
+    plan = jr.plan(src, dst, bucket_bytes=1 << 20)
+    monkeypatch.setattr(lower_module, "JOIN_STEPS", False)
+    plain = jr.plan(src, dst, bucket_bytes=1 << 20)
+    assert plain.stats.buckets >= 4 * plan.stats.buckets == 8
+    per_step = plan.stats.rounds // plan.stats.buckets
+    assert plain.stats.rounds == per_step * plain.stats.buckets > plan.stats.rounds
+    assert plan.stats.rounds == sum(len(s.transfer.slots) for s in plan.lowered.steps)
+    assert plan.stats.bytes_sent == plain.stats.bytes_sent == plan.stats.bytes_lower_bound
+    assert plan.stats.host_syncs == plan.stats.buckets - 1
+    with jax.transfer_guard("disallow"):
+        out = plan(src)
+        for _ in range(2):
+            for k in host:
+                assert_exact(out[k], host[k], dst[k])
+            out = plan(src, donate=out)
+    jax.block_until_ready(out)
+    for k in host:
+        assert_exact(out[k], host[k], dst[k])
+
+
 def test_a_sender_sends_what_it_packed_once_to_every_replica():
     """fsdp2 x tp2 on devices 0-3 -> dp2 x tp2 on devices 4-7 (every destination shard on two
     devices): each sender packs its bytes once and the transfer sends that buffer to both

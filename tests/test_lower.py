@@ -8,6 +8,7 @@ No JAX execution here: the plans use integer device ids, so clusters of any size
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter, defaultdict
 
@@ -234,6 +235,104 @@ def test_the_slabs_of_a_large_leaf_share_their_programs():
     assert len(kinds[PackProgram]) == len(kinds[UnpackProgram]) == len(kinds[TransferProgram]) == 1
 
 
+# ------------------------------------------------------------------------------ joined steps
+
+
+def join_steps(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lower_module, "JOIN_STEPS", on)
+
+
+def many_matrices(n: int, shape=(32, 32)) -> list:
+    """``n`` equal small matrices, alternately column- and row-parallel (the bench's
+    many_leaves, scaled down): units of repeated leaves, a bucket each."""
+    out = []
+    for i in range(n):
+        col = i % 2 == 0
+        src = ("fsdp", "tp") if col else ("tp", "fsdp")
+        dst = (None, "tp") if col else ("tp", None)
+        out.append(leaf_spec(shape, (*FSDP_TP, src), (*TP4, dst), path=f"w{i}"))
+    return out
+
+
+def test_steps_of_the_same_rounds_run_as_one_step_of_half_a_bucket(monkeypatch):
+    """Units cut small for compile time (`schedule.MAX_REPEAT_COPIES`) leave buckets far below
+    the bucket size, each a step of its own: its own collective-permutes and (on CPU) host
+    sync. Consecutive steps of the same rounds run as one: each round's slot holds every
+    joined step's messages one after the other, each program finds its part by a base in its
+    table, and the programs stay those of one unit (rebuilt with bases). The same bytes move
+    in as many rounds as one unit's step, within half a bucket of slots a device."""
+    leaves, options = many_matrices(256), dict(bucket_bytes=1 << 18, pooled=True, gather_bytes=0)
+    join_steps(False, monkeypatch)
+    schedule, plain = check(leaves, **options)
+    join_steps(True, monkeypatch)
+    same, joined = check(leaves, **options)
+    assert same.buckets == schedule.buckets  # the schedule is untouched
+    assert len(plain.steps) == 8 and len(joined.steps) == 2
+    rounds = {len(s.transfer.slots) for s in plain.steps}
+    assert {len(s.transfer.slots) for s in joined.steps} == rounds
+    assert {s.transfer.perms for s in joined.steps} == {s.transfer.perms for s in plain.steps}
+    for step in joined.steps:
+        assert sum(slot.nbytes for slot in step.slots) <= options["bucket_bytes"] // 2
+        assert all(c.program.based for c in (*step.packs, *step.unpacks))
+    # every plain step's programs, once each in some joined step; no program per group
+    assert sum(len(s.packs) for s in joined.steps) == sum(len(s.packs) for s in plain.steps)
+    kinds = Counter(type(p) for p in joined.programs())
+    assert kinds == Counter(type(p) for p in plain.programs())
+    assert joined.packed_bytes == plain.packed_bytes
+    assert sum(len(s.transfer.slots) for s in joined.steps) == len(joined.steps) * min(rounds)
+
+
+@pytest.mark.parametrize("moves", ["by copies", "by gathers"])
+def test_joined_steps_keep_held_parts_and_gathers_exact(moves):
+    """Colocated adapters (held parts passed through slots of their own, `Step.kept`) and
+    small leaves moved by gathers join too: the kept slots are joined as the rounds' are
+    (a program slot may be a round's on one device and a kept one on another), and the
+    gathers' heads sit at each step's base."""
+    _, lowered = check(
+        colocated_adapters(256), bucket_bytes=1 << 18, pooled=True, gather_bytes=MOVES[moves]
+    )
+    (step,) = lowered.steps
+    assert len(step.packs) == (4 if moves == "by gathers" else 16)
+    assert step.kept and len(step.slots) > len(step.transfer.slots)
+    # steps alike in all but the messages devices pass themselves stay apart
+    assert lower_module._joins([step], step)
+    assert not lower_module._joins([step], dataclasses.replace(step, kept=step.kept[1:]))
+
+
+@pytest.mark.parametrize(
+    ("n", "most", "size"),
+    [(32, 8, 8), (3, 2, 1), (12, 5, 4), (7, 4, 4), (5, 8, 5), (9, 1, 1)],
+)
+def test_a_run_is_cut_into_groups_of_one_size_where_a_divisor_allows(n, most, size):
+    """Joined programs are compiled per group size: a run of 12 steps joins in groups of 4
+    (not 5, 5 and 2), 3 steps at 2 a group stay apart (not 2 and 1: two more programs for
+    one step less); a prime run takes the most and a shorter last group."""
+    assert lower_module._group_size(n, most) == size
+
+
+def test_a_relay_never_joins_the_step_that_delivers_what_it_forwards():
+    """A relay packs from its destination shards what an earlier step delivered: joined into
+    that step, its pack would run before the unpack that fills them. Two steps alike in
+    every other way join; the same pair with the second's pack reading a leaf the first
+    unpacks does not. (In the plans relays' steps follow their deliveries.)"""
+    leaves = [leaf_spec((64, 32), (*FSDP_TP, ("fsdp", "tp")), (*DP_TP, (None, "tp")))]
+    two = Topology.from_groups([range(4), range(4, 8)])
+    _, lowered = check(leaves, topology=two, fan_out=True, bucket_bytes=1 << 20)
+    written: set[int] = set()
+    for step in lowered.steps:
+        reads = {i for c in step.packs for i, side in c.args if side == "dst"}
+        assert reads <= written, "a relay reads what its own step delivers"
+        written |= {i for c in step.unpacks for i in c.targets}
+    step = next(s for s in lowered.steps if s.transfer is not None and s.unpacks)
+    (leaf, *_) = step.unpacks[0].targets
+    pack = step.packs[0]
+    relay = dataclasses.replace(
+        step, packs=(dataclasses.replace(pack, args=((leaf, "dst"), *pack.args[1:])),)
+    )
+    assert lower_module._joins([step], step)
+    assert not lower_module._joins([step], relay)
+
+
 def test_regular_layouts_run_each_stage_as_one_program_over_the_arrays_own_mesh():
     """Every device of a regular NamedSharding does the same copies up to where its boxes
     start: one pack over the source mesh and one unpack over the destination mesh per step,
@@ -291,6 +390,8 @@ def test_many_small_leaves_of_regular_layouts_still_run_as_one_program_a_stage(m
 
 def keep_held_parts(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lower_module, "KEEP_HELD_PARTS", on)
+    # (these specify each bucket's step: its steps stay apart, `lower.JOIN_STEPS`)
+    monkeypatch.setattr(lower_module, "JOIN_STEPS", False)
 
 
 def colocated_adapters(n: int = 32) -> list:

@@ -83,6 +83,11 @@ KEEP_HELD_PARTS = True
 make their copies alike; off, every held part is a local copy of the unpack (for A/B runs
 and the tests that specify the plain lowering)."""
 
+JOIN_STEPS = True
+"""Whether runs of steps of the same rounds are joined into steps of at most half a bucket
+of slots a device (`_joined`); off, every bucket of the schedule is a step of its own (for
+A/B runs and the tests that specify each bucket's step)."""
+
 MIN_CAST_SLOT_WIDTH = 64
 """`MIN_SLOT_WIDTH` for slots whose every message casts: their packs compile with XLA's newer
 CPU fusion emitters (`runtime.program_options`), under which a flat slot is slower still and
@@ -209,6 +214,10 @@ class PackProgram:
 
     The gather source is the operands ``flat`` names, each ``(operand, wire)`` cast to ``wire``
     and flattened into words of the slots' word type, end to end.
+
+    With ``based``, the last ``len(slots)`` table columns are each slot's base: the word its
+    part of the slot starts at (several joined steps share one slot per round, `_join`), to
+    which every offset into that slot is relative (a multiple of the slot's width).
     """
 
     mesh: MeshSpec
@@ -218,6 +227,7 @@ class PackProgram:
     columns: int
     flat: tuple[tuple[int, str], ...] = ()
     gathers: tuple[Gather, ...] = ()
+    based: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +253,7 @@ class UnpackProgram:
     flat_sources: tuple[tuple[int, str], ...] = ()
     flat_targets: tuple[int, ...] = ()
     rebuilds: tuple[Rebuild, ...] = ()
+    based: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,7 +427,113 @@ def lower(
             local = unit.local if i == 0 else ()
             fresh = unit.fresh if i == 0 else ()
             steps.append(_step(leaves, small, bucket, local, u, fresh, position, widths, cap))
+    if JOIN_STEPS:
+        # Half a bucket: a step holds a send and a receive buffer of each slot, so two
+        # steps in flight (a step's packs beside the previous step's transfer) stay within
+        # the pool's cap. Measured on CPU, whole buckets ran slower than halves (the LoRA
+        # bench tree: 2 steps 1.11-1.28x the unjoined call, 3 steps 0.82-0.97x).
+        steps = _joined(steps, int(bucket_bytes) // 2)
     return Lowered(union, tuple(steps), cap)
+
+
+def _joined(steps: Sequence[Step], most_bytes: int) -> list[Step]:
+    """``steps`` with runs of consecutive steps of the same rounds joined (`_join`), in
+    groups whose slots hold at most ``most_bytes`` (or one step).
+
+    A schedule cuts its units small so that their programs compile quickly (a model's layers:
+    `schedule.MAX_REPEAT_COPIES`), which leaves buckets far below the bucket size where the
+    leaves are small, each a step of its own: its own collective-permutes, transfer program
+    run and (on CPU) host sync. Joined steps send their messages in the same rounds, each
+    step's messages in a part of each slot of its own (`PackProgram.based`): as many
+    collective-permutes as one of them, of larger messages. A run is cut into groups of one
+    size where a divisor of its length allows it (`_group_size`): joined programs differ from
+    plain ones, and so do those of groups of another size, each compiled once.
+    """
+    out: list[Step] = []
+    run: list[Step] = []
+    for step in (*steps, None):
+        if step is not None and run and _joins(run, step):
+            run.append(step)
+            continue
+        if run:
+            most = max(sum(s.nbytes for s in x.slots) for x in run)
+            k = _group_size(len(run), max(1, most_bytes // max(most, 1)))
+            out += [_join(run[i : i + k]) for i in range(0, len(run), k)]
+        run = [step] if step is not None and step.transfer is not None else []
+        if step is not None and not run:
+            out.append(step)
+    return out
+
+
+def _group_size(n: int, most: int) -> int:
+    """How many of a run of ``n`` steps to join, at most ``most``: the largest divisor of
+    ``n`` that is at least half of ``most`` (every group then runs the same programs), else
+    ``most`` (a shorter last group)."""
+    if n <= most:
+        return n
+    for k in range(most, (most + 1) // 2 - 1, -1):
+        if n % k == 0:
+            return k
+    return most
+
+
+def _joins(run: Sequence[Step], step: Step) -> bool:
+    """Whether ``step`` may run in one step with those of ``run``: the same rounds (pairs),
+    the same slots, the same messages devices pass themselves (`Step.kept`) and rounds sent
+    from another's buffer (`Step.shared`: a whole buffer is sent again), and no pack of it
+    reading what an unpack of ``run`` writes (a relay forwards what it received in an
+    earlier step). (Alike slots keep one program slot alike on every device of it, whether a
+    round's or a kept one.)"""
+    first = run[0]
+    if step.transfer is None or first.transfer is None:
+        return False
+    if (step.slots, step.shared, step.kept) != (first.slots, first.shared, first.kept):
+        return False
+    if (step.transfer.devices, step.transfer.perms) != (
+        first.transfer.devices,
+        first.transfer.perms,
+    ):
+        return False
+    written = {i for x in run for call in x.unpacks for i in call.targets}
+    return not any(i in written for call in step.packs for i, side in call.args if side == "dst")
+
+
+def _join(run: Sequence[Step]) -> Step:
+    """One step of ``run`` (steps of the same rounds and slots, `_joins`): each slot holds
+    the messages of every step of the run, one after the other, and each program finds its
+    step's part by the slot's base in its table (`PackProgram.based`)."""
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    assert first.transfer is not None
+    slots = tuple(dataclasses.replace(s, words=s.words * len(run)) for s in first.slots)
+
+    def based(call, j: int):
+        program = call.program
+        bases = [tuple(j * first.slots[t].words for t in row) for row in call.slots]
+        return dataclasses.replace(
+            call,
+            program=dataclasses.replace(
+                program,
+                slots=tuple(slots[t] for t in call.slots[0]),
+                columns=program.columns + len(program.slots),
+                based=True,
+            ),
+            table=tuple((*r, *b) for r, b in zip(call.table, bases, strict=True)),
+        )
+
+    return Step(
+        first.unit,
+        tuple(dict.fromkeys(i for x in run for i in x.fresh)),
+        slots,
+        tuple(based(c, j) for j, x in enumerate(run) for c in x.packs),
+        dataclasses.replace(first.transfer, slots=slots[: len(first.transfer.slots)]),
+        tuple(based(c, j) for j, x in enumerate(run) for c in x.unpacks),
+        first.shared,
+        sum(x.packed_bytes for x in run),
+        first.kept,
+        sum(x.kept_bytes for x in run),
+    )
 
 
 def _word_bytes(leaves: Sequence[LeafSpec], segments: Iterable[Segment]) -> int:
@@ -1274,13 +1391,18 @@ def with_lowered(
     host_syncs: int = 0,
     runtime_programs: tuple[int, int] = (0, 0),
 ) -> PlanStats:
-    """``stats`` with what the lowering knows: staging as the runtime's pool holds it (the
-    peak over two calls, see `staging`), programs and dispatches per call; ``host_syncs``
+    """``stats`` with what the lowering knows: rounds and buckets as a call runs them (joined
+    buckets run their rounds together, `_joined`), staging as the runtime's pool holds it
+    (the peak over two calls, see `staging`), programs and dispatches per call; ``host_syncs``
     and ``runtime_programs`` (programs and dispatches per call the runtime adds on this
     backend) are the runtime's."""
     programs, dispatches = runtime_programs
+    moving = [step.transfer for step in lowered.steps if step.transfer is not None]
     return dataclasses.replace(
         stats,
+        # (joined steps run their buckets' rounds together: `_joined`)
+        rounds=sum(len(t.slots) for t in moving),
+        buckets=len(moving),
         staging_bytes=max(staging(lowered).values(), default=0),
         programs=len(lowered.programs()) + programs,
         dispatches=lowered.dispatches() + dispatches,

@@ -222,7 +222,7 @@ class Runtime:
         clock.mark("pool", [])
         sent: dict[tuple[int, int], jax.Array] = {}
         for call in step.packs:
-            outs = call.fn(*call.table, *call.operands(src, dst), *call.staging(staging))
+            outs = call.fn(*call.table, *call.operands(src, dst), *call.staging(staging, sent))
             call.collect(outs, sent)
         clock.mark("pack", list(sent.values()))
         if self.host_syncs and previous and step.transfer is not None:
@@ -765,11 +765,19 @@ class _PackRun:
             for (leaf, side), view in zip(self.args, self.operand_views, strict=True)
         ]
 
-    def staging(self, staging: _Staging) -> list[jax.Array]:
-        """The staging buffers the pack writes into (donated), per program slot."""
+    def staging(
+        self, staging: _Staging, sent: Mapping[tuple[int, int], jax.Array]
+    ) -> list[jax.Array]:
+        """The staging buffers the pack writes into (donated), per program slot: what an
+        earlier pack of the step wrote into the slot (its part of a shared slot,
+        `PackProgram.based`), else the step's buffer."""
+
+        def buffer(d: int, k: int) -> jax.Array:
+            key = (d, self.slots[d][k])
+            return sent[key] if key in sent else staging.send[key]
+
         return [
-            view([staging.send[d, self.slots[d][k]] for d in view.devices])
-            for k, view in enumerate(self.slot_views)
+            view([buffer(d, k) for d in view.devices]) for k, view in enumerate(self.slot_views)
         ]
 
     def avals(self, runtime: Runtime, src: _Sources) -> list[Any]:
@@ -1289,6 +1297,7 @@ def _build_pack(
         row = args[0][0] if has_table else None
         args = args[1:] if has_table else args
         ops, bufs = args[:n_ops], list(args[n_ops:])
+        bases = _bases(row, program)
         for r in program.reads:
             slot = program.slots[r.slot]
             at = _at(row, r.column, len(r.shape))
@@ -1297,7 +1306,7 @@ def _build_pack(
             else:
                 bits = read_bits(ops[r.operand], at, r.shape, r.wire, platform)
                 words = bits_to_words(bits, slot.word)
-            bufs[r.slot] = _put_words(bufs[r.slot], words, r.offset, slot.width)
+            bufs[r.slot] = _put_words(bufs[r.slot], words, r.offset, slot.width, bases[r.slot])
         if program.gathers:
             word = program.slots[0].word
             flat = _flat(
@@ -1308,7 +1317,8 @@ def _build_pack(
             )
             for g in program.gathers:
                 words = _gather(flat, row, g.column, g.words)
-                bufs[g.slot] = _put_words(bufs[g.slot], words, 0, program.slots[g.slot].width)
+                width = program.slots[g.slot].width
+                bufs[g.slot] = _put_words(bufs[g.slot], words, 0, width, bases[g.slot])
         return tuple(bufs)
 
     in_specs = (split,) * has_table + specs + (split,) * n_slots
@@ -1345,30 +1355,43 @@ def _read_rows(
     return bits_to_words(bits, slot.word).reshape(-1, slot.width)
 
 
-def _put_words(buf: jax.Array, words: jax.Array, offset: int, width: int) -> jax.Array:
+def _put_words(
+    buf: jax.Array, words: jax.Array, offset: int, width: int, base: jax.Array | None = None
+) -> jax.Array:
     """``buf`` (a slot, flat or of rows ``width`` words wide) with ``words`` from word
-    ``offset``. Words that are not whole rows of the slot are written as the part of a row
-    they start in, the whole rows after it and the part of a row they end in: writes into a
-    flat view of the slot would make XLA copy the whole slot first (the write is then not
-    in place)."""
+    ``offset`` (after word ``base``, a multiple of ``width``, where the slot is shared).
+    Words that are not whole rows of the slot are written as the part of a row they start
+    in, the whole rows after it and the part of a row they end in: writes into a flat view of
+    the slot would make XLA copy the whole slot first (the write is then not in place)."""
     if width == 1:
-        return lax.dynamic_update_slice(buf, words.reshape(-1), (np.int32(offset),))
+        start = np.int32(offset) if base is None else base + np.int32(offset)
+        return lax.dynamic_update_slice(buf, words.reshape(-1), (start,))
     words = words.reshape(-1)
     n, row, col = words.size, offset // width, offset % width
+    first = ZERO if base is None else base // np.int32(width)
     head = min(n, (width - col) % width)
     whole = (n - head) // width * width
     if head:
         part = words[:head].reshape(1, head)
-        buf = lax.dynamic_update_slice(buf, part, (np.int32(row), np.int32(col)))
+        buf = lax.dynamic_update_slice(buf, part, (first + np.int32(row), np.int32(col)))
         row += 1
     if whole:
         part = words[head : head + whole].reshape(-1, width)
-        buf = lax.dynamic_update_slice(buf, part, (np.int32(row), ZERO))
+        buf = lax.dynamic_update_slice(buf, part, (first + np.int32(row), ZERO))
         row += whole // width
     if head + whole < n:
         part = words[head + whole :].reshape(1, -1)
-        buf = lax.dynamic_update_slice(buf, part, (np.int32(row), ZERO))
+        buf = lax.dynamic_update_slice(buf, part, (first + np.int32(row), ZERO))
     return buf
+
+
+def _bases(row: jax.Array | None, program: PackProgram | UnpackProgram) -> list[Any]:
+    """Each slot's base word in the table (`PackProgram.based`); None where there is none."""
+    n = len(program.slots)
+    if not program.based:
+        return [None] * n
+    assert row is not None
+    return [row[program.columns - n + k] for k in range(n)]
 
 
 def writes_in_place(dtype: Any, platform: str) -> bool:
@@ -1439,10 +1462,17 @@ def _build_unpack(
         # Targets written as they are (in place) or as unsigned bits (`writes_in_place`).
         targets = args[n_slots + n_src :]
         out = [x if n else to_bits(x) for x, n in zip(targets, native, strict=True)]
+        bases = _bases(row, program)
+
+        def words(slot: int, offset: int, n: int) -> jax.Array:
+            if bases[slot] is None:
+                return lax.slice(chunks[slot], (offset,), (offset + n,))
+            return lax.dynamic_slice(chunks[slot], (bases[slot] + np.int32(offset),), (n,))
+
         for w in program.writes:
             dtype = program.targets[w.target].dtype
             n = words_of(w.shape, dtype, program.slots[w.slot].word)
-            raw = lax.slice(chunks[w.slot], (w.offset,), (w.offset + n,))
+            raw = words(w.slot, w.offset, n)
             part = words_to_bits(raw, dtype, w.shape)
             if native[w.target]:
                 part = from_bits(part, kept[w.target])
@@ -1461,7 +1491,7 @@ def _build_unpack(
         ]
         if program.rebuilds:
             word = program.word
-            heads = [lax.slice(chunks[k], (0,), (n,)) for k, n in enumerate(program.prefix) if n]
+            heads = [words(k, 0, n) for k, n in enumerate(program.prefix) if n]
             flat = _flat(
                 [bits_to_words(x, word) for x in heads]
                 + [
