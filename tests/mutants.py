@@ -3373,15 +3373,21 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/planning/lower.py",
         (
             (
-                "if (step.slots, step.shared, step.kept) != "
-                "(first.slots, first.shared, first.kept):",
-                "if (step.slots[: len(step.transfer.slots)], step.shared) != "
-                "(first.slots[: len(first.transfer.slots)], first.shared):",
+                "return (step.slots, step.shared, step.kept, transfer.devices, transfer.perms)",
+                "return (step.slots, step.shared, transfer.devices, transfer.perms)",
             ),
         ),
         ("tests/test_lower.py::test_joined_steps_keep_held_parts_and_gathers_exact",),
         "steps whose held parts differ join: one program slot a round's on one device and a "
         "kept one on another",
+    ),
+    Mutant(
+        "lower-join-kinds-only-side-by-side",
+        "jaxreshard/planning/lower.py",
+        (("        elif not relays:\n", "        elif False:\n"),),
+        ("tests/test_lower.py::test_steps_of_one_kind_join_wherever_they_sit_without_relays",),
+        "without relays too, only consecutive steps join: layers of alternating rounds run a "
+        "step each",
     ),
     Mutant(
         "runtime-pack-ignores-base",

@@ -9,6 +9,7 @@ No JAX execution here: the plans use integer device ids, so clusters of any size
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import Counter, defaultdict
 
@@ -108,6 +109,10 @@ def check(leaves, **options):
         if step.transfer is not None:  # (the rounds': held parts' slots are not sent)
             assert sum(s.nbytes for s in step.slots[: len(step.transfer.slots)]) <= bucket
     assert_boxes_are_whole_rows(lowered)
+    made: set[int] = set()  # a destination is made (without donate=) before it is written
+    for step in lowered.steps:
+        made |= set(step.fresh)
+        assert {i for c in step.unpacks for i in c.targets} <= made
     return schedule, lowered
 
 
@@ -202,12 +207,21 @@ def test_relays_read_destination_shards_in_a_later_step():
     assert relay_steps and min(relay_steps) > 0
 
 
-def test_repeated_layers_share_their_programs():
-    """Programs are values: 16 layers lower to the same set of programs as 4."""
+def test_repeated_layers_share_their_programs(monkeypatch):
+    """Programs are values: 16 layers lower to the same set of programs as 4. Joined (each
+    kind's steps in groups, `lower._joined`), the programs differ by group size, and their
+    number still does not grow with the layers."""
+    join_steps(False, monkeypatch)
     few = plan(gpt(FSDP_TP, TP4, layers=4), bucket_bytes=1 << 14)[1]
     many = plan(gpt(FSDP_TP, TP4, layers=16), bucket_bytes=1 << 14)[1]
     assert len(many.steps) > 3 * len(few.steps)
     assert many.programs() == few.programs()
+    join_steps(True, monkeypatch)
+    counts = [
+        len(plan(gpt(FSDP_TP, TP4, layers=n), bucket_bytes=1 << 14)[1].programs())
+        for n in (4, 16, 64)
+    ]
+    assert counts[2] <= counts[1] <= counts[0] + 3
 
 
 def test_on_cpu_a_small_model_whose_layers_fit_one_unit_moves_in_one_step():
@@ -299,6 +313,28 @@ def test_joined_steps_keep_held_parts_and_gathers_exact(moves):
     assert not lower_module._joins([step], dataclasses.replace(step, kept=step.kept[1:]))
 
 
+def test_steps_of_one_kind_join_wherever_they_sit_without_relays(monkeypatch):
+    """LoRA adapters colocated on the trainer's own mesh: the layers' steps alternate between
+    two sets of rounds (the senders of each receiver rotate), so no two consecutive steps
+    are alike. Without relays steps commute (each writes destination bytes no other step
+    writes), so each kind's steps join wherever they sit; each group runs where its first
+    step stood, and makes the destinations of every unit it is the first to write."""
+    src = ((4, 2), ("fsdp", "tp"), tuple(range(8)))
+    dst = ((8,), ("tp",), tuple(range(8)))
+    leaves = lora(src, dst, layers=6, d=768, rank=16, llama=True)
+    options = dict(bucket_bytes=1 << 24, pooled=True)
+    join_steps(False, monkeypatch)
+    _, plain = check(leaves, **options)
+    kinds = [lower_module._kind(s) for s in plain.steps]
+    assert all(a != b for a, b in itertools.pairwise(kinds)) and len(set(kinds)) == 2
+    join_steps(True, monkeypatch)
+    _, joined = check(leaves, **options)
+    assert len(joined.steps) == 2
+    assert sorted(i for s in joined.steps for i in s.fresh) == sorted(
+        i for s in plain.steps for i in s.fresh
+    )
+
+
 @pytest.mark.parametrize(
     ("n", "most", "size"),
     [(32, 8, 8), (3, 2, 1), (12, 5, 4), (7, 4, 4), (5, 8, 5), (9, 1, 1)],
@@ -346,18 +382,18 @@ def test_regular_layouts_run_each_stage_as_one_program_over_the_arrays_own_mesh(
         assert all(o.spec is not None for o in step.unpacks[0].program.targets)
 
 
-def lora(src, dst, layers=4, d=64, rank=4):
+def lora(src, dst, layers=4, d=64, rank=4, llama=False):
     """LoRA adapters: an A (in, rank) and a B (rank, out) per projection, A and B laid out as
     a tensor-parallel server shards them (a column-parallel weight's A whole and B split, a
-    row-parallel weight's A split and B whole)."""
+    row-parallel weight's A split and B whole). The projections q, o, up and down, or with
+    ``llama`` a Llama block's seven (the bench's `lora` tree)."""
+    projections = [("q", (d, d), False), ("o", (d, d), True)]
+    projections += [("up", (d, 4 * d), False), ("down", (4 * d, d), True)]
+    if llama:
+        projections += [("k", (d, d), False), ("v", (d, d), False), ("gate", (d, 4 * d), False)]
     leaves = []
     for i in range(layers):
-        for name, (n_in, n_out), row in (
-            ("q", (d, d), False),
-            ("o", (d, d), True),
-            ("up", (d, 4 * d), False),
-            ("down", (4 * d, d), True),
-        ):
+        for name, (n_in, n_out), row in projections:
             a_src, a_dst = (("tp", None), ("tp", None)) if row else (("fsdp", None), ())
             b_src, b_dst = ((None, "fsdp"), ()) if row else ((None, "tp"), (None, "tp"))
             for part, shape, s_spec, d_spec in (

@@ -307,9 +307,9 @@ class Step:
     """One bucket: packs, then the transfer, then unpacks.
 
     Attributes:
-      unit: the schedule unit the step belongs to.
+      unit: the schedule unit the step belongs to (joined steps, `_joined`: the first's).
       fresh: leaves whose destination arrays are created before this step when the caller
-        donates none (the first step of each unit).
+        donates none (those of each unit, before the first step that writes it).
       slots: the step's staging slots (one per round).
       packs, transfer, unpacks: the program runs. A step of local copies only has no packs and
         no transfer.
@@ -437,32 +437,60 @@ def lower(
 
 
 def _joined(steps: Sequence[Step], most_bytes: int) -> list[Step]:
-    """``steps`` with runs of consecutive steps of the same rounds joined (`_join`), in
-    groups whose slots hold at most ``most_bytes`` (or one step).
+    """``steps`` with steps of one kind (the same rounds and slots, `_kind`) joined (`_join`),
+    in groups whose slots hold at most ``most_bytes`` (or one step).
 
     A schedule cuts its units small so that their programs compile quickly (a model's layers:
     `schedule.MAX_REPEAT_COPIES`), which leaves buckets far below the bucket size where the
     leaves are small, each a step of its own: its own collective-permutes, transfer program
     run and (on CPU) host sync. Joined steps send their messages in the same rounds, each
     step's messages in a part of each slot of its own (`PackProgram.based`): as many
-    collective-permutes as one of them, of larger messages. A run is cut into groups of one
-    size where a divisor of its length allows it (`_group_size`): joined programs differ from
-    plain ones, and so do those of groups of another size, each compiled once.
+    collective-permutes as one of them, of larger messages. The steps of a kind are cut into
+    groups of one size where a divisor of their number allows it (`_group_size`): joined
+    programs differ from plain ones, and so do those of groups of another size, each
+    compiled once.
+
+    Where no pack reads a destination array (no relays), steps commute: each writes bytes of
+    the destinations no other step writes, and reads a destination only to keep the words it
+    does not write (a small leaf's rebuild, `UnpackProgram.flat_targets`). A group takes its
+    kind's steps wherever they sit (the layers of LoRA adapters alternate between two sets of
+    rounds) and runs where its first step stood; each unit's fresh destinations are made
+    before the first group that writes them. With relays only consecutive steps join.
     """
-    out: list[Step] = []
-    run: list[Step] = []
-    for step in (*steps, None):
-        if step is not None and run and _joins(run, step):
-            run.append(step)
-            continue
-        if run:
-            most = max(sum(s.nbytes for s in x.slots) for x in run)
-            k = _group_size(len(run), max(1, most_bytes // max(most, 1)))
-            out += [_join(run[i : i + k]) for i in range(0, len(run), k)]
-        run = [step] if step is not None and step.transfer is not None else []
-        if step is not None and not run:
-            out.append(step)
+    relays = any(side == "dst" for step in steps for c in step.packs for _, side in c.args)
+    runs: list[list[int]] = []
+    kinds: dict[tuple[object, ...], list[int]] = {}
+    for i, step in enumerate(steps):
+        if step.transfer is None:
+            runs.append([i])
+        elif not relays:
+            kinds.setdefault(_kind(step), []).append(i)
+        elif runs and _joins([steps[j] for j in runs[-1]], step):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    runs += kinds.values()
+    groups: list[tuple[int, list[Step]]] = []  # (where it runs, its steps)
+    for run in runs:
+        members = [steps[i] for i in run]
+        most = max(sum(s.nbytes for s in x.slots) for x in members)
+        k = _group_size(len(run), max(1, most_bytes // max(most, 1)))
+        groups += [(run[i], members[i : i + k]) for i in range(0, len(run), k)]
+    fresh: dict[int, list[int]] = defaultdict(list)
+    for step in steps:
+        fresh[step.unit] += step.fresh
+    out = []
+    for _, group in sorted(groups, key=lambda g: g[0]):
+        made = [i for x in group for i in fresh.pop(x.unit, [])]
+        out.append(dataclasses.replace(_join(group), fresh=tuple(dict.fromkeys(made))))
     return out
+
+
+def _kind(step: Step) -> tuple[object, ...]:
+    """What steps that join share (`_joins`)."""
+    transfer = step.transfer
+    assert transfer is not None
+    return (step.slots, step.shared, step.kept, transfer.devices, transfer.perms)
 
 
 def _group_size(n: int, most: int) -> int:
@@ -478,21 +506,13 @@ def _group_size(n: int, most: int) -> int:
 
 
 def _joins(run: Sequence[Step], step: Step) -> bool:
-    """Whether ``step`` may run in one step with those of ``run``: the same rounds (pairs),
-    the same slots, the same messages devices pass themselves (`Step.kept`) and rounds sent
-    from another's buffer (`Step.shared`: a whole buffer is sent again), and no pack of it
-    reading what an unpack of ``run`` writes (a relay forwards what it received in an
-    earlier step). (Alike slots keep one program slot alike on every device of it, whether a
-    round's or a kept one.)"""
-    first = run[0]
-    if step.transfer is None or first.transfer is None:
-        return False
-    if (step.slots, step.shared, step.kept) != (first.slots, first.shared, first.kept):
-        return False
-    if (step.transfer.devices, step.transfer.perms) != (
-        first.transfer.devices,
-        first.transfer.perms,
-    ):
+    """Whether ``step`` may run in one step with those of ``run`` (which precede it): the
+    same kind (`_kind`: the rounds' pairs, the slots, the messages devices pass themselves,
+    `Step.kept`, and the rounds sent from another's buffer, `Step.shared`, as a whole buffer
+    is sent again), and no pack of it reading what an unpack of ``run`` writes (a relay
+    forwards what it received in an earlier step). (Alike slots keep one program slot alike
+    on every device of it, whether a round's or a kept one.)"""
+    if step.transfer is None or run[0].transfer is None or _kind(step) != _kind(run[0]):
         return False
     written = {i for x in run for call in x.unpacks for i in call.targets}
     return not any(i in written for call in step.packs for i, side in call.args if side == "dst")
