@@ -165,7 +165,7 @@ def run_lowered(
                     raw = raw.view(np.uint8)
                     at = (base[r.slot] + r.offset) * _word(program.slots[r.slot])
                     assert at + raw.size <= bufs[r.slot].size, "a read overflows its slot"
-                    _fill(filled, (d, slots[r.slot]), at, raw.size)
+                    _fill(filled, (d, slots[r.slot]), bufs[r.slot].size, at, raw.size)
                     bufs[r.slot][at : at + raw.size] = raw
                 if program.gathers:
                     word = _word(program.slots[0])
@@ -179,7 +179,7 @@ def run_lowered(
                     for g in program.gathers:
                         picks = row[g.column : g.column + g.words]
                         at = base[g.slot] * word
-                        _fill(filled, (d, slots[g.slot]), at, g.words * word)
+                        _fill(filled, (d, slots[g.slot]), bufs[g.slot].size, at, g.words * word)
                         bufs[g.slot][at : at + g.words * word] = flat[list(picks)].view(np.uint8)
                 for k, t in enumerate(slots):
                     assert program.based or (d, t) not in send, "two packs fill one slot"
@@ -266,13 +266,10 @@ def _bases(program, row) -> list[int]:
     return bases
 
 
-def _fill(filled: dict, key, at: int, n: int) -> None:
-    """Mark bytes ``at .. at + n`` of a device's slot as packed; each byte is packed once."""
-    if key not in filled:
-        filled[key] = np.zeros(0, bool)
-    mask = filled[key]
-    if mask.size < at + n:
-        mask = filled[key] = np.concatenate([mask, np.zeros(at + n - mask.size, bool)])
+def _fill(filled: dict, key, size: int, at: int, n: int) -> None:
+    """Mark bytes ``at .. at + n`` of a device's slot of ``size`` bytes as packed; each byte
+    is packed once."""
+    mask = filled.setdefault(key, np.zeros(size, bool))
     assert not mask[at : at + n].any(), "two packs fill the same words of a slot"
     mask[at : at + n] = True
 

@@ -84,8 +84,8 @@ make their copies alike; off, every held part is a local copy of the unpack (for
 and the tests that specify the plain lowering)."""
 
 JOIN_STEPS = True
-"""Whether runs of steps of the same rounds are joined into steps of at most half a bucket
-of slots a device (`_joined`); off, every bucket of the schedule is a step of its own (for
+"""Whether steps of one kind (the same rounds and slots) are joined into steps of at most half
+a bucket of slots a device (`_joined`); off, every bucket of the schedule is a step of its own (for
 A/B runs and the tests that specify each bucket's step)."""
 
 MIN_CAST_SLOT_WIDTH = 64
@@ -482,7 +482,7 @@ def _joined(steps: Sequence[Step], most_bytes: int) -> list[Step]:
     out = []
     for _, group in sorted(groups, key=lambda g: g[0]):
         made = [i for x in group for i in fresh.pop(x.unit, [])]
-        out.append(dataclasses.replace(_join(group), fresh=tuple(dict.fromkeys(made))))
+        out.append(_join(group, tuple(dict.fromkeys(made))))
     return out
 
 
@@ -518,12 +518,13 @@ def _joins(run: Sequence[Step], step: Step) -> bool:
     return not any(i in written for call in step.packs for i, side in call.args if side == "dst")
 
 
-def _join(run: Sequence[Step]) -> Step:
-    """One step of ``run`` (steps of the same rounds and slots, `_joins`): each slot holds
-    the messages of every step of the run, one after the other, and each program finds its
-    step's part by the slot's base in its table (`PackProgram.based`)."""
+def _join(run: Sequence[Step], fresh: tuple[int, ...]) -> Step:
+    """One step of ``run`` (steps of the same rounds and slots, `_joins`) that makes the
+    ``fresh`` destinations first: each slot holds the messages of every step of the run, one
+    after the other, and each program finds its step's part by the slot's base in its table
+    (`PackProgram.based`)."""
     if len(run) == 1:
-        return run[0]
+        return dataclasses.replace(run[0], fresh=fresh)
     first = run[0]
     assert first.transfer is not None
     slots = tuple(dataclasses.replace(s, words=s.words * len(run)) for s in first.slots)
@@ -544,7 +545,7 @@ def _join(run: Sequence[Step]) -> Step:
 
     return Step(
         first.unit,
-        tuple(dict.fromkeys(i for x in run for i in x.fresh)),
+        fresh,
         slots,
         tuple(based(c, j) for j, x in enumerate(run) for c in x.packs),
         dataclasses.replace(first.transfer, slots=slots[: len(first.transfer.slots)]),
