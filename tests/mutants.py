@@ -3422,6 +3422,27 @@ SURFACE_MUTANTS: list[Mutant] = [
         "a joined plan reports the schedule's buckets, not the steps a call runs",
     ),
     Mutant(
+        "lower-joined-step-keeps-first-bucket",
+        "jaxreshard/planning/lower.py",
+        (("        tuple(b for x in run for b in x.buckets),\n", "        first.buckets,\n"),),
+        ("tests/test_lower.py::test_steps_of_the_same_rounds_run_as_one_step_of_half_a_bucket",),
+        "a joined step names only its first step's schedule bucket",
+    ),
+    Mutant(
+        "costmodel-joined-steps-priced-apart",
+        "jaxreshard/tools/costmodel.py",
+        (
+            (
+                "    if steps is not None:\n        every = list(counts)",
+                "    if False:\n        every = list(counts)",
+            ),
+        ),
+        (
+            "tests/test_simulate.py::test_buckets_a_call_runs_as_one_joined_step_are_priced_as_one_step",
+        ),
+        "the cost model prices each bucket of a joined step apart",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

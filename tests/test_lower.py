@@ -294,6 +294,10 @@ def test_steps_of_the_same_rounds_run_as_one_step_of_half_a_bucket(monkeypatch):
     assert kinds == Counter(type(p) for p in plain.programs())
     assert joined.packed_bytes == plain.packed_bytes
     assert sum(len(s.transfer.slots) for s in joined.steps) == len(joined.steps) * min(rounds)
+    # each schedule bucket is sent by exactly one step, which says so (the cost model prices
+    # a call's steps from `Step.buckets`)
+    assert [s.buckets for s in plain.steps] == [(b,) for b in range(len(schedule.buckets))]
+    assert [s.buckets for s in joined.steps] == [(0, 1, 2, 3), (4, 5, 6, 7)]
 
 
 @pytest.mark.parametrize("moves", ["by copies", "by gathers"])
@@ -333,6 +337,10 @@ def test_steps_of_one_kind_join_wherever_they_sit_without_relays(monkeypatch):
     assert sorted(i for s in joined.steps for i in s.fresh) == sorted(
         i for s in plain.steps for i in s.fresh
     )
+    # each joined step sends the buckets of one kind, every bucket once
+    assert [s.buckets for s in plain.steps] == [(b,) for b in range(len(plain.steps))]
+    assert sorted(b for s in joined.steps for b in s.buckets) == list(range(len(plain.steps)))
+    assert all(len({kinds[b] for b in s.buckets}) == 1 for s in joined.steps)
 
 
 @pytest.mark.parametrize(

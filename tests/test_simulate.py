@@ -160,6 +160,26 @@ def test_the_next_buckets_pack_runs_while_the_receivers_unpack_when_the_host_run
     assert in_turn.seconds == pytest.approx(12)
 
 
+def test_buckets_a_call_runs_as_one_joined_step_are_priced_as_one_step():
+    """Two buckets of 100 B from device 0 to device 1, run as one joined step (`steps`, from
+    `lower.Step.buckets`): one round of both slots one after the other (200 B at 50 B/s: 4 s,
+    its 1 s latency once), the copies of both (4 s each way) and the host's 1 s once: 14 s,
+    where the buckets apart take (2 + 1) + 2 + 2 + 1 s each, 16 s. Mutation check: joined
+    buckets priced apart, or their rounds' slots not summed."""
+    twice = RoundPlan(
+        chunk_bytes=100,
+        class_chunk_bytes=(),
+        buckets=(PlannedBucket(0, ((100, (((0, 1), 0),)),)),) * 2,
+    )
+    cpu = profile(host_runs_ahead=False, round_latency=1.0)
+    apart = costmodel.modeled_time(twice, topo(), cpu)
+    assert (apart.seconds, apart.buckets, apart.rounds) == pytest.approx((16, 2, 2))
+    joined = costmodel.modeled_time(twice, topo(), cpu, steps=[(0, 1)])
+    assert (joined.transfer, joined.pack, joined.unpack) == pytest.approx((5, 4, 4))
+    assert (joined.seconds, joined.buckets, joined.rounds) == pytest.approx((14, 1, 1))
+    assert costmodel.modeled_time(twice, topo(), cpu, steps=[(0,), (1,)]).seconds == 16
+
+
 class _ClockPerDevice:
     """The GPU timeline written plainly, one `_Path` per device (the cost model's previous
     revision): the oracle for `costmodel._Timeline`, which keeps the clocks as arrays."""
@@ -952,6 +972,12 @@ def test_calibration_prices_a_real_plans_schedule(devices):
     assert m.seconds == pytest.approx(m.transfer + m.pack + m.unpack + m.local + m.overhead)
     cast = jr.plan(tree, {"w": dst}, bucket_bytes=64 << 10, dtype=jnp.bfloat16)
     assert calibrate.modeled(cast, slow).pack > 10 * calibrate.modeled(cast, PROFILES["cpu"]).pack
+    # buckets a call runs as one joined step (`lower.Step.buckets`) are priced as that step
+    many = {f"w{i}": jax.device_put(np.ones((64, 64), np.float32), src) for i in range(128)}
+    joined = jr.plan(many, dict.fromkeys(many, dst))
+    m = calibrate.modeled(joined, PROFILES["cpu"])
+    assert len(joined.schedule.buckets) > joined.stats.buckets == m.buckets
+    assert m.rounds == joined.stats.rounds
 
 
 def test_device_calibration_measures_every_figure_a_gpu_profile_assumes(devices, capsys):

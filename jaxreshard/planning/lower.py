@@ -329,6 +329,9 @@ class Step:
         the host less than the extra copy (`_host_work`).
       kept_bytes: the payload of the ``kept`` messages (packed and unpacked, where a local
         copy would copy it once).
+      buckets: the schedule buckets (indices into ``schedule.buckets``) whose messages the
+        step sends: one, several where steps are joined (`_joined`), none for a step of
+        local copies only. The cost model prices a call's steps from them.
     """
 
     unit: int
@@ -341,6 +344,7 @@ class Step:
     packed_bytes: int = 0
     kept: tuple[tuple[int, int], ...] = ()
     kept_bytes: int = 0
+    buckets: tuple[int, ...] = ()
 
     def senders(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(device, step slot) -> (pack call index, program slot)`` for every sent slot."""
@@ -411,6 +415,7 @@ def lower(
     union = tuple(sorted({d for b in schedule.buckets for m in b.messages for d in (m.src, m.dst)}))
     position = {d: i for i, d in enumerate(union)}
     laid = [_Laid.of(leaves, small, b) for b in schedule.buckets]
+    index = {id(b): k for k, b in enumerate(laid)}
     by_unit: dict[int, list[_Laid]] = defaultdict(list)
     for b in laid:
         by_unit[b.bucket.unit].append(b)
@@ -426,7 +431,8 @@ def lower(
         for i, bucket in enumerate(buckets):
             local = unit.local if i == 0 else ()
             fresh = unit.fresh if i == 0 else ()
-            steps.append(_step(leaves, small, bucket, local, u, fresh, position, widths, cap))
+            step = _step(leaves, small, bucket, local, u, fresh, position, widths, cap)
+            steps.append(dataclasses.replace(step, buckets=(index[id(bucket)],)))
     if JOIN_STEPS:
         # Half a bucket: a step holds a send and a receive buffer of each slot, so two
         # steps in flight (a step's packs beside the previous step's transfer) stay within
@@ -554,6 +560,7 @@ def _join(run: Sequence[Step], fresh: tuple[int, ...]) -> Step:
         sum(x.packed_bytes for x in run),
         first.kept,
         sum(x.kept_bytes for x in run),
+        tuple(b for x in run for b in x.buckets),
     )
 
 

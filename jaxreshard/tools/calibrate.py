@@ -424,15 +424,22 @@ def _bucket_overhead(devices: Sequence[jax.Device], profile: Profile, reps: int)
 
 
 def modeled(plan: jr.Plan, profile: Profile) -> costmodel.ModeledTime:
-    """``plan``'s schedule priced with ``profile`` on its own devices."""
+    """``plan``'s schedule priced with ``profile`` on its own devices, as a call runs it:
+    buckets joined into one step priced as one (`lower.Step.buckets`)."""
     topology: Topology = dataclasses.replace(
         plan.topology,
         intra_bandwidth=profile.intra_bandwidth,
         inter_bandwidth=profile.inter_bandwidth,
         round_latency=profile.round_latency,
     )
+    steps = [step.buckets for step in plan.lowered.steps]
     return costmodel.modeled_time(
-        plan.schedule, topology, profile, leaves=plan.leaves, local=plan.assignment.local
+        plan.schedule,
+        topology,
+        profile,
+        leaves=plan.leaves,
+        local=plan.assignment.local,
+        steps=steps,
     )
 
 

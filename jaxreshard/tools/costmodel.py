@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -377,6 +377,7 @@ def modeled_time(
     leaves: Sequence[LeafSpec] | None = None,
     local: Sequence[LocalCopy] = (),
     units: Sequence[Unit] | None = None,
+    steps: Sequence[Sequence[int]] | None = None,
 ) -> ModeledTime:
     """Price ``schedule`` bucket by bucket, as the executor runs it.
 
@@ -412,10 +413,17 @@ def modeled_time(
     bucket's unit that narrow leaves make up (with ``units``, the plan's: a bf16 slot copies
     at the bf16 speed, as its segments would), else as wide bytes.
 
+    With ``steps`` (the schedule buckets each step of a call sends, `lower.Step.buckets`),
+    buckets a call runs as one joined step are priced as one: the sum of their copies and
+    programs' arrays, one host cost, and each round once, as long as the sum of its slots
+    (a joined step's slots hold every joined bucket's messages one after the other).
+
     The parts reported add up to ``seconds``: ``pack`` and ``unpack`` are the copies on the
     critical path, and ``overhead`` what launches and host work add to it.
     """
-    return modeled_times(schedule, topology, [profile], leaves=leaves, local=local, units=units)[0]
+    return modeled_times(
+        schedule, topology, [profile], leaves=leaves, local=local, units=units, steps=steps
+    )[0]
 
 
 def modeled_times(
@@ -426,6 +434,7 @@ def modeled_times(
     leaves: Sequence[LeafSpec] | None = None,
     local: Sequence[LocalCopy] = (),
     units: Sequence[Unit] | None = None,
+    steps: Sequence[Sequence[int]] | None = None,
 ) -> list[ModeledTime]:
     """`modeled_time` under each of ``profiles``, counting the schedule's copies and rounds
     once (`_counted_buckets`) and pricing that count under every profile: on thousands of
@@ -438,7 +447,11 @@ def modeled_times(
     ]
     buckets = rounds = 0
     narrow = _narrow_shares(leaves, units) if leaves is not None and units is not None else None
-    for counted in _counted_buckets(schedule, ids, leaves, narrow):
+    counts: Iterable[_Counted] = _counted_buckets(schedule, ids, leaves, narrow)
+    if steps is not None:
+        every = list(counts)
+        counts = [_Counted.joined([every[b] for b in step]) for step in steps if step]
+    for counted in counts:
         for clock, p in zip(clocks, profiles, strict=True):
             clock.add(counted.priced(topology, ids, p), p)
         buckets += 1
@@ -515,6 +528,24 @@ class _Counted:
     def rounds(self) -> int:
         return len(self.sizes)
 
+    @staticmethod
+    def joined(buckets: Sequence[_Counted]) -> _Counted:
+        """Buckets run as one step (`lower._joined`: the same rounds, each slot holding
+        every bucket's messages one after the other): each round once, its slot the sum of
+        theirs; their copies and arrays summed."""
+        first = buckets[0]
+        if len(buckets) == 1:
+            return first
+        assert all(b.rounds == first.rounds for b in buckets), "joined steps share rounds"
+        return _Counted(
+            [sum(sizes) for sizes in zip(*(b.sizes for b in buckets), strict=True)],
+            first.cross,
+            first.on_host,
+            _merged([b.packs for b in buckets]),
+            _merged([b.unpacks for b in buckets]),
+            sum(b.arrays for b in buckets),
+        )
+
     def priced(self, topology: Topology, ids: _DeviceArrays, profile: Profile) -> _Bucket:
         """The bucket's copies per device, its rounds' time in each lane (`modeled_time`)
         and its host work, under ``profile``."""
@@ -543,6 +574,24 @@ class _Counted:
             profile.bucket_overhead + self.arrays * profile.argument_overhead,
             self.rounds,
         )
+
+
+def _merged(sides: Sequence[_Slots | _Copies]) -> _Slots | _Copies:
+    """The copies of several buckets' packs (or unpacks) run in one step."""
+    if all(isinstance(c, _Copies) for c in sides):
+        out = _Copies()
+        for c in sides:
+            out.merge(c)  # type: ignore[arg-type]
+        return out
+    slots = [c for c in sides if isinstance(c, _Slots)]
+    assert len(slots) == len(sides), "a step's buckets are counted alike"
+    nbytes = [float(c.nbytes.sum()) for c in slots]
+    narrow = sum(c.narrow * n for c, n in zip(slots, nbytes, strict=True)) / max(1.0, sum(nbytes))
+    return _Slots(
+        np.concatenate([c.devices for c in slots]),
+        np.concatenate([c.nbytes for c in slots]),
+        narrow,
+    )
 
 
 def _narrow_shares(leaves: Sequence[LeafSpec], units: Sequence[Unit]) -> list[float]:
@@ -811,6 +860,19 @@ class _Copies:
             self.wide[device] += nbytes
         self.boxes[device] += 1
         self.runs[device] += 1 if runs is None else runs
+
+    def merge(self, other: _Copies) -> None:
+        """Add ``other``'s copies (another step's, run in the same step)."""
+        for mine, theirs in (
+            (self.wide, other.wide),
+            (self.flat, other.flat),
+            (self.narrow, other.narrow),
+            (self.narrow_flat, other.narrow_flat),
+            (self.boxes, other.boxes),
+            (self.runs, other.runs),
+        ):
+            for device, n in theirs.items():
+                mine[device] += n
 
     def time(self, host: Mapping[int, int], profile: Profile) -> float:
         """Seconds for every device's copies at once: the slowest device, or where a host's
