@@ -415,10 +415,9 @@ def lower(
     union = tuple(sorted({d for b in schedule.buckets for m in b.messages for d in (m.src, m.dst)}))
     position = {d: i for i, d in enumerate(union)}
     laid = [_Laid.of(leaves, small, b) for b in schedule.buckets]
-    index = {id(b): k for k, b in enumerate(laid)}
-    by_unit: dict[int, list[_Laid]] = defaultdict(list)
-    for b in laid:
-        by_unit[b.bucket.unit].append(b)
+    by_unit: dict[int, list[tuple[int, _Laid]]] = defaultdict(list)  # (schedule bucket, laid)
+    for k, b in enumerate(laid):
+        by_unit[b.bucket.unit].append((k, b))
     widths = _slot_widths(leaves, small, laid)
     cap = 2 * int(bucket_bytes)
     steps: list[Step] = []
@@ -428,11 +427,11 @@ def lower(
             steps.append(
                 _step(leaves, small, None, unit.local, u, unit.fresh, position, widths, cap)
             )
-        for i, bucket in enumerate(buckets):
+        for i, (k, bucket) in enumerate(buckets):
             local = unit.local if i == 0 else ()
             fresh = unit.fresh if i == 0 else ()
             step = _step(leaves, small, bucket, local, u, fresh, position, widths, cap)
-            steps.append(dataclasses.replace(step, buckets=(index[id(bucket)],)))
+            steps.append(dataclasses.replace(step, buckets=(k,)))
     if JOIN_STEPS:
         # Half a bucket: a step holds a send and a receive buffer of each slot, so two
         # steps in flight (a step's packs beside the previous step's transfer) stay within

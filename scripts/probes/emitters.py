@@ -16,11 +16,10 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
-import numpy as np
+from _scenario import case, check_bits, interleaved
 
 import jaxreshard as jr
 from jaxreshard.run import runtime
-from jaxreshard.tools import bench
 
 BUILT = runtime.program_options, runtime._pack_casts
 
@@ -34,36 +33,17 @@ def newer(on: bool, which: str) -> None:
 
 
 def main(name: str, rounds: int, which: str) -> None:
-    devices = jax.devices()
-    scenario = bench.SCENARIOS[name]
-    assert scenario.tree is not None, f"{name} has no tree to move"
-    tree = scenario.tree(bench.parse_args([]))
-    src_sh, dst_sh = bench.shardings(tree, scenario.layouts(len(devices)), devices)
-    src = bench.make_source(tree, src_sh)
+    src, dst_sh, dtype = case(name)
     plans, outs, first = {}, {}, {}
     for on in (False, True):
         newer(on, which)  # programs are built (and their options read) at the first call
         start = time.perf_counter()
-        plans[on] = jr.plan(src, dst_sh, dtype=scenario.dtype)
+        plans[on] = jr.plan(src, dst_sh, dtype=dtype)
         outs[on] = jax.block_until_ready(plans[on](src))
         first[on] = time.perf_counter() - start
     newer(False, which)
-    for key, x in src.items():
-        want = np.asarray(jax.device_put(x.astype(outs[True][key].dtype), dst_sh[key]))
-        for on in (False, True):
-            got = np.asarray(outs[on][key])
-            assert want.view(np.uint8).tobytes() == got.view(np.uint8).tobytes(), (on, key)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for on in (False, True, False, True):  # warm-up
-        outs[on] = plans[on](src, donate=outs[on])
-    for i in range(rounds):
-        for on in (False, True) if i % 2 else (True, False):
-            jax.block_until_ready(outs[on])
-            t0 = time.perf_counter()
-            outs[on] = plans[on](src, donate=outs[on])
-            jax.block_until_ready(outs[on])
-            times[on].append(time.perf_counter() - t0)
-    built, new = (1e3 * np.median(times[k]) for k in (False, True))
+    check_bits(src, dst_sh, outs)
+    built, new = interleaved(plans, outs, src, rounds)
     print(
         f"{name}: as built {built:.1f} ms, {which} on the newer emitters {new:.1f} ms a call "
         f"({new / built:.2f}x); first call {first[False]:.2f} s against {first[True]:.2f} s",

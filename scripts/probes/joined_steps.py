@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax
-import numpy as np
+from _scenario import case, check_bits, interleaved
 
 import jaxreshard as jr
 from jaxreshard.planning import lower
-from jaxreshard.tools import bench
 
 
 def main(name: str, rounds: int) -> None:
-    devices = jax.devices()
-    scenario = bench.SCENARIOS[name]
-    assert scenario.tree is not None, f"{name} has no tree to move"
-    tree = scenario.tree(bench.parse_args([]))
-    src_sh, dst_sh = bench.shardings(tree, scenario.layouts(len(devices)), devices)
-    src = bench.make_source(tree, src_sh)
+    src, dst_sh, dtype = case(name)
     plans, outs = {}, {}
     for joined in (False, True):
         lower.JOIN_STEPS = joined
-        plans[joined] = jr.plan(src, dst_sh, dtype=scenario.dtype)
+        plans[joined] = jr.plan(src, dst_sh, dtype=dtype)
         outs[joined] = plans[joined](src)
         s = plans[joined].stats
         print(
@@ -40,23 +32,9 @@ def main(name: str, rounds: int) -> None:
             f"host syncs {s.host_syncs}, dispatches {s.dispatches}, programs {s.programs}, "
             f"staging {s.staging_bytes / 2**20:.2f} MiB a device"
         )
-    for key, x in src.items():
-        want = np.asarray(jax.device_put(x.astype(outs[True][key].dtype), dst_sh[key]))
-        for joined in (False, True):
-            got = np.asarray(outs[joined][key])
-            assert want.view(np.uint8).tobytes() == got.view(np.uint8).tobytes(), (joined, key)
+    check_bits(src, dst_sh, outs)
     print("both bit for bit equal to jax.device_put")
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for joined in (False, True, False, True):  # warm-up
-        outs[joined] = plans[joined](src, donate=outs[joined])
-    for i in range(rounds):
-        for joined in (False, True) if i % 2 else (True, False):
-            jax.block_until_ready(outs[joined])
-            t0 = time.perf_counter()
-            outs[joined] = plans[joined](src, donate=outs[joined])
-            jax.block_until_ready(outs[joined])
-            times[joined].append(time.perf_counter() - t0)
-    plain, joined = (1e3 * np.median(times[k]) for k in (False, True))
+    plain, joined = interleaved(plans, outs, src, rounds)
     print(f"{name}: plain {plain:.1f} ms, joined {joined:.1f} ms a call ({joined / plain:.2f}x)")
 
 

@@ -18,19 +18,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import numpy as np
+from _scenario import case
 
 import jaxreshard as jr
-from jaxreshard.tools import bench
 
 
 def main(name: str, calls: int) -> None:
-    devices = jax.devices()
-    scenario = bench.SCENARIOS[name]
-    assert scenario.tree is not None, f"{name} has no tree to move"
-    tree = scenario.tree(bench.parse_args([]))
-    src_sh, dst_sh = bench.shardings(tree, scenario.layouts(len(devices)), devices)
-    src = bench.make_source(tree, src_sh)
-    plan = jr.plan(src, dst_sh, dtype=scenario.dtype)
+    src, dst_sh, dtype = case(name)
+    plan = jr.plan(src, dst_sh, dtype=dtype)
     out = plan(src)
     for _ in range(3):
         out = plan(src, donate=out)
