@@ -574,6 +574,11 @@ class Plan:
     ) -> tuple[list[Any], list[Any] | None]:
         """Check a call's arguments (and, once per plan, agree with the other processes)."""
         try:
+            if not isinstance(verify, (bool, np.bool_)):  # "no" or "yes" would read as true
+                raise ReshardTypeError(
+                    f"verify must be True or False, got {verify!r}; nothing was moved\nHow to "
+                    "fix: pass verify=True to check the result, or leave verify out"
+                )
             if verify and jax.process_count() > 1:  # refused before anything moves
                 raise ReshardError(
                     "verify=True is not supported under jax.distributed yet (the per-shard "

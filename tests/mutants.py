@@ -3443,6 +3443,18 @@ SURFACE_MUTANTS: list[Mutant] = [
         "the cost model prices each bucket of a joined step apart",
     ),
     Mutant(
+        "api-verify-takes-any-truthy-value",
+        "jaxreshard/api.py",
+        (
+            (
+                "            if not isinstance(verify, (bool, np.bool_)):",
+                "            if False:",
+            ),
+        ),
+        ("tests/test_errors.py::test_verify_takes_true_or_false_only",),
+        "a call takes verify='no' as true instead of refusing it",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -325,7 +325,8 @@ def test_targets_and_tables():
 
 @pytest.mark.slow
 def test_tiny_other_scenarios(tmp_path):
-    """The scenarios the tests above leave out, each in its own child process (the default).
+    """The scenarios the tests above leave out, in this one process (``--in-process``: the
+    default, a child process per scenario, runs in `test_first_call_and_scaled_devices`).
 
     The other two 32k-vocabulary trees are the same code path as ``disjoint_gpt32k`` (their
     trees are checked in `test_trees_and_layouts`); gather_slice runs only where it is
@@ -338,7 +339,7 @@ def test_tiny_other_scenarios(tmp_path):
         *[arg for n in names for arg in ("--scenario", n)],
         *(*TINY, "--gpt-d", "64", "--gpt-vocab", "256", "--gpt-layers", "1"),
         *("--lora-layers", "2", "--lora-rank", "4"),
-        *("--strategies", "jaxreshard,device_put,xla_reshard"),
+        *("--strategies", "jaxreshard,device_put,xla_reshard", "--in-process"),
         *("--pairs", "1", "--warmup", "1", "--profile-reps", "1"),
     )
     assert [s["scenario"] for s in report["scenarios"]] == names and report["complete"]

@@ -2,16 +2,20 @@
 error: exit status 2 and one ``error:`` line that names the option and what it takes, before
 any model is built or any array moves (never a traceback from deep inside JAX, orbax or Tunix).
 
-Every case runs the script in a fresh interpreter, as a user would, on 8 simulated CPU devices;
-each exits within a few seconds (the time to import the script).
+Every case runs the script as ``python script ...`` would, on 8 simulated CPU devices. The cases
+of one script share a fresh interpreter (`run_each`): importing JAX, Flax or Tunix takes most of
+the few seconds a case takes, and a refusal happens before anything the next case could see.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import types
+from collections.abc import Sequence
 
 import pytest
 
@@ -31,6 +35,48 @@ def run(*command: str) -> subprocess.CompletedProcess:
     )
 
 
+# Runs each command line of a JSON list through `runpy` as ``__main__``, in this one interpreter,
+# and writes what each printed and its exit status to a JSON file (an interpreter's own output,
+# such as XLA's log lines, cannot mix into it).
+_RUN_EACH = """
+import contextlib, io, json, runpy, sys, traceback
+target, cases, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+results = []
+for argv in cases:
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    sys.argv = [target, *argv]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if target.startswith("-m"):
+                runpy.run_module(target[2:], run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as e:  # as the interpreter maps sys.exit's argument to a status
+            status = e.code if isinstance(e.code, int) else int(e.code is not None)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+    results.append({"returncode": status, "stdout": out.getvalue(), "stderr": err.getvalue()})
+with open(out_path, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_each(
+    target: str, cases: Sequence[Sequence[str]], tmp: pathlib.Path
+) -> dict[tuple[str, ...], types.SimpleNamespace]:
+    """``python target *argv`` for each ``argv`` of ``cases`` (``target`` a script, or ``-mNAME``
+    for a module), all in one fresh interpreter as `run` starts it: each result has the
+    ``returncode``, ``stdout`` and ``stderr`` of its command line."""
+    out = tmp / "results.json"
+    proc = run("-c", _RUN_EACH, target, json.dumps([list(c) for c in cases]), str(out))
+    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads(out.read_text())
+    return {tuple(c): types.SimpleNamespace(**r) for c, r in zip(cases, results, strict=True)}
+
+
 def case(args: tuple[str, ...], option: str, *words: str):
     """A bad command line, the option its error names, and words of the message."""
     return pytest.param(args, option, words, id=" ".join(args))
@@ -48,43 +94,53 @@ def assert_usage_error(proc: subprocess.CompletedProcess, option: str, *words: s
         assert word in errors[0], errors[0]
 
 
-@pytest.mark.parametrize(
-    ("args", "option", "words"),
-    [
-        case(("--compare-reps", "0"), "--compare-reps", "at least 1"),
-        case(("--ckpt-dir", "{tmp}", "--ckpt-every", "0"), "--ckpt-every", "at least 1"),
-        case(("--heads", "3"), "--heads", "--d-model (64)", "multiple"),
-        case(("--prompts", "0"), "--prompts", "at least 1"),
-        case(("--steps", "-1"), "--steps", "at least 0"),
-        case(("--group", "0"), "--group", "at least 1"),
-        case(("--d-model", "-16"), "--d-model", "at least 1"),
-        case(("--layers", "-1"), "--layers", "at least 0"),
-        case(("--mlp", "0"), "--mlp", "at least 1"),
-        case(("--vocab", "1"), "--vocab", "at least 2"),
-        case(("--max-stride", "0"), "--max-stride", "at least 1"),
-        case(("--seed", "-1"), "--seed", "at least 0"),
-        case(("--lr", "nan"), "--lr", "finite"),
-        # Sizes a layout splits over a mesh axis must divide by its size.
-        case(("--vocab", "17"), "--vocab", "multiple of 2", "--trainer-mesh 2x2"),
-        case(("--mlp", "30", "--sampler-mesh", "1x4"), "--mlp", "multiple of 4", "--sampler-mesh"),
-        case(
-            ("--d-model", "6", "--heads", "2", "--trainer-mesh", "4x1", "--colocate"),
-            "--d-model",
-            "multiple of 4",
-            "fsdp axis",
-        ),
-    ],
-)
-def test_flax_example_refuses_bad_sizes_before_building_the_model(args, option, words, tmp_path):
-    """examples/flax_rl_refit.py: counts and sizes out of range, heads that do not divide
-    d_model, and sizes that a mesh cannot split evenly are usage errors."""
+FLAX_BAD_SIZES = [
+    case(("--compare-reps", "0"), "--compare-reps", "at least 1"),
+    case(("--ckpt-dir", "{tmp}", "--ckpt-every", "0"), "--ckpt-every", "at least 1"),
+    case(("--heads", "3"), "--heads", "--d-model (64)", "multiple"),
+    case(("--prompts", "0"), "--prompts", "at least 1"),
+    case(("--steps", "-1"), "--steps", "at least 0"),
+    case(("--group", "0"), "--group", "at least 1"),
+    case(("--d-model", "-16"), "--d-model", "at least 1"),
+    case(("--layers", "-1"), "--layers", "at least 0"),
+    case(("--mlp", "0"), "--mlp", "at least 1"),
+    case(("--vocab", "1"), "--vocab", "at least 2"),
+    case(("--max-stride", "0"), "--max-stride", "at least 1"),
+    case(("--seed", "-1"), "--seed", "at least 0"),
+    case(("--lr", "nan"), "--lr", "finite"),
+    # Sizes a layout splits over a mesh axis must divide by its size.
+    case(("--vocab", "17"), "--vocab", "multiple of 2", "--trainer-mesh 2x2"),
+    case(("--mlp", "30", "--sampler-mesh", "1x4"), "--mlp", "multiple of 4", "--sampler-mesh"),
+    case(
+        ("--d-model", "6", "--heads", "2", "--trainer-mesh", "4x1", "--colocate"),
+        "--d-model",
+        "multiple of 4",
+        "fsdp axis",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def flax_runs(tmp_path_factory):
+    """Every case of FLAX_BAD_SIZES, run in one interpreter; ``{tmp}`` is a fresh folder."""
     for module in ("flax", "optax", "orbax.checkpoint"):  # imported before the options are read
         pytest.importorskip(module)
-    args = [a.replace("{tmp}", str(tmp_path / "ckpt")) for a in args]
-    proc = run(str(EXAMPLES / "flax_rl_refit.py"), *args)
+    tmp = tmp_path_factory.mktemp("flax_cli")
+    cases = [
+        tuple(a.replace("{tmp}", str(tmp / "ckpt")) for a in c.values[0]) for c in FLAX_BAD_SIZES
+    ]
+    return tmp, run_each(str(EXAMPLES / "flax_rl_refit.py"), cases, tmp)
+
+
+@pytest.mark.parametrize(("args", "option", "words"), FLAX_BAD_SIZES)
+def test_flax_example_refuses_bad_sizes_before_building_the_model(args, option, words, flax_runs):
+    """examples/flax_rl_refit.py: counts and sizes out of range, heads that do not divide
+    d_model, and sizes that a mesh cannot split evenly are usage errors."""
+    tmp, runs = flax_runs
+    proc = runs[tuple(a.replace("{tmp}", str(tmp / "ckpt")) for a in args)]
     assert_usage_error(proc, option, *words)
     assert "policy:" not in proc.stdout  # refused before the model is described or built
-    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp / "ckpt").exists()
 
 
 def test_flax_example_refuses_to_resume_a_checkpoint_of_another_model_shape(tmp_path):
@@ -115,25 +171,34 @@ def test_flax_example_refuses_to_resume_a_checkpoint_of_another_model_shape(tmp_
     assert all(flag in last for flag in ("--vocab", "--d-model", "--layers", "--mlp"))
 
 
-@pytest.mark.parametrize(
-    ("args", "option", "words"),
-    [
-        case(("--reps", "0"), "--reps", "at least 1"),
-        case(("--steps", "0"), "--steps", "at least 1"),
-        case(("--generations", "1"), "--generations", "at least 2"),
-        case(("--batch", "0"), "--batch", "at least 1"),
-        case(("--seed", "-1"), "--seed", "at least 0"),
-        case(("--lr", "inf"), "--lr", "finite"),
-    ],
-)
-def test_tunix_example_refuses_bad_counts_before_building_the_cluster(args, option, words):
+TUNIX_BAD_COUNTS = [
+    case(("--reps", "0"), "--reps", "at least 1"),
+    case(("--steps", "0"), "--steps", "at least 1"),
+    case(("--generations", "1"), "--generations", "at least 2"),
+    case(("--batch", "0"), "--batch", "at least 1"),
+    case(("--seed", "-1"), "--seed", "at least 0"),
+    case(("--lr", "inf"), "--lr", "finite"),
+]
+
+
+@pytest.fixture(scope="module")
+def tunix_runs(tmp_path_factory):
+    pytest.importorskip("tunix")  # the script imports Tunix before it parses its options
+    pytest.importorskip("qwix")
+    cases = [c.values[0] for c in TUNIX_BAD_COUNTS]
+    return run_each(str(EXAMPLES / "tunix_grpo.py"), cases, tmp_path_factory.mktemp("tunix_cli"))
+
+
+@pytest.mark.parametrize(("args", "option", "words"), TUNIX_BAD_COUNTS)
+def test_tunix_example_refuses_bad_counts_before_building_the_cluster(
+    args, option, words, tunix_runs
+):
     """examples/tunix_grpo.py: a run needs a step, a prompt, a group of 2 or more answers (GRPO
     compares them) and a timed refit; each refusal is a usage error, not an error inside
     Tunix."""
-    pytest.importorskip("tunix")  # the script imports Tunix before it parses its options
-    pytest.importorskip("qwix")
-    proc = run(str(EXAMPLES / "tunix_grpo.py"), *args)
+    proc = tunix_runs[args]
     assert_usage_error(proc, option, *words)
+    assert "GRPO steps" not in proc.stdout
     assert "GRPO steps" not in proc.stdout
 
 
@@ -168,25 +233,31 @@ def test_multihost_example_checks_the_width_of_a_single_process_too():
     assert_usage_error(proc, "--width 6", "multiple of 4", "--width 4")
 
 
-@pytest.mark.parametrize(
-    ("args", "option", "words"),
-    [
-        case(("--bucket-bytes", "0"), "--bucket-bytes", "4096"),
-        case(("--bucket-bytes", "7"), "--bucket-bytes", "4096"),
-        case(("--bucket-bytes", "-4096"), "--bucket-bytes", "4096"),
-        case(("--size-mib", "0"), "--size-mib", "positive"),
-        case(("--size-mib", "-4"), "--size-mib", "positive"),
-        case(("--size-mib", "nan"), "--size-mib", "positive"),
-        case(("--big-leaf-mib", "0"), "--big-leaf-mib", "positive"),
-        case(("--layers", "0"), "--layers", "at least 1"),
-        case(("--async-work", "-1"), "--async-work", "0 or more"),
-    ],
-)
-def test_bench_refuses_buckets_and_sizes_it_cannot_run(args, option, words):
+BENCH_BAD_SIZES = [
+    case(("--bucket-bytes", "0"), "--bucket-bytes", "4096"),
+    case(("--bucket-bytes", "7"), "--bucket-bytes", "4096"),
+    case(("--bucket-bytes", "-4096"), "--bucket-bytes", "4096"),
+    case(("--size-mib", "0"), "--size-mib", "positive"),
+    case(("--size-mib", "-4"), "--size-mib", "positive"),
+    case(("--size-mib", "nan"), "--size-mib", "positive"),
+    case(("--big-leaf-mib", "0"), "--big-leaf-mib", "positive"),
+    case(("--layers", "0"), "--layers", "at least 1"),
+    case(("--async-work", "-1"), "--async-work", "0 or more"),
+]
+BENCH = ("--scenario", "disjoint", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    cases = [(*BENCH, *c.values[0]) for c in BENCH_BAD_SIZES]
+    return run_each("-mjaxreshard.bench", cases, tmp_path_factory.mktemp("bench_cli"))
+
+
+@pytest.mark.parametrize(("args", "option", "words"), BENCH_BAD_SIZES)
+def test_bench_refuses_buckets_and_sizes_it_cannot_run(args, option, words, bench_runs):
     """`python -m jaxreshard.bench`: --bucket-bytes takes 4 KiB to 2**48 (smaller buckets make a
     run of a few MiB take many minutes) and the tree sizes must be positive."""
-    proc = run("-m", "jaxreshard.bench", "--scenario", "disjoint", "--no-progress", *args)
-    assert_usage_error(proc, option, *words)
+    assert_usage_error(bench_runs[(*BENCH, *args)], option, *words)
 
 
 def test_bench_help_states_the_smallest_bucket():

@@ -311,8 +311,9 @@ def test_programs_and_compiles_do_not_grow_with_repeated_layers():
     counts = {}
     for layers in (3, 12):
         spec, dst = llama_like(layers)
+        rng = np.random.default_rng(layers)
         src = {
-            k: jax.jit(lambda s=s: jnp.ones(s.shape, s.dtype), out_shardings=s.sharding)()
+            k: jax.device_put(rng.standard_normal(s.shape, np.float32), s.sharding)
             for k, s in spec.items()
         }
         plan = jr.plan(spec, dst, dtype=jnp.bfloat16, bucket_bytes=8192)
@@ -321,6 +322,8 @@ def test_programs_and_compiles_do_not_grow_with_repeated_layers():
             out = plan(src, donate=out)
             jax.block_until_ready(out)
         counts[layers] = (c.count, plan.stats.programs, plan.stats.buckets)
+        for k, x in src.items():
+            assert_exact(out[k], np.asarray(x).astype(jnp.bfloat16), dst[k])
     assert counts[12][2] > 3 * counts[3][2] // 2  # the larger tree has more buckets ...
     assert counts[12][:2] == counts[3][:2], counts  # ... and the same programs
 
@@ -337,10 +340,9 @@ def test_a_plan_of_local_copies_only_keeps_its_programs_small_and_flat_in_the_la
     counts = {}
     for layers in (8, 32):
         spec, _ = llama_like(layers)
+        rng = np.random.default_rng(layers)
         src = {
-            k: jax.jit(
-                lambda s=s: jnp.ones(s.shape, s.dtype), out_shardings=NamedSharding(one, P())
-            )()
+            k: jax.device_put(rng.standard_normal(s.shape, np.float32), NamedSharding(one, P()))
             for k, s in spec.items()
         }
         dst = {k: NamedSharding(one, P()) for k in spec}

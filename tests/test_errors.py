@@ -316,6 +316,18 @@ def test_a_donate_tree_that_does_not_match_the_destination(src):
     assert not out["a"].is_deleted()  # nothing was donated by the refused call
 
 
+@pytest.mark.parametrize("verify", ["yes", "no", 1, None])
+def test_verify_takes_true_or_false_only(src, verify):
+    """``verify="no"`` would read as true: anything but a bool is refused before data moves,
+    and the donated result survives."""
+    plan = jr.plan(src, dst_tree())
+    out = plan(src)
+    with pytest.raises(jr.ReshardError, match="verify must be True or False"):
+        plan(src, donate=out, verify=verify)
+    assert not out["a"].is_deleted()
+    assert plan(src, donate=out, verify=np.True_)["a"].shape == out["a"].shape
+
+
 def test_a_call_with_a_deleted_source_or_donate_leaf_names_it(src):
     plan = jr.plan(src, dst_tree())
     out = plan(src)

@@ -251,16 +251,20 @@ def test_a_cast_gives_the_bits_of_astype_sent_and_copied_locally(cast):
     a cast to float4_e2m1fn. Moved between disjoint meshes (cast by the senders' packs) and
     onto the same devices (local parts cast by the receivers' unpacks); verified too."""
     one = jax.devices()[0]
-    colocated = (A, (4,), ("x",), None, "x")
-    for source in ("float32", "bfloat16", "float16"):
+    where = {"sent": sharding(*CASES[0].dst), "local": sharding(*(A, (4,), ("x",), None, "x"))}
+    src, dst, want = {}, {}, {}
+    for source in ("float32", "bfloat16", "float16"):  # one plan: one compile of each program
         host = random_array((16, 8), source, 7)
         host.reshape(-1)[:4] = np.array([-1e-30, -1e-7, -0.0, 1e-30]).astype(host.dtype)
-        want = np.asarray(jax.jit(lambda v: v.astype(cast))(jax.device_put(host, one)))
-        src = jax.device_put(host, sharding(*CASES[0].src))
-        dst = {"sent": sharding(*CASES[0].dst), "local": sharding(*colocated)}
-        out = jr.plan({k: src for k in dst}, dst, dtype=cast)({k: src for k in dst}, verify=True)
-        for k, d in dst.items():
-            assert_exact(out[k], want, d)
+        for k, d in where.items():
+            src[source, k] = jax.device_put(host, sharding(*CASES[0].src))
+            dst[source, k] = d
+            want[source, k] = np.asarray(
+                jax.jit(lambda v: v.astype(cast))(jax.device_put(host, one))
+            )
+    out = jr.plan(src, dst, dtype=cast)(src, verify=True)
+    for key, d in dst.items():
+        assert_exact(out[key], want[key], d)
 
 
 def test_pytree_with_prefix_shardings_and_dtype_tree():

@@ -49,6 +49,18 @@ def tree():
     return host, src, dst
 
 
+@pytest.fixture(scope="module")
+def planned():
+    """``(src, plan, out)``: `tree` planned without a cast, its result, and one `plan.verify`
+    run (so its programs are compiled). Shared by the tests below that only read them: each
+    changes a copy of a shard, never ``out``."""
+    _, src, dst = tree()
+    plan = jr.plan(src, dst)
+    out = plan(src)
+    plan.verify(src, out)
+    return src, plan, out
+
+
 def with_shard(x: jax.Array, device: int, change) -> jax.Array:
     """``x`` with the buffer on ``device`` replaced by ``change(its NumPy copy)``."""
     bufs = views.by_device(x)
@@ -83,13 +95,11 @@ def test_one_changed_word_is_found_naming_the_leaf_and_the_device():
 
 
 @pytest.mark.parametrize("bit", [31, 30, 23])
-def test_the_same_bit_flipped_in_two_words_is_found(bit):
+def test_the_same_bit_flipped_in_two_words_is_found(bit, planned):
     """Regression: two sign flips (bit 31) cancelled in the sum mod 2**32 and verified as
     exact; two flips of bit 30 cancelled for half the pairs of positions. Every pair of
     positions of one shard row, with the bit flipped in both words."""
-    _, src, dst = tree()
-    plan = jr.plan(src, dst)
-    out = plan(src)
+    src, plan, out = planned
     columns = views.by_device(out["w"])[4].shape[-1]
     for first in range(columns):
         for second in range(first + 1, columns):
@@ -103,10 +113,8 @@ def test_the_same_bit_flipped_in_two_words_is_found(bit):
                 plan.verify(src, bad)
 
 
-def test_data_in_the_wrong_place_is_found():
-    _, src, dst = tree()
-    plan = jr.plan(src, dst)
-    out = plan(src)
+def test_data_in_the_wrong_place_is_found(planned):
+    src, plan, out = planned
     bad = dict(out, x=with_shard(out["x"], 5, lambda a: a[::-1].copy()))  # same words, moved
     with pytest.raises(jr.ReshardError, match=r"\['x'\]: device 5"):
         plan.verify(src, bad)
@@ -142,11 +150,9 @@ def test_words_moved_between_mirrored_positions_are_found(change):
         plan.verify(src, with_shard(out, 5, fn))
 
 
-def test_a_leaf_wrong_on_two_devices_counts_as_one_leaf():
+def test_a_leaf_wrong_on_two_devices_counts_as_one_leaf(planned):
     """Regression: the error's header counted devices as leaves ("(2 leaves)")."""
-    _, src, dst = tree()
-    plan = jr.plan(src, dst)
-    out = plan(src)
+    src, plan, out = planned
     flip = lambda a: a[::-1].copy()  # noqa: E731
     bad = dict(out, x=with_shard(with_shard(out["x"], 4, flip), 5, flip))
     with pytest.raises(jr.ReshardError, match=r"\(1 leaf\):\n.*\['x'\]: device 4.*\n.*device 5"):
@@ -361,11 +367,8 @@ def test_an_exact_cast_of_nan_payloads_passes_when_taken_in_pieces(cast, monkeyp
     out = plan(src, donate=out, verify=True)
 
 
-def test_verify_reads_no_array_to_the_host():
-    _, src, dst = tree()
-    plan = jr.plan(src, dst)
-    out = plan(src)
-    plan.verify(src, out)  # compiles
+def test_verify_reads_no_array_to_the_host(planned):
+    src, plan, out = planned  # verified once: compiled
     with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard("disallow"):
         plan.verify(src, out)  # only the sums come back (allowed explicitly inside)
 
@@ -378,12 +381,10 @@ def test_host_memory_destinations_and_single_device_results_verify():
     plan(src, verify=True)
 
 
-def test_a_result_tree_that_is_not_the_plans_result_is_refused_naming_the_leaf():
+def test_a_result_tree_that_is_not_the_plans_result_is_refused_naming_the_leaf(planned):
     """Regression: verify took its result tree unchecked: a leaf on another sharding raised a
     bare KeyError, a deleted one JAX's RuntimeError, a NumPy one an AttributeError."""
-    _, src, dst = tree()
-    plan = jr.plan(src, dst)
-    out = plan(src)
+    src, plan, out = planned
     deleted = jax.device_put(np.zeros(out["w"].shape, out["w"].dtype), out["w"].sharding)
     deleted.delete()
     for leaf, says in [
