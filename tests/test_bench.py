@@ -289,6 +289,9 @@ def test_trees_and_layouts():
     colocated = bench.colocated_layouts(8)
     assert colocated.dst_devices == (0, 2, 4, 6, 1, 3, 5, 7)
     assert bench.disjoint_layouts(4).describe() == "fsdp2 on devices 0-1 -> tp2 on devices 2-3"
+    same = bench.SCENARIOS["same_layout"]
+    assert same.layouts(8).describe() == "tp4 on devices 0-3 -> tp4 on devices 4-7"
+    assert same.family == "disjoint"  # under the same <= 1.5x device_put target
     assert bench.default_scenarios(1) == ["one_device", "first_call"]
     assert "one_device" not in bench.default_scenarios(8)
     family = [n for n, s in bench.SCENARIOS.items() if s.family == "disjoint"]
@@ -332,7 +335,7 @@ def test_tiny_other_scenarios(tmp_path):
     trees are checked in `test_trees_and_layouts`); gather_slice runs only where it is
     compared with XLA's own reshard, to keep compile time down.
     """
-    names = ["disjoint", "disjoint_gpt32k", "disjoint_scanned_bf16", "colocated"]
+    names = ["disjoint", "disjoint_gpt32k", "disjoint_scanned_bf16", "same_layout", "colocated"]
     names += ["replicated_src", "replicated_dst", "lora"]
     report, _ = run_bench(
         tmp_path,
@@ -356,7 +359,7 @@ def test_tiny_other_scenarios(tmp_path):
             "jr_over_this_ratio_of_medians"
         ]
     )
-    for name in ("disjoint", "disjoint_gpt32k"):
+    for name in ("disjoint", "disjoint_gpt32k", "same_layout"):
         goal = goals[f"disjoint speed ({name}): jaxreshard <= 1.5x device_put"]
         rec = by_strategy(report["scenarios"][names.index(name)])
         assert goal["value"] == rec["device_put"]["jr_over_this_ratio_of_medians"]

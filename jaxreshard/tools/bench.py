@@ -353,6 +353,21 @@ def disjoint_layouts(n: int) -> Layouts:
     )
 
 
+def same_layout_layouts(n: int) -> Layouts:
+    """The sampler's layout on both halves of ``n`` devices: tp on the first half -> the same
+    tp on the second (n = 8: tp4 on 0-3 -> tp4 on 4-7), so every destination shard is one
+    whole source shard (trainer and sampler with the same tensor parallelism)."""
+    h = n // 2
+    return Layouts(
+        tuple(range(h)),
+        ((h,), ("tp",)),
+        SAMPLER_TP,
+        tuple(range(h, 2 * h)),
+        ((h,), ("tp",)),
+        SAMPLER_TP,
+    )
+
+
 def replicated_src_layouts(n: int) -> Layouts:
     return dataclasses.replace(
         disjoint_layouts(n), src_mesh=(_grid(n // 2), ("dp", "fsdp")), src_specs=FSDP_ONLY
@@ -474,6 +489,14 @@ SCENARIOS: dict[str, Scenario] = {
             lambda a: dataclasses.replace(
                 scanned_gpt(a.gpt_d, a.gpt_layers, a.gpt_vocab), dtype="bfloat16"
             ),
+            family="disjoint",
+        ),
+        Scenario(
+            "same_layout",
+            "GPT tree of {a.size_mib:g} MiB, the sampler's layout on both sides (the same "
+            "tensor parallelism: every destination shard is one whole source shard)",
+            same_layout_layouts,
+            _gpt_default,
             family="disjoint",
         ),
         Scenario(
