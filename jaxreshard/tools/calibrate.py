@@ -54,6 +54,7 @@ SCENARIOS = (
     "disjoint_gpt32k",
     "disjoint_gpt32k_blocks",
     "disjoint_gpt32k_embed",
+    "same_layout",
     "colocated",
     "many_leaves",
     "replicated_src",
