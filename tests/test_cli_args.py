@@ -15,7 +15,8 @@ import pathlib
 import subprocess
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -65,16 +66,22 @@ with open(out_path, "w") as f:
 
 
 def run_each(
-    target: str, cases: Sequence[Sequence[str]], tmp: pathlib.Path
+    target: str,
+    cases: Sequence[Any],
+    tmp: pathlib.Path,
+    argv: Callable[[tuple[str, ...]], Sequence[str]] = tuple,
 ) -> dict[tuple[str, ...], types.SimpleNamespace]:
-    """``python target *argv`` for each ``argv`` of ``cases`` (``target`` a script, or ``-mNAME``
-    for a module), all in one fresh interpreter as `run` starts it: each result has the
-    ``returncode``, ``stdout`` and ``stderr`` of its command line."""
+    """``python target *argv(args)`` for the ``args`` of each of ``cases`` (`case` params;
+    ``target`` a script, or ``-mNAME`` for a module), all in one fresh interpreter as `run`
+    starts it. Keyed by each case's ``args``: the ``returncode``, ``stdout`` and ``stderr``
+    of its command line."""
+    args = [c.values[0] for c in cases]
     out = tmp / "results.json"
-    proc = run("-c", _RUN_EACH, target, json.dumps([list(c) for c in cases]), str(out))
+    lines = json.dumps([list(argv(a)) for a in args])
+    proc = run("-c", _RUN_EACH, target, lines, str(out))
     assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-3000:]
     results = json.loads(out.read_text())
-    return {tuple(c): types.SimpleNamespace(**r) for c, r in zip(cases, results, strict=True)}
+    return {a: types.SimpleNamespace(**r) for a, r in zip(args, results, strict=True)}
 
 
 def case(args: tuple[str, ...], option: str, *words: str):
@@ -126,10 +133,14 @@ def flax_runs(tmp_path_factory):
     for module in ("flax", "optax", "orbax.checkpoint"):  # imported before the options are read
         pytest.importorskip(module)
     tmp = tmp_path_factory.mktemp("flax_cli")
-    cases = [
-        tuple(a.replace("{tmp}", str(tmp / "ckpt")) for a in c.values[0]) for c in FLAX_BAD_SIZES
-    ]
-    return tmp, run_each(str(EXAMPLES / "flax_rl_refit.py"), cases, tmp)
+    ckpt = str(tmp / "ckpt")
+    runs = run_each(
+        str(EXAMPLES / "flax_rl_refit.py"),
+        FLAX_BAD_SIZES,
+        tmp,
+        lambda args: [a.replace("{tmp}", ckpt) for a in args],
+    )
+    return tmp, runs
 
 
 @pytest.mark.parametrize(("args", "option", "words"), FLAX_BAD_SIZES)
@@ -137,7 +148,7 @@ def test_flax_example_refuses_bad_sizes_before_building_the_model(args, option, 
     """examples/flax_rl_refit.py: counts and sizes out of range, heads that do not divide
     d_model, and sizes that a mesh cannot split evenly are usage errors."""
     tmp, runs = flax_runs
-    proc = runs[tuple(a.replace("{tmp}", str(tmp / "ckpt")) for a in args)]
+    proc = runs[args]
     assert_usage_error(proc, option, *words)
     assert "policy:" not in proc.stdout  # refused before the model is described or built
     assert not (tmp / "ckpt").exists()
@@ -185,8 +196,8 @@ TUNIX_BAD_COUNTS = [
 def tunix_runs(tmp_path_factory):
     pytest.importorskip("tunix")  # the script imports Tunix before it parses its options
     pytest.importorskip("qwix")
-    cases = [c.values[0] for c in TUNIX_BAD_COUNTS]
-    return run_each(str(EXAMPLES / "tunix_grpo.py"), cases, tmp_path_factory.mktemp("tunix_cli"))
+    tmp = tmp_path_factory.mktemp("tunix_cli")
+    return run_each(str(EXAMPLES / "tunix_grpo.py"), TUNIX_BAD_COUNTS, tmp)
 
 
 @pytest.mark.parametrize(("args", "option", "words"), TUNIX_BAD_COUNTS)
@@ -249,15 +260,15 @@ BENCH = ("--scenario", "disjoint", "--no-progress")
 
 @pytest.fixture(scope="module")
 def bench_runs(tmp_path_factory):
-    cases = [(*BENCH, *c.values[0]) for c in BENCH_BAD_SIZES]
-    return run_each("-mjaxreshard.bench", cases, tmp_path_factory.mktemp("bench_cli"))
+    tmp = tmp_path_factory.mktemp("bench_cli")
+    return run_each("-mjaxreshard.bench", BENCH_BAD_SIZES, tmp, lambda args: (*BENCH, *args))
 
 
 @pytest.mark.parametrize(("args", "option", "words"), BENCH_BAD_SIZES)
 def test_bench_refuses_buckets_and_sizes_it_cannot_run(args, option, words, bench_runs):
     """`python -m jaxreshard.bench`: --bucket-bytes takes 4 KiB to 2**48 (smaller buckets make a
     run of a few MiB take many minutes) and the tree sizes must be positive."""
-    assert_usage_error(bench_runs[(*BENCH, *args)], option, *words)
+    assert_usage_error(bench_runs[args], option, *words)
 
 
 def test_bench_help_states_the_smallest_bucket():

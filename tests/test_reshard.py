@@ -256,12 +256,10 @@ def test_a_cast_gives_the_bits_of_astype_sent_and_copied_locally(cast):
     for source in ("float32", "bfloat16", "float16"):  # one plan: one compile of each program
         host = random_array((16, 8), source, 7)
         host.reshape(-1)[:4] = np.array([-1e-30, -1e-7, -0.0, 1e-30]).astype(host.dtype)
+        x = jax.device_put(host, sharding(*CASES[0].src))
+        cast_once = np.asarray(jax.jit(lambda v: v.astype(cast))(jax.device_put(host, one)))
         for k, d in where.items():
-            src[source, k] = jax.device_put(host, sharding(*CASES[0].src))
-            dst[source, k] = d
-            want[source, k] = np.asarray(
-                jax.jit(lambda v: v.astype(cast))(jax.device_put(host, one))
-            )
+            src[source, k], dst[source, k], want[source, k] = x, d, cast_once
     out = jr.plan(src, dst, dtype=cast)(src, verify=True)
     for key, d in dst.items():
         assert_exact(out[key], want[key], d)

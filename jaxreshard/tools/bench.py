@@ -357,15 +357,8 @@ def same_layout_layouts(n: int) -> Layouts:
     """The sampler's layout on both halves of ``n`` devices: tp on the first half -> the same
     tp on the second (n = 8: tp4 on 0-3 -> tp4 on 4-7), so every destination shard is one
     whole source shard (trainer and sampler with the same tensor parallelism)."""
-    h = n // 2
-    return Layouts(
-        tuple(range(h)),
-        ((h,), ("tp",)),
-        SAMPLER_TP,
-        tuple(range(h, 2 * h)),
-        ((h,), ("tp",)),
-        SAMPLER_TP,
-    )
+    sampler = disjoint_layouts(n)
+    return dataclasses.replace(sampler, src_mesh=sampler.dst_mesh, src_specs=sampler.dst_specs)
 
 
 def replicated_src_layouts(n: int) -> Layouts:
