@@ -39,6 +39,7 @@ from jaxreshard.planning.schedule import (
     platform_options,
 )
 from jaxreshard.planning.topology import Topology
+from jaxreshard.planning.whole import whole_leaves, whole_steps, without_leaves
 from jaxreshard.quant import Fp8Blockwise, QuantizedArray, Quantizer
 from jaxreshard.run import boundary, views
 from jaxreshard.run.boundary import Boundary, Crossing
@@ -1573,15 +1574,23 @@ def plan(
         topology = Topology.from_devices(_plan_devices(dsts, avals))
     options = platform_options(platform, int(bucket_bytes))
     assignment = route(leaves, topology, fan_out=fan_out, **planner_options(int(bucket_bytes)))
+    # Leaves whose every destination shard is a whole source shard go as they are, without
+    # staging (`planning.whole`); the schedule stages the rest.
+    whole = whole_leaves(leaves, assignment, int(bucket_bytes))
     schedule = build_plan_schedule(
         leaves,
-        assignment,
+        without_leaves(assignment, whole),
         bucket_bytes=int(bucket_bytes),
         link_class=topology.link_class,
         class_latency_bytes=topology.class_latency_bytes(),
         **options,
     )
-    lowered = lower(leaves, schedule, bucket_bytes=int(bucket_bytes))
+    lowered = lower(
+        leaves,
+        schedule,
+        bucket_bytes=int(bucket_bytes),
+        whole=whole_steps(leaves, whole, int(bucket_bytes)),
+    )
     return Plan(
         treedef,
         paths,

@@ -1009,13 +1009,18 @@ def test_device_calibration_measures_every_figure_a_gpu_profile_assumes(devices,
     assert calibrate.device_profiles_against(h200)[0][2] == "50% of HBM peak / 2"
 
 
-def test_boxes_of_one_contiguous_run_copy_at_the_contiguous_speed(devices):
+def test_boxes_of_one_contiguous_run_copy_at_the_contiguous_speed(devices, monkeypatch):
     """`Profile.contiguous_copy_bandwidth` prices a box that is one run of the shard it reads
     or writes; a box of many rows keeps the box copy's speed. By hand, one bucket on one host
     of 8 CPU devices, no per-box or per-row cost: rows -> rows, every box is whole rows of
     both shards (pack and unpack at 4 GB/s); columns over 4 -> columns over 2, each box is
-    half the columns of its destination shard (unpack at 1 GB/s: 256 rows of each)."""
+    half the columns of its destination shard (unpack at 1 GB/s: 256 rows of each). (Staged:
+    rows -> rows would move as whole shards, `test_a_whole_shard_step_is_priced_as_rounds`.)"""
     import jax
+
+    from jaxreshard.planning import whole
+
+    monkeypatch.setattr(whole, "MOVE_WHOLE_SHARDS", False)
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -1056,3 +1061,32 @@ def test_boxes_of_one_contiguous_run_copy_at_the_contiguous_speed(devices):
         )
         floor = costmodel.executor_floor(plan.leaves, topology, profile)
         assert 0 < floor.seconds <= m.seconds
+
+
+def test_a_whole_shard_step_is_priced_as_rounds_with_no_copies(devices):
+    """A leaf moved as whole shards (`planning.whole`) is priced as its rounds only: no pack,
+    no unpack, no local copy; each round is a shard over the profile's link, plus its
+    latency. By hand: 4 -> 4 devices of one host, one round of 128 KiB shards."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxreshard as jr
+    from jaxreshard.tools import calibrate
+
+    profile = dataclasses.replace(
+        PROFILES["cpu"], host_link_bandwidth=None, bucket_overhead=0.0, argument_overhead=0.0
+    )
+    src = NamedSharding(Mesh(np.array(devices[:4]), ("x",)), P("x"))
+    dst = NamedSharding(Mesh(np.array(devices[4:]), ("x",)), P("x"))
+    tree = {"w": jax.jit(lambda: jnp.ones((256, 512), jnp.float32), out_shardings=src)()}
+    plan = jr.plan(tree, {"w": dst})
+    assert [step.whole for step in plan.lowered.steps] == [(0,)]
+    m = calibrate.modeled(plan, profile)
+    shard = 256 * 512 * 4 // 4
+    link = profile.intra_bandwidth * profile.intra_efficiency
+    assert m.pack == m.unpack == m.local == 0.0
+    assert m.rounds == 1 and m.buckets == 1
+    assert m.transfer == pytest.approx(profile.round_latency + shard / link)
+    assert m.seconds == pytest.approx(m.transfer + m.overhead)

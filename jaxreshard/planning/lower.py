@@ -97,7 +97,9 @@ rows of 64 words already pay (the `cast` bench tree's pack: 31.0 -> 17.7 ms)."""
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """A staging buffer of ``words`` unsigned integers of type ``word`` (e.g. ``"uint32"``),
-    held as rows of ``width`` words (1: flat).
+    held as rows of ``width`` words (1: flat); or, *typed* (a ``shard`` shape), a spare of one
+    whole shard of dtype ``word`` (``words`` elements of ``itemsize`` bytes) that a device
+    passes to a whole-shard step where it sends or receives nothing (`planning.whole`).
 
     Rows are for the pack's sake: XLA's CPU loop that copies a strided box into a flat buffer
     computes each element's place from its flat index (per element, 2-4 GB/s), while a box
@@ -112,13 +114,19 @@ class Slot:
     words: int
     word: str
     width: int = 1
+    shard: tuple[int, ...] = ()
+    itemsize: int = 0
 
     @property
     def nbytes(self) -> int:
+        if self.shard:
+            return self.words * self.itemsize
         return self.words * int(self.word.removeprefix("uint")) // 8
 
     def shape(self, devices: int) -> tuple[int, ...]:
         """The shape of the array of this slot on ``devices`` devices (split on rows)."""
+        if self.shard:
+            return (devices * self.shard[0], *self.shard[1:])
         if self.width == 1:
             return (devices * self.words,)
         return (devices * self.words // self.width, self.width)
@@ -126,7 +134,12 @@ class Slot:
     def __lt__(self, other: Slot) -> bool:
         """An order among slots of equal bytes, so that `plan_pool` frees them alike
         wherever it runs (runtime and lowering)."""
-        return (self.word, self.words, self.width) < (other.word, other.words, other.width)
+        return (self.word, self.words, self.width, self.shard) < (
+            other.word,
+            other.words,
+            other.width,
+            other.shard,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +345,10 @@ class Step:
       buckets: the schedule buckets (indices into ``schedule.buckets``) whose messages the
         step sends: one, several where steps are joined (`_joined`), none for a step of
         local copies only. The cost model prices a call's steps from them.
+      whole: for a whole-shard step (`planning.whole`), the leaf each round of the transfer
+        moves: its senders send their source shards as they are and its receivers receive
+        into their destination shards (donated); the step has no packs or unpacks, and its
+        slots are typed (`Slot.shard`), the spares of devices idle in a round.
     """
 
     unit: int
@@ -345,6 +362,7 @@ class Step:
     kept: tuple[tuple[int, int], ...] = ()
     kept_bytes: int = 0
     buckets: tuple[int, ...] = ()
+    whole: tuple[int, ...] = ()
 
     def senders(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(device, step slot) -> (pack call index, program slot)`` for every sent slot."""
@@ -391,6 +409,17 @@ class Lowered:
         """The bytes devices pass themselves through slots in one call (`Step.kept`)."""
         return sum(step.kept_bytes for step in self.steps)
 
+    @property
+    def whole_bytes(self) -> int:
+        """The destination bytes whole-shard steps write in one call (`Step.whole`: shards
+        received, and those a device copies from itself), which no unpack writes."""
+        return sum(
+            slot.nbytes * len(perm)
+            for step in self.steps
+            if step.whole and step.transfer is not None
+            for slot, perm in zip(step.transfer.slots, step.transfer.perms, strict=True)
+        )
+
     def dispatches(self) -> int:
         """Program runs of one call with donated destinations (no allocation)."""
         return sum(len(s.packs) + len(s.unpacks) + (s.transfer is not None) for s in self.steps)
@@ -405,11 +434,14 @@ def lower(
     *,
     bucket_bytes: int,
     gather_bytes: int | None = None,
+    whole: Sequence[Step] = (),
 ) -> Lowered:
     """Lower a unit schedule (`schedule.build_plan_schedule`) into steps of programs.
 
     ``gather_bytes`` (`schedule.gathered`) says which leaves move by gathers; pass the value
-    the schedule was built with.
+    the schedule was built with. ``whole``: the whole-shard steps (`planning.whole`) of the
+    leaves the schedule sends nothing of; they run first, and make those leaves' fresh
+    destinations.
     """
     small = frozenset(i for i, leaf in enumerate(leaves) if gathered(leaf, gather_bytes))
     union = tuple(sorted({d for b in schedule.buckets for m in b.messages for d in (m.src, m.dst)}))
@@ -438,7 +470,25 @@ def lower(
         # the pool's cap. Measured on CPU, whole buckets ran slower than halves (the LoRA
         # bench tree: 2 steps 1.11-1.28x the unjoined call, 3 steps 0.82-0.97x).
         steps = _joined(steps, int(bucket_bytes) // 2)
+    if whole:
+        moved = {i for step in whole for i in step.fresh}
+        steps = [*whole, *_without_fresh(steps, moved)]
+        devices = {d for step in whole if step.transfer for d in step.transfer.devices}
+        union = tuple(sorted({*union, *devices}))
     return Lowered(union, tuple(steps), cap)
+
+
+def _without_fresh(steps: Sequence[Step], leaves: set[int]) -> list[Step]:
+    """``steps`` with ``leaves`` out of their fresh destinations (a whole-shard step makes
+    them), and the steps left with nothing to do dropped."""
+    out = []
+    for step in steps:
+        fresh = tuple(i for i in step.fresh if i not in leaves)
+        if fresh != step.fresh:
+            step = dataclasses.replace(step, fresh=fresh)
+        if step.fresh or step.transfer or step.packs or step.unpacks:
+            out.append(step)
+    return out
 
 
 def _joined(steps: Sequence[Step], most_bytes: int) -> list[Step]:
@@ -1383,6 +1433,8 @@ def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
     transfer)."""
     if step.transfer is None:
         return {}
+    if step.whole:
+        return _whole_roles(step.transfer, union)
     senders = step.senders()
     shared = {(d, t) for d, t, _ in step.shared}  # sent from another round's buffer
     out = {}
@@ -1396,6 +1448,44 @@ def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
         )
         out[d] = Roles(recv, send, idle)
     return out
+
+
+def _whole_roles(program: TransferProgram, union: Sequence[int]) -> dict[int, Roles]:
+    """The spares of a whole-shard step (`Step.whole`) on each of its devices in ``union``:
+    a receive buffer for each round the device receives nothing in (it comes back zeroed),
+    and a buffer of each slot it sends nothing in some round of (only read). Its shards are
+    the caller's, not staging."""
+    out = {}
+    at = {d: k for k, d in enumerate(program.devices)}
+    for d in union:
+        if d not in at:
+            continue
+        k = at[d]
+        recv = tuple(
+            (t, s)
+            for t, (s, perm) in enumerate(zip(program.slots, program.perms, strict=True))
+            if all(b != k for _, b in perm)
+        )
+        idle = tuple(
+            dict.fromkeys(
+                s
+                for s, perm in zip(program.slots, program.perms, strict=True)
+                if all(a != k for a, _ in perm)
+            )
+        )
+        out[d] = Roles(recv, (), idle)
+    return out
+
+
+def whole_wire_bytes(lowered: Lowered) -> int:
+    """Bytes the whole-shard steps' collective-permutes carry between devices (a pair of a
+    device with itself is a local copy)."""
+    return sum(
+        slot.nbytes * sum(1 for a, b in perm if a != b)
+        for step in lowered.steps
+        if step.whole and step.transfer is not None
+        for slot, perm in zip(step.transfer.slots, step.transfer.perms, strict=True)
+    )
 
 
 def staging(lowered: Lowered) -> dict[int, int]:
@@ -1430,6 +1520,7 @@ def with_lowered(
         # (joined steps run their buckets' rounds together: `_joined`)
         rounds=sum(len(t.slots) for t in moving),
         buckets=len(moving),
+        bytes_wire=stats.bytes_wire + whole_wire_bytes(lowered),
         staging_bytes=max(staging(lowered).values(), default=0),
         programs=len(lowered.programs()) + programs,
         dispatches=lowered.dispatches() + dispatches,

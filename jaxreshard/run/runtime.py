@@ -232,6 +232,13 @@ class Runtime:
         if hook:
             hook.pop()()
         received: dict[tuple[int, int], jax.Array] = {}
+        if isinstance(step.transfer, _WholeRun):
+            # (no packs, no unpacks: shards go as they are, into their destinations)
+            received, written = step.transfer.run(src, dst, staging)
+            clock.mark("transfer", written)
+            clock.mark("unpack", [])  # (none: a profile still names every phase)
+            self._back_to_pool(step, staging, received.items())
+            return [*written, *received.values()]
         if step.transfer is not None:
             received = step.transfer.run(sent, staging)
             clock.mark("transfer", list(received.values()))
@@ -244,16 +251,26 @@ class Runtime:
             call.store(outs, dst)
             written.extend(outs)
         clock.mark("unpack", dst.pending())
-        # Back to the pool: the buffers not donated, and what the programs returned in place
-        # of the donated ones. A later step donating one of them waits for its last reader.
-        for d, by_slot in staging.idle.items():
-            for slot, buf in by_slot.items():
-                self._pool[d][slot].append(buf)
-        for (d, t), buf in (*sent.items(), *received.items()):
-            self._pool[d][step.slots[t]].append(buf)
+        self._back_to_pool(step, staging, [*sent.items(), *received.items()])
         if step.transfer is None:  # no collective: the next transfer also waits for the last
             return [*previous, *written]
         return [*written, *received.values()]
+
+    def _back_to_pool(
+        self,
+        step: _StepRun,
+        staging: _Staging,
+        used: Iterable[tuple[tuple[int, int], jax.Array]],
+    ) -> None:
+        """Back to the pool: the buffers not donated, and ``used``, what the programs returned
+        in place of the donated ones (``((device, step slot), buffer)``: a device's packed and
+        received buffers of one slot are two). A later step donating one of them waits for
+        its last reader."""
+        for d, by_slot in staging.idle.items():
+            for slot, buf in by_slot.items():
+                self._pool[d][slot].append(buf)
+        for (d, t), buf in used:
+            self._pool[d][step.slots[t]].append(buf)
 
     # ------------------------------------------------------------------------- staging pool
 
@@ -413,8 +430,12 @@ class Runtime:
         roles = {d: r for d, r in step_roles(step, local_union).items()}
         packs = [self._pack(c) for c in step.packs if self._is_local(c.program.mesh)]
         unpacks = [self._unpack(c) for c in step.unpacks if self._is_local(c.program.mesh)]
-        transfer = None
-        if step.transfer is not None and local_union:
+        transfer: _TransferRun | _WholeRun | None = None
+        if step.whole:
+            assert step.transfer is not None
+            if self.local.intersection(step.transfer.devices):
+                transfer = _WholeRun(self, step)
+        elif step.transfer is not None and local_union:
             transfer = _TransferRun(self, step, local_union)
         return _StepRun(step.fresh, step.slots, roles, packs, transfer, unpacks, step.kept)
 
@@ -605,8 +626,13 @@ class Runtime:
             mesh = self.mesh(MeshSpec.line(program.devices, GROUP_AXIS))
             avals = _transfer_avals(program, self._union_sharding(program))
 
+            options = self.transfer_options
+            platform = self.device[program.devices[0]].platform
+            if any(slot.shard for slot in program.slots) and copy_options(platform):
+                # Shards moved as their bits: bitcasts that are free with these emitters.
+                options = {**(copy_options(platform) or {}), **options}
             try:  # (building too: JAX hashes the options, which may not be hashable)
-                jitted = _build_transfer(program, mesh, self.transfer_options)
+                jitted = _build_transfer(program, mesh, options)
                 fn = jitted.lower(*avals).compile()
             except Exception as e:
                 if not self.transfer_options:
@@ -726,7 +752,7 @@ class _StepRun:
     slots: tuple[Slot, ...]
     roles: dict[int, Roles]
     packs: list[_PackRun]
-    transfer: _TransferRun | None
+    transfer: _TransferRun | _WholeRun | None
     unpacks: list[_UnpackRun]
     kept: tuple[tuple[int, int], ...] = ()
 
@@ -836,6 +862,57 @@ class _TransferRun:
             for d, buf in zip(self.devices, views.buffers(x), strict=True):
                 out[d, t] = buf
         return out
+
+
+class _WholeRun:
+    """The transfer of a whole-shard step (`Step.whole`): in each round, the senders pass
+    their source shards of the round's leaf as they are and the receivers their destination
+    shards (donated: the collective-permute writes into them); the step's spares stand in for
+    the others'."""
+
+    def __init__(self, runtime: Runtime, step: Step) -> None:
+        program = step.transfer
+        assert program is not None
+        self.fn = runtime._transfer_fn(program)
+        sharding = runtime._union_sharding(program)
+        n = len(program.devices)
+        self.slots = program.slots
+        self.views = [views.View(s.shape(n), s.word, sharding) for s in program.slots]
+        self.devices = self.views[0].devices  # this process's, in mesh order
+        self.leaves = step.whole
+        self.sends = [{program.devices[a] for a, _ in perm} for perm in program.perms]
+        self.recvs = [{program.devices[b] for _, b in perm} for perm in program.perms]
+
+    def run(
+        self, src: _Sources, dst: _Destinations, staging: _Staging
+    ) -> tuple[dict[tuple[int, int], jax.Array], list[jax.Array]]:
+        """Dispatch the step; returns the spares it gave back (by device and round, for the
+        pool) and the destination buffers it wrote."""
+        sends, recvs, taken = [], [], []
+        rounds = zip(self.leaves, self.slots, self.views, strict=True)
+        for t, (leaf, slot, view) in enumerate(rounds):
+            held = src.buffers(leaf)
+            idle = staging.idle
+            sends.append(
+                view([held[d] if d in self.sends[t] else idle[d][slot] for d in self.devices])
+            )
+            mine = [d for d in self.devices if d in self.recvs[t]]
+            into = dst.take_buffers(leaf, mine)
+            taken.append(into)
+            recvs.append(view([into[d] if d in into else staging.recv[d, t] for d in self.devices]))
+        moved = self.fn(*sends, *recvs)
+        spares: dict[tuple[int, int], jax.Array] = {}
+        written = []
+        for t, x in enumerate(moved):
+            got = {}
+            for d, buf in zip(self.devices, views.buffers(x), strict=True):
+                if d in taken[t]:
+                    got[d] = buf
+                else:
+                    spares[d, t] = buf
+            dst.set_buffers(self.leaves[t], got)
+            written.extend(got.values())
+        return spares, written
 
 
 class _UnpackRun:
@@ -1538,7 +1615,7 @@ def _build_transfer(
         # The second half (receive buffers) is unused: donated only so that XLA writes each
         # round's result into it instead of into a fresh allocation.
         return tuple(
-            lax.ppermute(x, GROUP_AXIS, list(perm))
+            _as_bits(functools.partial(lax.ppermute, axis_name=GROUP_AXIS, perm=list(perm)), x)
             for x, perm in zip(args[:n], program.perms, strict=True)
         )
 
@@ -1551,6 +1628,15 @@ def _build_transfer(
         keep_unused=True,
         compiler_options=dict(options) if options else None,
     )
+
+
+def _as_bits(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``fn(x)`` on ``x``'s bits where ``x`` is floating (a whole shard, `Slot.shard`): XLA's
+    CPU backend permutes bfloat16 and float8 values through float32, quietening NaN payloads;
+    as unsigned words they move bit for bit (and the bitcasts cost nothing: `copy_options`)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return fn(x)
+    return lax.bitcast_convert_type(fn(lax.bitcast_convert_type(x, bits_dtype(x.dtype))), x.dtype)
 
 
 def _flat(parts: Sequence[jax.Array]) -> jax.Array:

@@ -1430,6 +1430,7 @@ class _Bench:
             **st,
             "bytes_packed": s.plan.lowered.packed_bytes,
             "bytes_kept": s.plan.lowered.kept_bytes,
+            "bytes_whole": s.plan.lowered.whole_bytes,
             "host_syncs_counted": syncs[0],
             "sent_equals_lower_bound": st["bytes_sent"] == st["bytes_lower_bound"],
         }
@@ -1469,7 +1470,12 @@ def _stage_bytes(plan: jr.Plan) -> dict[str, tuple[list[int], int, str]]:
             "buffer, plus the held parts devices pass themselves)",
         ),
         "transfer": (receivers, st.bytes_wire, "bytes_wire into the receivers"),
-        "unpack": (writers, st.bytes_total, "bytes_total (received + local) on the receivers"),
+        "unpack": (
+            writers,
+            st.bytes_total - plan.lowered.whole_bytes,
+            "bytes_total (received + local) on the receivers, less what whole-shard steps "
+            "receive straight into the destination",
+        ),
     }
 
 

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 import jaxreshard as jr
 from jaxreshard.planning.lower import MIN_CAST_SLOT_WIDTH
 from jaxreshard.planning.topology import GB, PROFILES, Profile, Topology
+from jaxreshard.planning.whole import step_rounds
 from jaxreshard.run import codec, runtime
 from jaxreshard.run.codec import ZERO
 from jaxreshard.tools import bench, costmodel
@@ -434,13 +435,17 @@ def modeled(plan: jr.Plan, profile: Profile) -> costmodel.ModeledTime:
         round_latency=profile.round_latency,
     )
     steps = [step.buckets for step in plan.lowered.steps]
+    whole = [step_rounds(step) for step in plan.lowered.steps if step.whole]
+    moved_whole = {i for step in plan.lowered.steps for i in step.whole}
     return costmodel.modeled_time(
         plan.schedule,
         topology,
         profile,
         leaves=plan.leaves,
-        local=plan.assignment.local,
+        # (a whole-shard leaf's local copies are pairs of its collective-permute)
+        local=[c for c in plan.assignment.local if c.leaf not in moved_whole],
         steps=steps,
+        whole=whole,
     )
 
 

@@ -68,6 +68,10 @@ from jaxreshard.planning.schedule import RoundPlan, Schedule, Unit
 from jaxreshard.planning.topology import Profile, Topology
 
 Pair = tuple[int, int]
+
+WholeStep = Sequence[tuple[int, Sequence[Pair]]]
+"""A whole-shard step's rounds (`planning.whole.step_rounds`): each its slot's bytes and its
+``(sender, receiver)`` device pairs."""
 """``(sender, receiver)`` device ids."""
 
 
@@ -378,6 +382,7 @@ def modeled_time(
     local: Sequence[LocalCopy] = (),
     units: Sequence[Unit] | None = None,
     steps: Sequence[Sequence[int]] | None = None,
+    whole: Sequence[WholeStep] = (),
 ) -> ModeledTime:
     """Price ``schedule`` bucket by bucket, as the executor runs it.
 
@@ -418,11 +423,21 @@ def modeled_time(
     programs' arrays, one host cost, and each round once, as long as the sum of its slots
     (a joined step's slots hold every joined bucket's messages one after the other).
 
+    ``whole``: the plan's whole-shard steps (`planning.whole`), run before the buckets, each
+    priced as a bucket of rounds with no copies (its rounds send shards as they are).
+
     The parts reported add up to ``seconds``: ``pack`` and ``unpack`` are the copies on the
     critical path, and ``overhead`` what launches and host work add to it.
     """
     return modeled_times(
-        schedule, topology, [profile], leaves=leaves, local=local, units=units, steps=steps
+        schedule,
+        topology,
+        [profile],
+        leaves=leaves,
+        local=local,
+        units=units,
+        steps=steps,
+        whole=whole,
     )[0]
 
 
@@ -435,6 +450,7 @@ def modeled_times(
     local: Sequence[LocalCopy] = (),
     units: Sequence[Unit] | None = None,
     steps: Sequence[Sequence[int]] | None = None,
+    whole: Sequence[WholeStep] = (),
 ) -> list[ModeledTime]:
     """`modeled_time` under each of ``profiles``, counting the schedule's copies and rounds
     once (`_counted_buckets`) and pricing that count under every profile: on thousands of
@@ -451,6 +467,8 @@ def modeled_times(
     if steps is not None:
         every = list(counts)
         counts = [_Counted.joined([every[b] for b in step]) for step in steps if step]
+    if whole:
+        counts = [*(_counted_whole(step, ids) for step in whole), *counts]
     for counted in counts:
         for clock, p in zip(clocks, profiles, strict=True):
             clock.add(counted.priced(topology, ids, p), p)
@@ -616,12 +634,7 @@ def _counted_buckets(
     with_segments = leaves is not None and isinstance(schedule, Schedule)
     for b, bucket in enumerate(_buckets(schedule)):
         rounds = [(size, np.array(pairs, np.int64).reshape(-1, 2)) for size, pairs in bucket]
-        cross, on_host = [], []
-        for _, pairs in rounds:
-            src, dst = pairs.T
-            cross.append(bool((ids.domain[src] != ids.domain[dst]).any()))
-            inside = ids.host[src][ids.host[src] == ids.host[dst]]
-            on_host.append(int(np.bincount(inside).max()) if len(inside) else 0)
+        cross, on_host = _links(rounds, ids)
         # Arrays the bucket's programs take: staging (pack writes it, the transfer reads and
         # receives into it, unpack reads it), and the leaves pack reads and unpack writes.
         arrays = 4 * len(bucket)
@@ -661,6 +674,30 @@ def _counted_buckets(
                     written.add(seg.leaf)
             arrays += len(read) + len(written)
         yield _Counted([size for size, _ in rounds], cross, on_host, packs, unpacks, arrays)
+
+
+def _links(
+    rounds: Sequence[tuple[int, np.ndarray]], ids: _DeviceArrays
+) -> tuple[list[bool], list[int]]:
+    """Per round (its slot size and its ``(src, dst)`` pairs as an array): whether a message
+    crosses domains, and the most messages one host's devices carry between each other."""
+    cross, on_host = [], []
+    for _, pairs in rounds:
+        src, dst = pairs.T
+        cross.append(bool((ids.domain[src] != ids.domain[dst]).any()))
+        inside = ids.host[src][ids.host[src] == ids.host[dst]]
+        on_host.append(int(np.bincount(inside).max()) if len(inside) else 0)
+    return cross, on_host
+
+
+def _counted_whole(step: WholeStep, ids: _DeviceArrays) -> _Counted:
+    """A whole-shard step counted as a bucket: its rounds (a pair of a device with itself,
+    a local copy, counts as a message on its host), no pack or unpack copies, and two arrays
+    a round (the shards sent, the shards received into)."""
+    rounds = [(size, np.array(pairs, np.int64).reshape(-1, 2)) for size, pairs in step]
+    cross, on_host = _links(rounds, ids)
+    sizes = [size for size, _ in rounds]
+    return _Counted(sizes, cross, on_host, _Copies(), _Copies(), 2 * len(rounds))
 
 
 class _DeviceArrays:

@@ -1,0 +1,257 @@
+"""Leaves whose every destination shard is a whole source shard move as they are: one
+collective-permute of whole shards, received into the destination, no staging, pack or
+unpack (`jaxreshard.planning.whole`).
+
+Which leaves qualify is decided here from the JAX shardings alone (`whole_by_oracle`: every
+destination device's index equals a source device's, the same shard shape on both sides),
+never from the planner's own view of them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from arrays import assert_exact, random_array, sharding
+from compiles import COMPILES
+from oracles import jax_boxes, jax_lower_bound_bytes
+from test_compiled import FORBIDDEN, entry_ops
+
+import jaxreshard as jr
+from jaxreshard.planning import whole as whole_module
+
+# (source, destination) as `arrays.sharding` arguments: ids, mesh shape, axis names, spec.
+LAYOUTS = {
+    # the same spec on other devices (a sampler on its own devices, the trainer's layout)
+    "disjoint": (
+        ((0, 1, 2, 3), (4,), ("tp",), None, "tp"),
+        ((4, 5, 6, 7), (4,), ("tp",), None, "tp"),
+    ),
+    # the same devices in another order: every device sends and receives
+    "permuted": (
+        (tuple(range(8)), (8,), ("tp",), "tp"),
+        ((1, 0, 3, 2, 5, 4, 7, 6), (8,), ("tp",), "tp"),
+    ),
+    # one source shard to two replicas of the destination
+    "replicated_destination": (
+        ((0, 1), (2,), ("tp",), "tp"),
+        ((2, 3, 4, 5), (2, 2), ("dp", "tp"), "tp"),
+    ),
+    # two replicas of the source, one destination: the router balances the senders
+    "replicated_source": (
+        ((0, 1, 2, 3), (2, 2), ("dp", "tp"), "tp"),
+        ((4, 5), (2,), ("tp",), "tp"),
+    ),
+    # overlapping devices, some holding their own destination shard (a local copy)
+    "overlapping": (
+        ((0, 1, 2, 3), (4,), ("tp",), "tp"),
+        ((2, 3, 4, 5), (4,), ("tp",), "tp"),
+    ),
+}
+
+DTYPES = ("float32", "bfloat16", "int8", "bool", "float8_e4m3fn", "uint32")
+
+
+def whole_by_oracle(src, dst, shape) -> bool:
+    """Every destination shard is a whole source shard: the same index on some source device,
+    and the same shard shape everywhere (from ``devices_indices_map``)."""
+    src_boxes, dst_boxes = jax_boxes(src, shape), jax_boxes(dst, shape)
+    shapes = {tuple(b - a for a, b in box) for box in (*src_boxes.values(), *dst_boxes.values())}
+    held = set(src_boxes.values())
+    return len(shapes) == 1 and all(box in held for box in dst_boxes.values())
+
+
+def sent_whole(plan, i: int, src, dst, shape) -> bool:
+    """Whether the router sends leaf ``i`` as whole shards: every piece it assigned is the
+    receiver's whole shard, held whole by its sender (boxes from ``devices_indices_map``). With
+    replicas of the source it may split a shard between replicas to balance the senders."""
+    src_boxes, dst_boxes = jax_boxes(src, shape), jax_boxes(dst, shape)
+    pieces = [p for p in plan.assignment.pieces if p.leaf == i]
+    return all(p.box == dst_boxes[p.dst] == src_boxes[p.src] for p in pieces)
+
+
+def whole_leaves(plan) -> set[str]:
+    """The paths of the leaves the plan moves in whole-shard steps."""
+    return {plan.leaves[i].path for step in plan.lowered.steps for i in step.whole}
+
+
+def _tree(layout: str, dtypes=DTYPES, shape=(16, 8)):
+    src_args, dst_args = LAYOUTS[layout]
+    src_s, dst_s = sharding(*src_args), sharding(*dst_args)
+    host = {f"x_{d}": random_array(shape, d, seed=k) for k, d in enumerate(dtypes)}
+    src = {k: jax.device_put(v, src_s) for k, v in host.items()}
+    return host, src, {k: dst_s for k in host}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_whole_shard_layout_moves_exactly_without_staging_copies(layout):
+    """Each layout above, every dtype: the leaves take the whole-shard path (the oracle says
+    they can, and the router sent them whole), the result equals NumPy bit for bit (NaN
+    payloads too), fresh, donated and under ``transfer_guard("disallow")``, and
+    ``bytes_sent`` equals the lower bound."""
+    host, src, dst = _tree(layout)
+    plan = jr.plan(src, dst)
+    want, paths = set(), [leaf.path for leaf in plan.leaves]
+    for k, v in host.items():
+        assert whole_by_oracle(src[k].sharding, dst[k], v.shape)
+        if sent_whole(plan, paths.index(f"['{k}']"), src[k].sharding, dst[k], v.shape):
+            want.add(f"['{k}']")
+    assert whole_leaves(plan) == want
+    assert len(want) >= len(host) - 1  # (replicated sources: the router may split one)
+    if len(want) == len(host):
+        assert not any(step.packs or step.unpacks for step in plan.lowered.steps)
+    bound = sum(
+        jax_lower_bound_bytes(src[k].sharding, dst[k], v.shape, v.dtype.itemsize)
+        for k, v in host.items()
+    )
+    assert plan.stats.bytes_sent == plan.stats.bytes_lower_bound == bound
+    out = plan(src)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
+    for _ in range(2):
+        with jax.transfer_guard("disallow"):
+            out = plan(src, donate=out)
+        for k, v in host.items():
+            assert_exact(out[k], v, dst[k])
+    for k, v in host.items():  # the source is only read
+        assert_exact(src[k], v, src[k].sharding)
+
+
+def test_a_tree_mixes_whole_shard_and_staged_leaves():
+    """In one tree, the leaves whose layouts allow it go whole and the others are staged: a
+    cast (it runs on the senders) and a scalar (no shard to split) are always staged. All
+    exact, bytes at the bound."""
+    a, b = sharding((0, 1, 2, 3), (4,), ("tp",), "tp"), sharding((4, 5, 6, 7), (4,), ("tp",), "tp")
+    other = sharding((4, 5, 6, 7), (2, 2), ("dp", "tp"), None, "tp")
+    everywhere = sharding((4, 5, 6, 7), (4,), ("tp",))
+    host = {
+        "same": random_array((32, 16), "float32", 0),
+        "split": random_array((32, 16), "float32", 1),
+        "cast": random_array((32, 16), "float32", 2),
+        "scalar": random_array((), "float32", 3),
+    }
+    one = sharding((0,), (1,), ("x",))
+    src = {k: jax.device_put(v, one if k == "scalar" else a) for k, v in host.items()}
+    dst = {"same": b, "split": other, "cast": b, "scalar": everywhere}
+    dtype = {"same": None, "split": None, "cast": jnp.bfloat16, "scalar": None}
+    plan = jr.plan(src, dst, dtype=dtype)
+    assert whole_by_oracle(a, b, (32, 16)) and not whole_by_oracle(a, other, (32, 16))
+    assert whole_leaves(plan) == {"['same']"}
+    bound = sum(
+        jax_lower_bound_bytes(src[k].sharding, dst[k], v.shape, 2 if k == "cast" else 4)
+        for k, v in host.items()
+    )
+    assert plan.stats.bytes_sent == bound
+    out = plan(src)
+    out = plan(src, donate=out)
+    for k, v in host.items():
+        want = v.astype(jnp.bfloat16) if k == "cast" else v
+        assert_exact(out[k], want, dst[k])
+
+
+def test_spares_count_as_staging_and_a_leaf_whose_spares_pass_half_a_bucket_is_staged():
+    """Devices that only send (or only receive) pass a spare shard to the collective: staging,
+    counted in ``stats.staging_bytes`` and held within ``2 * bucket_bytes``. A leaf whose
+    spares would pass half a bucket is staged instead (its bytes cut into buckets)."""
+    src_args, dst_args = LAYOUTS["disjoint"]
+    host = {"w": random_array((64, 8), "float32", 0)}
+    src = {"w": jax.device_put(host["w"], sharding(*src_args))}
+    dst = {"w": sharding(*dst_args)}
+    shard_bytes = 64 * 2 * 4  # columns split 4 ways
+    # A device of the source only sends: it receives into a spare shard (and one of the
+    # destination only receives: it sends a spare).
+    fits = jr.plan(src, dst, bucket_bytes=2 * shard_bytes)
+    assert whole_leaves(fits) == {"['w']"}
+    assert fits.stats.staging_bytes == shard_bytes <= 2 * fits.bucket_bytes
+    out = fits(src)
+    out = fits(src, donate=out)
+    assert max(fits.runtime.pool_bytes().values()) <= fits.stats.staging_bytes
+    assert_exact(out["w"], host["w"], dst["w"])
+    staged = jr.plan(src, dst, bucket_bytes=2 * shard_bytes - 16)
+    assert whole_leaves(staged) == set()
+    assert staged.stats.staging_bytes <= 2 * staged.bucket_bytes
+    assert_exact(staged(src)["w"], host["w"], dst["w"])
+
+
+def test_a_permutation_needs_no_spares_and_holds_no_staging():
+    """Where every device both sends and receives (the same devices in another order), no
+    spare is passed: a leaf of any size goes whole, with no staging at all."""
+    src_args, dst_args = LAYOUTS["permuted"]
+    host = {"w": random_array((64, 64), "float32", 0)}
+    src = {"w": jax.device_put(host["w"], sharding(*src_args))}
+    dst = {"w": sharding(*dst_args)}
+    plan = jr.plan(src, dst, bucket_bytes=64)  # far below a shard (2 KiB)
+    assert whole_leaves(plan) == {"['w']"}
+    assert plan.stats.staging_bytes == 0
+    assert_exact(plan(src)["w"], host["w"], dst["w"])
+
+
+def test_whole_shard_programs_hold_collective_permutes_only_and_compile_once():
+    """A whole-shard step's program is one collective-permute a round and bitcasts, nothing
+    else (the receive buffers are donated: no copy); a tree of repeated layers compiles one, and a
+    second call compiles nothing."""
+    layers = 12
+    src_args, dst_args = LAYOUTS["replicated_destination"]
+    host = {f"layer{i}": random_array((16, 8), "float32", i) for i in range(layers)}
+    src = {k: jax.device_put(v, sharding(*src_args)) for k, v in host.items()}
+    dst = {k: sharding(*dst_args) for k in host}
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {f"['{k}']" for k in host}
+    programs = list(dict.fromkeys(s.transfer for s in plan.lowered.steps if s.transfer))
+    assert plan.stats.programs == len(programs) == 1
+    # one source shard to two replicas: two rounds a leaf (a sender sends one shard a round)
+    assert plan.stats.rounds == 2 * layers
+    for program, text in zip(programs, plan.compiled_transfers(), strict=True):
+        ops = entry_ops(text)
+        permutes = [op for op in ops if op.startswith("collective-permute")]
+        assert len([op for op in permutes if op != "collective-permute-done"]) == len(program.slots)
+        # (floating shards move as their bits: a bitcast reinterprets, it copies nothing)
+        assert set(ops) <= {"parameter", "tuple", "bitcast", *permutes}, ops
+        for bad in (*FORBIDDEN, "copy("):
+            assert bad not in text, bad
+    out = plan(src)
+    with COMPILES as later:
+        out = plan(src, donate=out)
+        jax.block_until_ready(out)
+    assert later.count == 0
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
+
+
+def test_sub_byte_dtypes_and_the_switch_keep_the_staged_path(monkeypatch):
+    """int4 leaves stay staged (`SUB_BYTE_DTYPES`), and so does everything with
+    ``MOVE_WHOLE_SHARDS`` off; both exact."""
+    host, src, dst = _tree("disjoint", dtypes=("int4", "float32"))
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {"['x_float32']"}
+    monkeypatch.setattr(whole_module, "MOVE_WHOLE_SHARDS", False)
+    staged = jr.plan(src, dst)
+    assert whole_leaves(staged) == set()
+    for p in (plan, staged):
+        out = p(src)
+        for k, v in host.items():
+            assert_exact(out[k], v, dst[k])
+
+
+def test_the_stage_profile_of_a_whole_shard_plan_names_every_phase():
+    """A plan of whole-shard leaves packs and unpacks nothing, and its profile still names
+    every phase (the bench's stage profile reads them)."""
+    host, src, dst = _tree("disjoint", dtypes=("float32",), shape=(256, 64))
+    plan = jr.plan(src, dst)
+    out, profile = plan.profile(src)
+    assert {"pack", "transfer", "unpack"} <= set(profile)
+    assert_exact(out["x_float32"], host["x_float32"], dst["x_float32"])
+
+
+def test_typed_keys_move_whole():
+    """A typed PRNG key moves as its key data: whole shards of uint32, wrapped again."""
+    src_args, dst_args = LAYOUTS["disjoint"]
+    keys = jax.random.split(jax.random.key(0), 8)
+    s, d = sharding(*src_args[:3], "tp"), sharding(*dst_args[:3], "tp")
+    src = {"k": jax.device_put(keys, s)}
+    plan = jr.plan(src, {"k": d})
+    assert whole_leaves(plan) == {"['k']"}
+    out = plan(src)
+    assert out["k"].sharding == d
+    assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(keys))
