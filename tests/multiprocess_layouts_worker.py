@@ -294,6 +294,41 @@ def case_colocated_adapters() -> None:
     ok("colocated_adapters_2x4", checked=n)
 
 
+def case_whole_shards() -> None:
+    """Leaves that move as whole shards (`planning.whole`), across processes: the same spec
+    from the trainer (0, 1 | 4, 5) to the sampler (2, 3 | 6, 7), each process sending and
+    receiving; a leaf held on process 0 only and moved to process 1 only (process 1 holds no
+    source array, process 0 no destination); one source shard to two replicas. Floating
+    values of every bit pattern (NaN payloads kept)."""
+    sampler = mesh([GLOBAL[i] for i in (2, 3, 6, 7)], (4,), ("tp",))
+    first, second = mesh(GLOBAL[:4], (4,), ("tp",)), mesh(GLOBAL[4:], (4,), ("tp",))
+    pair = mesh(GLOBAL[:2], (2,), ("tp",))
+    replicas = mesh(GLOBAL[4:], (2, 2), ("dp", "tp"))
+    flat = mesh([GLOBAL[i] for i in (0, 1, 4, 5)], (4,), ("tp",))
+    full = {
+        "same": oracle((16, 32), jnp.bfloat16, 600),
+        "across": oracle((32, 8), np.float32, 601),
+        "replicated": oracle((8, 16), np.int8, 602),
+    }
+    srcs = {
+        "same": NamedSharding(flat, P(None, "tp")),
+        "across": NamedSharding(first, P("tp")),
+        "replicated": NamedSharding(pair, P("tp")),
+    }
+    dsts = {
+        "same": NamedSharding(sampler, P(None, "tp")),
+        "across": NamedSharding(second, P("tp")),
+        "replicated": NamedSharding(replicas, P("tp")),
+    }
+    n, plan = move(full, srcs, dsts, {})
+    moved = {plan.leaves[i].path for step in plan.lowered.steps for i in step.whole}
+    assert moved == {"['same']", "['across']", "['replicated']"}, moved
+    assert not any(step.packs or step.unpacks for step in plan.lowered.steps)
+    mine = sum(d.process_index == PID for k in dsts for d in dsts[k].device_set)
+    assert n == 2 * mine, n  # every destination shard of this process, two steps
+    ok("whole_shards_2x4", checked=n)
+
+
 def case_chained() -> None:
     """Four declared domains of two devices (0-1, 2-3 on process 0; 4-5, 6-7 on process 1):
     the trainer on 0, 1, the sampler replicated over the other six. The sources alone would
@@ -369,7 +404,13 @@ def case_many_leaves() -> None:
 
 SCENARIOS = {
     "8x1": [case_one_device_per_process_disjoint, case_one_device_per_process_colocated],
-    "2x4": [case_interleaved, case_interleaved_reversed, case_chained, case_colocated_adapters],
+    "2x4": [
+        case_interleaved,
+        case_interleaved_reversed,
+        case_chained,
+        case_colocated_adapters,
+        case_whole_shards,
+    ],
     "2x4_many": [case_many_leaves],
     "startup": [],
 }

@@ -3455,6 +3455,78 @@ SURFACE_MUTANTS: list[Mutant] = [
         "a call takes verify='no' as true instead of refusing it",
     ),
     Mutant(
+        "whole-spares-not-counted",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        out[d] = Roles(recv, (), idle)",
+                "        out[d] = Roles((), (), ())",
+            ),
+        ),
+        (
+            "tests/test_whole_shards.py::test_spares_count_as_staging_and_a_leaf_whose_spares_pass_half_a_bucket_is_staged",
+        ),
+        "a whole-shard step's spare buffers are not counted as staging (nor taken from the pool)",
+    ),
+    Mutant(
+        "whole-floats-permuted-as-values",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "    if not jnp.issubdtype(x.dtype, jnp.floating):\n        return fn(x)",
+                "    if True:\n        return fn(x)",
+            ),
+        ),
+        (
+            "tests/test_whole_shards.py::test_a_whole_shard_layout_moves_exactly_without_staging_copies",
+        ),
+        "whole bfloat16 and float8 shards are permuted as values (XLA CPU quietens NaN payloads)",
+    ),
+    Mutant(
+        "whole-partial-boxes-accepted",
+        "jaxreshard/planning/whole.py",
+        (
+            (
+                "        if box != dst_box.get(d) or box != src_box.get(s) or d in covered:",
+                "        if d in covered:",
+            ),
+        ),
+        (
+            "tests/test_whole_shards.py::"
+            "test_only_pieces_that_are_whole_shards_of_their_holder_make_a_leaf_whole",
+        ),
+        "a leaf sent as parts of shards is taken for whole shards",
+    ),
+    Mutant(
+        "whole-steps-join-other-devices",
+        "jaxreshard/planning/whole.py",
+        (
+            (
+                "            _sides(leaves[i]) != _sides(leaves[group[0].leaf])\n"
+                "            or not",
+                "            not",
+            ),
+        ),
+        (
+            "tests/test_errors.py::test_donating_a_key_over_a_plain_sources_buffers_or_its_data_is_refused",
+        ),
+        "leaves of other device sets join one whole-shard step (one allocation over both)",
+    ),
+    Mutant(
+        "whole-wire-counts-local-copies",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        slot.nbytes * sum(1 for a, b in perm if a != b)",
+                "        slot.nbytes * len(perm)",
+            ),
+        ),
+        (
+            "tests/test_whole_shards.py::test_a_whole_shard_layout_moves_exactly_without_staging_copies",
+        ),
+        "bytes_wire counts a whole-shard step's local copies as bytes between devices",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -107,6 +107,11 @@ def test_colocated_small_leaves_pass_held_parts_through_slots_across_processes(r
 
 
 @pytest.mark.multiprocess
+def test_whole_shards_move_across_processes_without_staging(run_2x4):
+    run_2x4.assert_ok("whole_shards_2x4")
+
+
+@pytest.mark.multiprocess
 def test_three_hundred_leaves_of_mixed_shapes_and_dtypes_across_processes():
     run = launch("2x4_many", 2, 4, timeout_s=MANY_LEAVES_TIMEOUT_S)
     run.assert_ok("many_leaves_2x4")

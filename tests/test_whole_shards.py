@@ -43,10 +43,10 @@ LAYOUTS = {
         ((0, 1, 2, 3), (2, 2), ("dp", "tp"), "tp"),
         ((4, 5), (2,), ("tp",), "tp"),
     ),
-    # overlapping devices, some holding their own destination shard (a local copy)
+    # overlapping devices, two holding their own destination shard (a local copy)
     "overlapping": (
         ((0, 1, 2, 3), (4,), ("tp",), "tp"),
-        ((2, 3, 4, 5), (4,), ("tp",), "tp"),
+        ((0, 1, 6, 7), (4,), ("tp",), "tp"),
     ),
 }
 
@@ -99,8 +99,9 @@ def test_a_whole_shard_layout_moves_exactly_without_staging_copies(layout):
             want.add(f"['{k}']")
     assert whole_leaves(plan) == want
     assert len(want) >= len(host) - 1  # (replicated sources: the router may split one)
-    if len(want) == len(host):
+    if len(want) == len(host):  # (shards as they are: no padding, local copies not on the wire)
         assert not any(step.packs or step.unpacks for step in plan.lowered.steps)
+        assert plan.stats.bytes_wire == plan.stats.bytes_sent
     bound = sum(
         jax_lower_bound_bytes(src[k].sharding, dst[k], v.shape, v.dtype.itemsize)
         for k, v in host.items()
@@ -255,3 +256,25 @@ def test_typed_keys_move_whole():
     out = plan(src)
     assert out["k"].sharding == d
     assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(keys))
+
+
+def test_only_pieces_that_are_whole_shards_of_their_holder_make_a_leaf_whole():
+    """`whole_leaves` on the router's assignment, and on that assignment with one piece
+    changed by hand: a piece that is part of its receiver's shard, or sent by a device that
+    holds another box, leaves the leaf staged."""
+    import dataclasses
+
+    from jaxreshard.planning.route import Assignment
+
+    _, src, dst = _tree("disjoint", dtypes=("float32",))
+    plan = jr.plan(src, dst)
+    leaves, given = plan.leaves, plan.assignment
+    assert set(whole_module.whole_leaves(leaves, given, plan.bucket_bytes)) == {0}
+    first = given.sent[0]
+    (r0, r1), rest = first.box[0], first.box[1:]
+    half = dataclasses.replace(first, box=((r0, (r0 + r1) // 2), *rest))
+    other = next(p for p in given.sent if p.src != first.src)
+    elsewhere = dataclasses.replace(first, src=other.src)
+    for bad in (half, elsewhere):
+        changed = Assignment(given.local, (bad, *given.sent[1:]), given.fans)
+        assert whole_module.whole_leaves(leaves, changed, plan.bucket_bytes) == {}

@@ -891,7 +891,9 @@ class _WholeRun:
         sends, recvs, taken = [], [], []
         rounds = zip(self.leaves, self.slots, self.views, strict=True)
         for t, (leaf, slot, view) in enumerate(rounds):
-            held = src.buffers(leaf)
+            # (a process none of whose devices sends may hold no source array of the leaf)
+            sending = any(d in self.sends[t] for d in self.devices)
+            held = src.buffers(leaf) if sending else {}
             idle = staging.idle
             sends.append(
                 view([held[d] if d in self.sends[t] else idle[d][slot] for d in self.devices])
