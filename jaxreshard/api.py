@@ -38,7 +38,7 @@ from jaxreshard.planning.schedule import (
     plan_stats,
     platform_options,
 )
-from jaxreshard.planning.topology import Topology
+from jaxreshard.planning.topology import PROFILES, Topology
 from jaxreshard.planning.whole import whole_leaves, whole_steps, without_leaves
 from jaxreshard.quant import Fp8Blockwise, QuantizedArray, Quantizer
 from jaxreshard.run import boundary, views
@@ -1576,7 +1576,8 @@ def plan(
     assignment = route(leaves, topology, fan_out=fan_out, **planner_options(int(bucket_bytes)))
     # Leaves whose every destination shard is a whole source shard go as they are, without
     # staging (`planning.whole`); the schedule stages the rest.
-    whole = whole_leaves(leaves, assignment, int(bucket_bytes))
+    profile = PROFILES["cpu" if platform == "cpu" else "h100"]  # (as Topology.from_devices)
+    whole = whole_leaves(leaves, assignment, int(bucket_bytes), profile)
     schedule = build_plan_schedule(
         leaves,
         without_leaves(assignment, whole),

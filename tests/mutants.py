@@ -3507,9 +3507,7 @@ SURFACE_MUTANTS: list[Mutant] = [
                 "            not",
             ),
         ),
-        (
-            "tests/test_errors.py::test_donating_a_key_over_a_plain_sources_buffers_or_its_data_is_refused",
-        ),
+        ("tests/test_whole_shards.py::test_leaves_of_other_devices_move_in_steps_of_their_own",),
         "leaves of other device sets join one whole-shard step (one allocation over both)",
     ),
     Mutant(

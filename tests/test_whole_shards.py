@@ -53,6 +53,14 @@ LAYOUTS = {
 DTYPES = ("float32", "bfloat16", "int8", "bool", "float8_e4m3fn", "uint32")
 
 
+@pytest.fixture(autouse=True)
+def every_qualifying_leaf(monkeypatch, request):
+    """These small leaves go whole whatever their rounds save (`whole.LATENCY_MARGIN` 0),
+    but in the test of the margin itself."""
+    if "margin" not in request.node.name:
+        monkeypatch.setattr(whole_module, "LATENCY_MARGIN", 0.0)
+
+
 def whole_by_oracle(src, dst, shape) -> bool:
     """Every destination shard is a whole source shard: the same index on some source device,
     and the same shard shape everywhere (from ``devices_indices_map``)."""
@@ -278,3 +286,41 @@ def test_only_pieces_that_are_whole_shards_of_their_holder_make_a_leaf_whole():
     for bad in (half, elsewhere):
         changed = Assignment(given.local, (bad, *given.sent[1:]), given.fans)
         assert whole_module.whole_leaves(leaves, changed, plan.bucket_bytes) == {}
+
+
+def test_a_leaf_too_small_to_pay_for_its_rounds_stays_staged_by_the_latency_margin():
+    """A whole-shard leaf takes rounds of its own, each a collective-permute's latency
+    (`Profile.round_latency`, 350 us on CPU), where staged leaves share rounds; it goes whole
+    only where each round saves copies worth `LATENCY_MARGIN` latencies (pack and unpack of
+    what the round carries, at 12 GB/s on CPU: about 4 MB a round). 64 KiB leaves stay
+    staged, a 32 MiB leaf goes whole; both exact."""
+    assert whole_module.LATENCY_MARGIN == 2.0
+    src_args, dst_args = LAYOUTS["disjoint"]
+    host = {
+        "small": random_array((128, 128), "float32", 0),
+        "large": random_array((2048, 4096), "float32", 1),
+    }
+    src = {k: jax.device_put(v, sharding(*src_args)) for k, v in host.items()}
+    dst = {k: sharding(*dst_args) for k in host}
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {"['large']"}
+    out = plan(src)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
+
+
+def test_leaves_of_other_devices_move_in_steps_of_their_own():
+    """Two leaves crossing the same devices in opposite directions: each whole-shard step
+    holds leaves of one source and one destination device set (its fresh destinations are
+    made by one program, over one set); both exact."""
+    a, b = sharding((0, 1, 2, 3), (4,), ("tp",), "tp"), sharding((4, 5, 6, 7), (4,), ("tp",), "tp")
+    host = {"there": random_array((16, 8), "float32", 0), "back": random_array((16, 8), "int8", 1)}
+    src = {"there": jax.device_put(host["there"], a), "back": jax.device_put(host["back"], b)}
+    dst = {"there": b, "back": a}
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {"['there']", "['back']"}
+    assert sorted(len(step.whole) for step in plan.lowered.steps) == [1, 1]
+    out = plan(src)
+    out = plan(src, donate=out)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])

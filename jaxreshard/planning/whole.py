@@ -32,6 +32,7 @@ from collections.abc import Collection, Sequence
 from jaxreshard.planning.layout import box_shape
 from jaxreshard.planning.lower import Slot, Step, TransferProgram
 from jaxreshard.planning.route import Assignment, LeafSpec
+from jaxreshard.planning.topology import Profile
 
 STAGED_DTYPES = frozenset(
     {"int2", "uint2", "int4", "uint4", "float4_e2m1fn", "complex64", "complex128"}
@@ -44,6 +45,15 @@ complex value."""
 MOVE_WHOLE_SHARDS = True
 """Whether leaves move as whole shards where they can; off, every leaf is staged (for A/B runs
 and the tests that specify the staged path)."""
+
+LATENCY_MARGIN = 2.0
+"""Round latencies the copies a whole-shard round saves must be worth (`_pays`). A leaf moved
+whole takes rounds of its own, where a staged leaf shares its rounds with others: each round
+costs a collective-permute's latency and saves the pack and the unpack of what it carries.
+Measured on CPU (the bench's `same_layout`, 2026-12-06): with every leaf whole, 83 rounds took
+the transfer from 39 to 94 ms and the call from 95 to 92 ms, where the eight 32 MiB leaves of
+`scripts/probes/whole_shards.py` went from 79 to 43 ms. 0 takes every leaf that qualifies
+(the tests that specify the path on small leaves)."""
 
 MAX_ROUNDS_PER_STEP = 64
 """The most rounds (collective-permutes) one whole-shard step joins: a model's small leaves
@@ -76,11 +86,15 @@ def typed_slot(leaf: LeafSpec, shard: Sequence[int]) -> Slot:
 
 
 def whole_leaves(
-    leaves: Sequence[LeafSpec], assignment: Assignment, bucket_bytes: int
+    leaves: Sequence[LeafSpec],
+    assignment: Assignment,
+    bucket_bytes: int,
+    profile: Profile | None = None,
 ) -> dict[int, WholeLeaf]:
     """The leaves that move as whole shards, by index (none unless `MOVE_WHOLE_SHARDS`).
 
-    A leaf does where:
+    A leaf does where (with a ``profile``: the backend's, `topology.PROFILES`) every round of
+    it saves copies worth `LATENCY_MARGIN` round latencies (`_pays`), and:
 
     - it has elements and a rank, no cast, a dtype of a byte or wider (`STAGED_DTYPES`),
       and all of its shards, source and destination, have one shape;
@@ -108,9 +122,28 @@ def whole_leaves(
         if pairs is None or all(s == d for s, d in pairs):
             continue
         moved = WholeLeaf(i, box_shape(leaf.dst.boxes[0]), _rounds(pairs))
-        if _fits([moved], leaves, bucket_bytes):
+        if _fits([moved], leaves, bucket_bytes) and _pays(moved, leaf, profile):
             out[i] = moved
     return out
+
+
+def _pays(moved: WholeLeaf, leaf: LeafSpec, profile: Profile | None) -> bool:
+    """Whether each round of ``moved`` saves copies worth `LATENCY_MARGIN` round latencies
+    under ``profile``: the pack and the unpack of what it carries between devices, at the
+    host's copy bandwidth where a host's devices share its cores (CPU), else of one shard at a
+    device's (each device copies its own at once)."""
+    if profile is None or not LATENCY_MARGIN:
+        return True
+    shard = math.prod(moved.shard) * leaf.itemsize
+    for pairs in moved.rounds:
+        if profile.host_copy_bandwidth is not None:
+            moved_bytes = shard * sum(1 for s, d in pairs if s != d)
+            saved = 2 * moved_bytes / profile.host_copy_bandwidth
+        else:
+            saved = 2 * shard / profile.copy_bandwidth
+        if saved < LATENCY_MARGIN * profile.round_latency:
+            return False
+    return True
 
 
 def without_leaves(assignment: Assignment, leaves: Collection[int]) -> Assignment:
