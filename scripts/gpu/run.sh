@@ -12,3 +12,4 @@ timeout 120 python3 scripts/gpu/mock_gpus_schedule.py
 timeout 120 python3 scripts/gpu/mock_gpus_options.py
 timeout 120 python3 scripts/gpu/mock_gpus_async.py
 timeout 120 python3 scripts/gpu/mock_gpus_groups.py
+timeout 120 python3 scripts/gpu/mock_gpus_whole.py
