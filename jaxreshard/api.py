@@ -29,7 +29,7 @@ from jaxreshard.errors import (
     merged_error,
 )
 from jaxreshard.planning.layout import Layout, LayoutError, normalize_spec
-from jaxreshard.planning.lower import Lowered, lower, with_lowered
+from jaxreshard.planning.lower import Lowered, lower, whole_wire_bytes, with_lowered
 from jaxreshard.planning.route import Assignment, LeafSpec, planner_options, route
 from jaxreshard.planning.schedule import (
     PlanStats,
@@ -1164,6 +1164,9 @@ class Plan:
         devices = sorted(set(send) | set(recv) | set(local))
         pad = s.bytes_wire - s.bytes_sent
         largest = max((n for b in self.schedule.buckets for n in b.slot_bytes), default=0)
+        whole = [step.transfer for step in self.lowered.steps if step.whole and step.transfer]
+        largest = max([largest, *(slot.nbytes for t in whole for slot in t.slots)])
+        whole_sent = whole_wire_bytes(self.lowered)
         lines = [
             f"jaxreshard plan: {len(self.leaves)} leaves, {len(devices)} devices "
             f"({len(send)} send, {len(recv)} receive)",
@@ -1183,10 +1186,15 @@ class Plan:
                 else ""
             ),
             f"  packed  {_b(self.lowered.packed_bytes)} (sent twice or more from one buffer: "
-            f"{_b(s.bytes_sent - self.lowered.packed_bytes)})"
+            f"{_b(s.bytes_sent - self.lowered.packed_bytes - whole_sent)})"
             + (
                 f" | held parts passed through slots {_b(self.lowered.kept_bytes)}"
                 if self.lowered.kept_bytes
+                else ""
+            )
+            + (
+                f" | sent as whole shards {_b(whole_sent)} in {len(whole)} step(s), not packed"
+                if whole
                 else ""
             ),
             f"  rounds  {s.rounds} in {s.buckets} bucket(s) of {len(self.schedule.units)} "

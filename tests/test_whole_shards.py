@@ -110,6 +110,9 @@ def test_a_whole_shard_layout_moves_exactly_without_staging_copies(layout):
     if len(want) == len(host):  # (shards as they are: no padding, local copies not on the wire)
         assert not any(step.packs or step.unpacks for step in plan.lowered.steps)
         assert plan.stats.bytes_wire == plan.stats.bytes_sent
+        described = plan.describe()
+        assert "(sent twice or more from one buffer: 0 B)" in described, described
+        assert "sent as whole shards" in described, described
     bound = sum(
         jax_lower_bound_bytes(src[k].sharding, dst[k], v.shape, v.dtype.itemsize)
         for k, v in host.items()
@@ -324,3 +327,63 @@ def test_leaves_of_other_devices_move_in_steps_of_their_own():
     out = plan(src, donate=out)
     for k, v in host.items():
         assert_exact(out[k], v, dst[k])
+
+
+def test_random_layouts_moved_as_they_are_go_whole_and_exact():
+    """Random source layouts (`test_properties.layouts`: 2-8 devices, 1-4 axes, random specs),
+    each moved to the same mesh shape and spec on a random ordering of random devices
+    (overlapping, permuted or disjoint): every destination shard is a whole source shard
+    (the oracle), each leaf the router sends whole goes whole, and the result is exact, the
+    source intact, ``bytes_sent`` at the oracle's bound and staging within two buckets."""
+    from hypothesis import HealthCheck, event, given, settings
+    from hypothesis import strategies as st
+    from jax.sharding import Mesh, NamedSharding
+    from test_properties import DTYPES as PROPERTY_DTYPES
+    from test_properties import layouts, ways
+
+    seen = {"examples": 0, "whole": 0}
+
+    @settings(
+        max_examples=20,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        data=st.data(),
+        rank=st.sampled_from([2, 1, 3]),
+        dtype=st.sampled_from(PROPERTY_DTYPES),
+        bucket=st.sampled_from([16384, 8192, 256]),
+    )
+    def check(data, rank, dtype, bucket):
+        src, _ = data.draw(layouts(rank))
+        ids = data.draw(st.permutations(range(8)))[: src.mesh.devices.size]
+        devs = jax.devices()
+        mesh = Mesh(
+            np.array([devs[i] for i in ids]).reshape(src.mesh.devices.shape), src.mesh.axis_names
+        )
+        dst = NamedSharding(mesh, src.spec)
+        shape = tuple(ways(src, d) * data.draw(st.integers(1, 4)) for d in range(rank))
+        host = random_array(shape, dtype, seed=rank)
+        x = jax.device_put(host, src)
+        plan = jr.plan(x, dst, bucket_bytes=bucket)
+        assert whole_by_oracle(src, dst, shape)
+        moved = bool(whole_leaves(plan))
+        # Shards of at most 4**3 elements of 4 bytes, in at most 8 rounds (a sender per
+        # receiver), need at most 9 spare shards: within half a bucket of 8 KiB or more.
+        if jax_lower_bound_bytes(src, dst, shape, 1) and sent_whole(plan, 0, src, dst, shape):
+            assert moved or bucket < 8192, (shape, bucket)
+        out = plan(x)
+        out = plan(x, donate=out)
+        assert_exact(out, host, dst)
+        assert_exact(x, host, src)
+        bound = jax_lower_bound_bytes(src, dst, shape, max(1, host.dtype.itemsize))
+        assert plan.stats.bytes_sent == bound
+        assert plan.stats.staging_bytes <= 2 * plan.bucket_bytes
+        seen["examples"] += 1
+        seen["whole"] += moved
+        event(f"whole: {moved}")
+
+    check()
+    print(f"distribution: {seen}")  # shown with pytest -s or -rP
+    assert seen["examples"] >= 15 and seen["whole"] >= seen["examples"] // 2, seen
