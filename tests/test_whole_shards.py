@@ -387,3 +387,24 @@ def test_random_layouts_moved_as_they_are_go_whole_and_exact():
     check()
     print(f"distribution: {seen}")  # shown with pytest -s or -rP
     assert seen["examples"] >= 15 and seen["whole"] >= seen["examples"] // 2, seen
+
+
+def test_a_started_refit_and_verify_take_whole_shard_plans_as_any_other():
+    """`Plan.start` runs whole-shard steps on the worker (exact, sources intact), and
+    `Plan.verify` passes the result and names a whole shard changed afterwards."""
+    host, src, dst = _tree("replicated_destination", dtypes=("float32", "bfloat16"))
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {f"['{k}']" for k in host}
+    out = plan.start(src).result()
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
+        assert_exact(src[k], v, src[k].sharding)
+    plan.verify(src, out)
+    bad = dict(out)
+    shards = [s.data for s in out["x_float32"].addressable_shards]
+    shards[0] = shards[0] + 1
+    bad["x_float32"] = jax.make_array_from_single_device_arrays(
+        out["x_float32"].shape, out["x_float32"].sharding, shards
+    )
+    with pytest.raises(jr.ReshardError, match=r"\['x_float32'\]"):
+        plan.verify(src, bad)
