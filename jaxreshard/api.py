@@ -1164,8 +1164,8 @@ class Plan:
         devices = sorted(set(send) | set(recv) | set(local))
         pad = s.bytes_wire - s.bytes_sent
         largest = max((n for b in self.schedule.buckets for n in b.slot_bytes), default=0)
-        whole = [step.transfer for step in self.lowered.steps if step.whole and step.transfer]
-        largest = max([largest, *(slot.nbytes for t in whole for slot in t.slots)])
+        whole = [step for step in self.lowered.steps if step.whole]
+        largest = max([largest, *(slot.nbytes for slot, _ in self.lowered.whole_rounds())])
         whole_sent = whole_wire_bytes(self.lowered)
         lines = [
             f"jaxreshard plan: {len(self.leaves)} leaves, {len(devices)} devices "

@@ -3515,8 +3515,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/planning/lower.py",
         (
             (
-                "        slot.nbytes * sum(1 for a, b in perm if a != b)",
-                "        slot.nbytes * len(perm)",
+                "        slot.nbytes * sum(1 for a, b in pairs if a != b) for slot",
+                "        slot.nbytes * len(pairs) for slot",
             ),
         ),
         (

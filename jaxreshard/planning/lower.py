@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -409,16 +409,18 @@ class Lowered:
         """The bytes devices pass themselves through slots in one call (`Step.kept`)."""
         return sum(step.kept_bytes for step in self.steps)
 
+    def whole_rounds(self) -> Iterator[tuple[Slot, tuple[tuple[int, int], ...]]]:
+        """Every round of the whole-shard steps (`Step.whole`): its slot and its ``(sender,
+        receiver)`` device pairs (`step_rounds_of`)."""
+        for step in self.steps:
+            if step.whole:
+                yield from step_rounds_of(step)
+
     @property
     def whole_bytes(self) -> int:
         """The destination bytes whole-shard steps write in one call (`Step.whole`: shards
         received, and those a device copies from itself), which no unpack writes."""
-        return sum(
-            slot.nbytes * len(perm)
-            for step in self.steps
-            if step.whole and step.transfer is not None
-            for slot, perm in zip(step.transfer.slots, step.transfer.perms, strict=True)
-        )
+        return sum(slot.nbytes * len(pairs) for slot, pairs in self.whole_rounds())
 
     def dispatches(self) -> int:
         """Program runs of one call with donated destinations (no allocation)."""
@@ -1477,14 +1479,21 @@ def _whole_roles(program: TransferProgram, union: Sequence[int]) -> dict[int, Ro
     return out
 
 
+def step_rounds_of(step: Step) -> Iterator[tuple[Slot, tuple[tuple[int, int], ...]]]:
+    """Each round of a step's transfer: its slot and its ``(sender, receiver)`` pairs as
+    device ids (the program's are positions in its devices)."""
+    program = step.transfer
+    assert program is not None
+    ids = program.devices
+    for slot, perm in zip(program.slots, program.perms, strict=True):
+        yield slot, tuple((ids[a], ids[b]) for a, b in perm)
+
+
 def whole_wire_bytes(lowered: Lowered) -> int:
     """Bytes the whole-shard steps' collective-permutes carry between devices (a pair of a
     device with itself is a local copy)."""
     return sum(
-        slot.nbytes * sum(1 for a, b in perm if a != b)
-        for step in lowered.steps
-        if step.whole and step.transfer is not None
-        for slot, perm in zip(step.transfer.slots, step.transfer.perms, strict=True)
+        slot.nbytes * sum(1 for a, b in pairs if a != b) for slot, pairs in lowered.whole_rounds()
     )
 
 

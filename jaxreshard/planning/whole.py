@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 
 from jaxreshard.planning.layout import box_shape
-from jaxreshard.planning.lower import Slot, Step, TransferProgram
+from jaxreshard.planning.lower import Slot, Step, TransferProgram, step_roles, step_rounds_of
 from jaxreshard.planning.route import Assignment, LeafSpec
 from jaxreshard.planning.topology import Profile
 
@@ -222,23 +222,18 @@ def _sides(leaf: LeafSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _fits(group: Sequence[WholeLeaf], leaves: Sequence[LeafSpec], bucket_bytes: int) -> bool:
     """Whether one step of ``group`` holds at most `MAX_ROUNDS_PER_STEP` rounds and spares
-    of at most half a bucket on each device: a shard for every round the device receives
-    nothing in (donated, each its own), and one of each slot it sends nothing in some round
-    of (only read: shared by those rounds, `lower.Roles.idle`)."""
+    of at most half a bucket on each device: the buffers the staging pool hands its devices
+    for it (`lower.step_roles`: a shard for every round a device receives nothing in, one of
+    each slot it sends nothing in some round of)."""
     if sum(len(w.rounds) for w in group) > MAX_ROUNDS_PER_STEP:
         return False
-    devices = sorted(set().union(*(w.devices() for w in group)))
-    total: dict[int, int] = defaultdict(int)
-    idle: dict[int, set[Slot]] = defaultdict(set)
-    for w in group:
-        slot = typed_slot(leaves[w.leaf], w.shard)
-        for r in w.rounds:
-            for d in devices:
-                if all(b != d for _, b in r):
-                    total[d] += slot.nbytes
-                if all(a != d for a, _ in r):
-                    idle[d].add(slot)
-    return all(total[d] + sum(s.nbytes for s in idle[d]) <= bucket_bytes // 2 for d in devices)
+    step = _step(group, leaves)
+    assert step.transfer is not None
+    roles = step_roles(step, step.transfer.devices)
+    return all(
+        sum(slot.nbytes * n for slot, n in r.need().items()) <= bucket_bytes // 2
+        for r in roles.values()
+    )
 
 
 def _step(group: Sequence[WholeLeaf], leaves: Sequence[LeafSpec]) -> Step:
@@ -266,10 +261,5 @@ def _step(group: Sequence[WholeLeaf], leaves: Sequence[LeafSpec]) -> Step:
 def step_rounds(step: Step) -> list[tuple[int, list[tuple[int, int]]]]:
     """A whole-shard step's rounds as the cost model prices them: each its shard's bytes and
     its ``(sender, receiver)`` device pairs."""
-    program = step.transfer
-    assert step.whole and program is not None
-    ids = program.devices
-    return [
-        (slot.nbytes, [(ids[a], ids[b]) for a, b in perm])
-        for slot, perm in zip(program.slots, program.perms, strict=True)
-    ]
+    assert step.whole
+    return [(slot.nbytes, list(pairs)) for slot, pairs in step_rounds_of(step)]

@@ -68,6 +68,7 @@ from jaxreshard.planning.lower import (
     UnpackProgram,
     plan_pool,
     step_roles,
+    step_rounds_of,
 )
 from jaxreshard.planning.route import LeafSpec
 from jaxreshard.run import views
@@ -821,10 +822,11 @@ class _PackRun:
                 sent[d, self.slots[d][k]] = buf
 
 
-class _TransferRun:
-    """The transfer of one step: which buffer each local device passes in each round."""
+class _Permutes:
+    """A step's compiled transfer program, and one view per round re-wrapping this process's
+    buffers onto its union mesh (``devices``: this process's, in mesh order)."""
 
-    def __init__(self, runtime: Runtime, step: Step, local: Sequence[int]) -> None:
+    def __init__(self, runtime: Runtime, step: Step) -> None:
         program = step.transfer
         assert program is not None
         self.fn = runtime._transfer_fn(program)
@@ -833,7 +835,15 @@ class _TransferRun:
         self.slots = program.slots
         self.views = [views.View(s.shape(n), s.word, sharding) for s in program.slots]
         self.devices = self.views[0].devices
-        assert set(self.devices) == set(local)
+
+
+class _TransferRun(_Permutes):
+    """The transfer of one step: which buffer each local device passes in each round."""
+
+    def __init__(self, runtime: Runtime, step: Step, local: Sequence[int]) -> None:
+        super().__init__(runtime, step)
+        program = step.transfer
+        assert program is not None and set(self.devices) == set(local)
         senders = step.senders()
         # The buffer each local device sends in each round it sends in: the one its pack
         # filled for that round, or for another round of the step (`Step.shared`).
@@ -864,24 +874,18 @@ class _TransferRun:
         return out
 
 
-class _WholeRun:
+class _WholeRun(_Permutes):
     """The transfer of a whole-shard step (`Step.whole`): in each round, the senders pass
     their source shards of the round's leaf as they are and the receivers their destination
     shards (donated: the collective-permute writes into them); the step's spares stand in for
     the others'."""
 
     def __init__(self, runtime: Runtime, step: Step) -> None:
-        program = step.transfer
-        assert program is not None
-        self.fn = runtime._transfer_fn(program)
-        sharding = runtime._union_sharding(program)
-        n = len(program.devices)
-        self.slots = program.slots
-        self.views = [views.View(s.shape(n), s.word, sharding) for s in program.slots]
-        self.devices = self.views[0].devices  # this process's, in mesh order
+        super().__init__(runtime, step)
         self.leaves = step.whole
-        self.sends = [{program.devices[a] for a, _ in perm} for perm in program.perms]
-        self.recvs = [{program.devices[b] for _, b in perm} for perm in program.perms]
+        rounds = [pairs for _, pairs in step_rounds_of(step)]
+        self.sends = [{a for a, _ in pairs} for pairs in rounds]
+        self.recvs = [{b for _, b in pairs} for pairs in rounds]
 
     def run(
         self, src: _Sources, dst: _Destinations, staging: _Staging
@@ -890,11 +894,11 @@ class _WholeRun:
         pool) and the destination buffers it wrote."""
         sends, recvs, taken = [], [], []
         rounds = zip(self.leaves, self.slots, self.views, strict=True)
+        idle = staging.idle
         for t, (leaf, slot, view) in enumerate(rounds):
             # (a process none of whose devices sends may hold no source array of the leaf)
             sending = any(d in self.sends[t] for d in self.devices)
             held = src.buffers(leaf) if sending else {}
-            idle = staging.idle
             sends.append(
                 view([held[d] if d in self.sends[t] else idle[d][slot] for d in self.devices])
             )

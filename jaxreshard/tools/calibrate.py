@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 import jaxreshard as jr
 from jaxreshard.planning.lower import MIN_CAST_SLOT_WIDTH
 from jaxreshard.planning.topology import GB, PROFILES, Profile, Topology
-from jaxreshard.planning.whole import step_rounds
+from jaxreshard.planning.whole import step_rounds, without_leaves
 from jaxreshard.run import codec, runtime
 from jaxreshard.run.codec import ZERO
 from jaxreshard.tools import bench, costmodel
@@ -443,7 +443,7 @@ def modeled(plan: jr.Plan, profile: Profile) -> costmodel.ModeledTime:
         profile,
         leaves=plan.leaves,
         # (a whole-shard leaf's local copies are pairs of its collective-permute)
-        local=[c for c in plan.assignment.local if c.leaf not in moved_whole],
+        local=without_leaves(plan.assignment, moved_whole).local,
         steps=steps,
         whole=whole,
     )

@@ -68,11 +68,11 @@ from jaxreshard.planning.schedule import RoundPlan, Schedule, Unit
 from jaxreshard.planning.topology import Profile, Topology
 
 Pair = tuple[int, int]
+"""``(sender, receiver)`` device ids."""
 
 WholeStep = Sequence[tuple[int, Sequence[Pair]]]
 """A whole-shard step's rounds (`planning.whole.step_rounds`): each its slot's bytes and its
 ``(sender, receiver)`` device pairs."""
-"""``(sender, receiver)`` device ids."""
 
 
 @dataclasses.dataclass(frozen=True)
