@@ -33,7 +33,7 @@ blocks is refused before anything moves.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -275,7 +275,8 @@ def _fits(s: NamedSharding, shape: Sequence[int], grid: Sequence[int], fmt: Fp8B
 
 
 class Quantizer:
-    """The senders' quantize program of a plan's fp8 leaves (one compiled program)."""
+    """The senders' quantize programs of a plan's fp8 leaves: one compiled program for the
+    leaves whose sources share an order of devices (a jitted program's arrays must)."""
 
     def __init__(
         self,
@@ -284,45 +285,62 @@ class Quantizer:
         scale_shardings: Sequence[Sharding],
     ) -> None:
         self.formats = tuple(formats)
-        self.src_shardings = values_out = tuple(src_shardings)  # values stay in the source layout
+        self.src_shardings = tuple(src_shardings)  # values stay in the source layout
         self.scale_shardings = tuple(scale_shardings)
+        self._platforms = {d.platform for s in self.src_shardings for d in s.device_set}
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for k, s in enumerate(self.src_shardings):
+            groups.setdefault(_device_order(s), []).append(k)
+        self._groups = [(tuple(ks), self._program(ks)) for ks in groups.values()]
 
+    def _program(self, leaves: Sequence[int]) -> Callable[..., Any]:
+        """The jitted quantize program of ``leaves`` (indices), sources in, (values, scales)
+        out."""
+        shardings = [self.src_shardings[k] for k in leaves]
+        formats = [self.formats[k] for k in leaves]
         # Sources in host memory (pinned_host) are quantized in device memory: XLA does not
         # compute on host-memory operands (its select_n refuses mixed memory spaces).
-        on_device = [on_device_memory(s) for s in self.src_shardings]
-        self._platforms = {d.platform for s in self.src_shardings for d in s.device_set}
+        on_device = [on_device_memory(s) for s in shardings]
 
         def run(*xs: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
             xs = tuple(
                 x if d is s else jax.device_put(x, d)
-                for x, s, d in zip(xs, self.src_shardings, on_device, strict=True)
+                for x, s, d in zip(xs, shardings, on_device, strict=True)
             )
-            return tuple(quantize(x, f) for x, f in zip(xs, self.formats, strict=True))
+            return tuple(quantize(x, f) for x, f in zip(xs, formats, strict=True))
 
-        self._fn = jax.jit(run, out_shardings=tuple(zip(values_out, scale_shardings, strict=True)))
+        out = tuple((self.src_shardings[k], self.scale_shardings[k]) for k in leaves)
+        return jax.jit(run, out_shardings=out)
 
     def __call__(
         self, xs: Sequence[Any], paths: Sequence[str] | None = None
     ) -> list[tuple[Any, Any]]:
         """Each leaf's (values, scales). Under ``jax.distributed`` a leaf this process holds
-        none of may be a ``jax.ShapeDtypeStruct``; a process that holds none of any leaf runs
-        nothing (the program is not its to run) and gets placeholders of the results.
+        none of may be a ``jax.ShapeDtypeStruct``; a process that holds none of a program's
+        leaves runs nothing of it (the program is not its to run) and gets placeholders of
+        their results.
 
-        Raises `ReshardError` naming the leaves (``paths``) deleted while the program waited
+        Raises `ReshardError` naming the leaves (``paths``) deleted while the programs waited
         for the plans' calls in flight (`runtime.between_calls`): one donated meanwhile,
         through another array over the same buffers, would be read after it was freed."""
         if not xs:
             return []
-        if not any(s.addressable_devices for s in self.src_shardings):
-            return [
-                (
-                    jax.ShapeDtypeStruct(x.shape, f.fmt, sharding=v),
-                    jax.ShapeDtypeStruct(f.scale_shape(x.shape), jnp.float32, sharding=c),
+        out: list[Any] = [None] * len(xs)
+        mine = []
+        for leaves, fn in self._groups:
+            if any(self.src_shardings[k].addressable_devices for k in leaves):
+                mine.append((leaves, fn))
+                continue
+            for k in leaves:
+                x, f = xs[k], self.formats[k]
+                out[k] = (
+                    jax.ShapeDtypeStruct(x.shape, f.fmt, sharding=self.src_shardings[k]),
+                    jax.ShapeDtypeStruct(
+                        f.scale_shape(x.shape), jnp.float32, sharding=self.scale_shardings[k]
+                    ),
                 )
-                for x, f, v, c in zip(
-                    xs, self.formats, self.src_shardings, self.scale_shardings, strict=True
-                )
-            ]
+        if not mine:
+            return out
         # Placeholders as arrays with no shard here (the callback is never called).
         arrays = [
             jax.make_array_from_callback(x.shape, x.sharding, lambda _: None, dtype=x.dtype)
@@ -332,13 +350,25 @@ class Quantizer:
         ]
         names = list(paths) if paths is not None else [f"[{k}]" for k in range(len(xs))]
 
-        def dispatch() -> Any:
+        def dispatch() -> list[tuple[tuple[int, ...], Any]]:
             gone = [k for k, x in enumerate(xs) if isinstance(x, jax.Array) and x.is_deleted()]
             if gone:
                 raise deleted_sources_error("the fp8 quantizer", [names[k] for k in gone])
-            return self._fn(*arrays)
+            return [(leaves, fn(*(arrays[k] for k in leaves))) for leaves, fn in mine]
 
-        return list(runtime.between_calls(self._platforms, dispatch))
+        for leaves, results in runtime.between_calls(self._platforms, dispatch):
+            for k, r in zip(leaves, results, strict=True):
+                out[k] = r
+        return out
+
+
+def _device_order(sharding: Sharding) -> tuple[int, ...]:
+    """The ids of ``sharding``'s devices in its order (what ``jax.jit`` requires its arrays
+    to share)."""
+    order = getattr(sharding, "_device_assignment", None)
+    if order is None:  # pragma: no cover - another JAX layout
+        order = sorted(sharding.device_set, key=lambda d: d.id)
+    return tuple(d.id for d in order)
 
 
 def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:

@@ -334,6 +334,40 @@ def case_whole_shards() -> None:
     ok("whole_shards_2x4", checked=n)
 
 
+def case_whole_beside_staged() -> None:
+    """Whole-shard steps on process 1's devices only, a staged step on process 0's only:
+    each process runs only the transfers over its own devices (the staged transfer's
+    devices are fewer than the union's). Two whole leaves go to the same devices in two
+    orders (one step; their fresh destinations made in one program per order)."""
+    staged_src = mesh(GLOBAL[:2], (2,), ("tp",))
+    one = mesh(GLOBAL[2:3], (1,), ("tp",))
+    second = mesh(GLOBAL[4:], (4,), ("tp",))
+    orders = [mesh([GLOBAL[i] for i in ids], (4,), ("tp",)) for ids in ((5, 4, 7, 6), (7, 6, 5, 4))]
+    full = {
+        "staged": oracle((8, 8), np.int32, 610),
+        "a": oracle((16, 8), np.float32, 611),
+        "b": oracle((16, 8), jnp.bfloat16, 612),
+    }
+    srcs = {
+        "staged": NamedSharding(staged_src, P("tp")),
+        "a": NamedSharding(second, P("tp")),
+        "b": NamedSharding(second, P("tp")),
+    }
+    dsts = {
+        "staged": NamedSharding(one, P()),
+        "a": NamedSharding(orders[0], P("tp")),
+        "b": NamedSharding(orders[1], P("tp")),
+    }
+    margin, whole.LATENCY_MARGIN = whole.LATENCY_MARGIN, 0.0  # (small leaves: whole all the same)
+    try:
+        n, plan = move(full, srcs, dsts, {})
+    finally:
+        whole.LATENCY_MARGIN = margin
+    moved = {plan.leaves[i].path for step in plan.lowered.steps for i in step.whole}
+    assert moved == {"['a']", "['b']"}, moved
+    ok("whole_beside_staged_2x4", checked=n)
+
+
 def case_chained() -> None:
     """Four declared domains of two devices (0-1, 2-3 on process 0; 4-5, 6-7 on process 1):
     the trainer on 0, 1, the sampler replicated over the other six. The sources alone would
@@ -415,6 +449,7 @@ SCENARIOS = {
         case_chained,
         case_colocated_adapters,
         case_whole_shards,
+        case_whole_beside_staged,
     ],
     "2x4_many": [case_many_leaves],
     "startup": [],

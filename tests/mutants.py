@@ -1560,8 +1560,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/quant.py",
         (
             (
-                "return list(runtime.between_calls(self._platforms, dispatch))",
-                "return list(dispatch())",
+                "in runtime.between_calls(self._platforms, dispatch):",
+                "in dispatch():",
             ),
         ),
         (
@@ -3523,6 +3523,43 @@ SURFACE_MUTANTS: list[Mutant] = [
             "tests/test_whole_shards.py::test_a_whole_shard_layout_moves_exactly_without_staging_copies",
         ),
         "bytes_wire counts a whole-shard step's local copies as bytes between devices",
+    ),
+    Mutant(
+        "roles-on-devices-outside-the-transfer",
+        "jaxreshard/planning/lower.py",
+        (("    for d in (d for d in union if d in mine):", "    for d in union:"),),
+        ("tests/test_whole_shards.py::test_whole_steps_on_devices_no_staged_transfer_touches",),
+        "a staged step's staging is counted on devices its transfer does not touch",
+    ),
+    Mutant(
+        "alloc-one-program-for-every-device-order",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "            groups[tuple(d.id for d in self.dst_shardings[i].mesh.devices.flat)]",
+                "            groups[()]",
+            ),
+        ),
+        (
+            "tests/test_whole_shards.py::"
+            "test_leaves_joined_in_one_step_may_order_the_same_devices_differently",
+        ),
+        "fresh destinations of meshes in different device orders are made by one program",
+    ),
+    Mutant(
+        "quantizer-one-program-for-every-device-order",
+        "jaxreshard/quant.py",
+        (
+            (
+                "            groups.setdefault(_device_order(s), []).append(k)",
+                "            groups.setdefault((), []).append(k)",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::"
+            "test_fp8_leaves_whose_sources_order_devices_differently_quantize_apart",
+        ),
+        "fp8 sources in different device orders are quantized by one program",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

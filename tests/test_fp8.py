@@ -133,8 +133,8 @@ def test_the_quantizers_collectives_wait_for_the_call_on_the_cpu_devices():
     dst = sharding(*DST, None, "tp")
     plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise())
     quantizer, dispatched = plan._quantizer, []
-    program = quantizer._fn
-    quantizer._fn = lambda *xs: dispatched.append(len(xs)) or program(*xs)
+    ((leaves, program),) = quantizer._groups
+    quantizer._groups = [(leaves, lambda *xs: dispatched.append(len(xs)) or program(*xs))]
     out = []
     with runtime._CPU_CALLS:  # as a call running on another thread holds it
         waiting = threading.Thread(target=lambda: out.append(plan(src)))
@@ -460,3 +460,23 @@ def test_replicated_fp8_scales_of_a_host_memory_destination_land_beside_their_va
     assert out.values.sharding == dst
     assert out.scales.sharding.memory_kind == "pinned_host"
     assert out.scales.sharding.device_set == dst.device_set and out.scales.shape == ()
+
+
+def test_fp8_leaves_whose_sources_order_devices_differently_quantize_apart():
+    """Fp8 leaves on different source devices (and on the same devices in another order):
+    a jitted program's arrays share one order of devices, so each order quantizes in a
+    program of its own; every leaf matches the reference, fresh and donated. (Found by a
+    fuzzer: the one quantize program was refused the second leaf.)"""
+    src_s = {
+        "a": sharding((0, 1), (2,), ("t",), "t"),
+        "b": sharding((2, 3), (2,), ("t",), "t"),
+        "c": sharding((1, 0), (2,), ("t",), "t"),
+    }
+    dst = {k: sharding((4 + i, 5 + i), (2,), ("t",), "t") for i, k in enumerate(src_s)}
+    host = {k: weights((32, 16), seed) for seed, k in enumerate(src_s)}
+    src = {k: jax.device_put(v, src_s[k]) for k, v in host.items()}
+    plan = jr.plan(src, dst, dtype=jr.Fp8Blockwise(block=(8, 8)))
+    out = plan(src)
+    out = plan(src, donate=out)
+    for k, v in host.items():
+        assert_matches_reference(out[k], v, (8, 8), jnp.float8_e4m3fn, dst[k])

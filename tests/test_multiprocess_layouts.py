@@ -112,6 +112,11 @@ def test_whole_shards_move_across_processes_without_staging(run_2x4):
 
 
 @pytest.mark.multiprocess
+def test_whole_shard_steps_beside_staged_ones_on_other_processes(run_2x4):
+    run_2x4.assert_ok("whole_beside_staged_2x4")
+
+
+@pytest.mark.multiprocess
 def test_three_hundred_leaves_of_mixed_shapes_and_dtypes_across_processes():
     run = launch("2x4_many", 2, 4, timeout_s=MANY_LEAVES_TIMEOUT_S)
     run.assert_ok("many_leaves_2x4")

@@ -20,6 +20,7 @@ from test_compiled import FORBIDDEN, entry_ops
 
 import jaxreshard as jr
 from jaxreshard.planning import whole as whole_module
+from jaxreshard.planning.lower import staging
 
 # (source, destination) as `arrays.sharding` arguments: ids, mesh shape, axis names, spec.
 LAYOUTS = {
@@ -408,3 +409,50 @@ def test_a_started_refit_and_verify_take_whole_shard_plans_as_any_other():
     )
     with pytest.raises(jr.ReshardError, match=r"\['x_float32'\]"):
         plan.verify(src, bad)
+
+
+def test_whole_steps_on_devices_no_staged_transfer_touches():
+    """A whole-shard leaf whose devices (4-7) no staged message touches (0-2) beside a staged
+    leaf: each step's transfer runs over its own devices (the union of all of them is
+    larger than the staged transfers'), and a device outside the staged transfers holds no
+    staged buffer. Exact, fresh and donated. (Found by a fuzzer: an assertion in the
+    runtime, and staging counted on devices the staged transfers never touch.)"""
+    host = {"staged": random_array((8, 8), "int32", 0), "whole": random_array((8, 8), "float32", 1)}
+    src_s = {
+        "staged": sharding((0, 1), (2,), ("x",), "x"),
+        "whole": sharding((4, 5), (2,), ("x",), "x"),
+    }
+    dst = {"staged": sharding((2,), (1,), ("x",)), "whole": sharding((6, 7), (2,), ("x",), "x")}
+    src = {k: jax.device_put(v, src_s[k]) for k, v in host.items()}
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {"['whole']"}
+    staged = [s.transfer for s in plan.lowered.steps if s.transfer is not None and not s.whole]
+    assert staged and all(set(t.devices) == {0, 1, 2} for t in staged)
+    assert set(plan.lowered.union) == {0, 1, 2, 4, 5, 6, 7}
+    # (the staging of 4-7 is the whole leaf's alone: planned without the staged leaf)
+    alone = jr.plan({"whole": src["whole"]}, {"whole": dst["whole"]})
+    assert {d: staging(plan.lowered)[d] for d in (4, 5, 6, 7)} == staging(alone.lowered)
+    out = plan(src)
+    out = plan(src, donate=out)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
+
+
+def test_leaves_joined_in_one_step_may_order_the_same_devices_differently():
+    """Two leaves from one layout to the same devices in two orders join one whole-shard
+    step; their fresh destinations are made by programs that each keep one order of devices
+    (one jitted program's outputs must share one). Exact, fresh and donated. (Found by a
+    fuzzer: JAX refused the step's one allocation program.)"""
+    src_s = sharding((0, 1, 2, 3), (4,), ("x",), "x")
+    dst = {
+        "a": sharding((4, 5, 6, 7), (4,), ("x",), "x"),
+        "b": sharding((7, 6, 5, 4), (4,), ("x",), "x"),
+    }
+    host = {k: random_array((8, 4), "float32", seed) for seed, k in enumerate(dst)}
+    src = {k: jax.device_put(v, src_s) for k, v in host.items()}
+    plan = jr.plan(src, dst)
+    assert [step.whole for step in plan.lowered.steps if step.whole] == [(0, 1)]
+    out = plan(src)
+    out = plan(src, donate=out)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])

@@ -379,7 +379,9 @@ class Lowered:
     """Every step of a plan, and the staging it needs.
 
     Attributes:
-      union: the devices of every transfer (sorted ids); transfer positions index into it.
+      union: the devices of every transfer (sorted ids). A transfer's positions index its
+        own `TransferProgram.devices`: for the staged steps, the devices of every staged
+        message; for a whole-shard step, its leaves' (which may add devices to the union).
       steps: in execution order.
       staging_cap: the most staging bytes the pool keeps per device (``2 * bucket_bytes``).
     """
@@ -1432,7 +1434,7 @@ class Roles:
 
 def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
     """The staging buffers each device of ``union`` uses in ``step`` (none without a
-    transfer)."""
+    transfer; none on a device outside the step's transfer)."""
     if step.transfer is None:
         return {}
     if step.whole:
@@ -1441,7 +1443,8 @@ def step_roles(step: Step, union: Sequence[int]) -> dict[int, Roles]:
     shared = {(d, t) for d, t, _ in step.shared}  # sent from another round's buffer
     out = {}
     rounds = len(step.transfer.slots)
-    for d in union:
+    mine = set(step.transfer.devices)
+    for d in (d for d in union if d in mine):
         recv = tuple(enumerate(step.slots[:rounds]))
         # (and the slots of the messages it passes itself, `Step.kept`, which it packs)
         send = tuple((t, s) for t, s in enumerate(step.slots) if (d, t) in senders)

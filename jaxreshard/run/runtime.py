@@ -429,6 +429,9 @@ class Runtime:
         shardings, and which of them run on this process."""
         local_union = [d for d in self.lowered.union if d in self.local]
         roles = {d: r for d, r in step_roles(step, local_union).items()}
+        # (the devices of this step's transfer: the staged steps' are the devices of every
+        # staged message, and whole-shard steps may add others to the union)
+        local = [d for d in step.transfer.devices if d in self.local] if step.transfer else []
         packs = [self._pack(c) for c in step.packs if self._is_local(c.program.mesh)]
         unpacks = [self._unpack(c) for c in step.unpacks if self._is_local(c.program.mesh)]
         transfer: _TransferRun | _WholeRun | None = None
@@ -436,8 +439,8 @@ class Runtime:
             assert step.transfer is not None
             if self.local.intersection(step.transfer.devices):
                 transfer = _WholeRun(self, step)
-        elif step.transfer is not None and local_union:
-            transfer = _TransferRun(self, step, local_union)
+        elif step.transfer is not None and local:
+            transfer = _TransferRun(self, step, local)
         return _StepRun(step.fresh, step.slots, roles, packs, transfer, unpacks, step.kept)
 
     def _is_local(self, mesh: MeshSpec) -> bool:
@@ -584,7 +587,15 @@ class Runtime:
         )
 
     def _alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
-        return list(self._alloc_fn(leaves)())
+        # One zeros program per order of devices: a jitted program's outputs must share one,
+        # and a step may make leaves whose meshes hold the same devices in other orders.
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i in leaves:
+            groups[tuple(d.id for d in self.dst_shardings[i].mesh.devices.flat)].append(i)
+        made: dict[int, jax.Array] = {}
+        for group in groups.values():
+            made.update(zip(group, self._alloc_fn(group)(), strict=True))
+        return [made[i] for i in leaves]
 
     def _alloc_fn(self, leaves: Sequence[int]) -> Callable[[], tuple[jax.Array, ...]]:
         """The jitted program making zero arrays of ``leaves`` (one per distinct list)."""
