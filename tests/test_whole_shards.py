@@ -456,3 +456,26 @@ def test_leaves_joined_in_one_step_may_order_the_same_devices_differently():
     out = plan(src, donate=out)
     for k, v in host.items():
         assert_exact(out[k], v, dst[k])
+
+
+def test_weights_beside_a_step_counter_on_one_source_device():
+    """The common tree: weights moved as they are (0-3 -> 4-7) and a scalar step counter on
+    device 0, replicated on the sampler (staged: its transfer is over 0 and 4-7, the whole
+    step's over 0-7). Exact, fresh and donated, under ``transfer_guard("disallow")``."""
+    a, b = (
+        sharding((0, 1, 2, 3), (4,), ("tp",), None, "tp"),
+        sharding((4, 5, 6, 7), (4,), ("tp",), None, "tp"),
+    )
+    host = {"w": random_array((16, 32), "float32", 0), "step": np.int32(7)}
+    src = {
+        "w": jax.device_put(host["w"], a),
+        "step": jax.device_put(host["step"], jax.devices()[0]),
+    }
+    dst = {"w": b, "step": sharding((4, 5, 6, 7), (4,), ("tp",))}
+    plan = jr.plan(src, dst)
+    assert whole_leaves(plan) == {"['w']"}
+    with jax.transfer_guard("disallow"):
+        out = plan(src)
+        out = plan(src, donate=out)
+    for k, v in host.items():
+        assert_exact(out[k], v, dst[k])
