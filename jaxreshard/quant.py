@@ -290,7 +290,7 @@ class Quantizer:
         self._platforms = {d.platform for s in self.src_shardings for d in s.device_set}
         groups: dict[tuple[int, ...], list[int]] = {}
         for k, s in enumerate(self.src_shardings):
-            groups.setdefault(_device_order(s), []).append(k)
+            groups.setdefault(views.device_order(s), []).append(k)
         self._groups = [(tuple(ks), self._program(ks)) for ks in groups.values()]
 
     def _program(self, leaves: Sequence[int]) -> Callable[..., Any]:
@@ -360,15 +360,6 @@ class Quantizer:
             for k, r in zip(leaves, results, strict=True):
                 out[k] = r
         return out
-
-
-def _device_order(sharding: Sharding) -> tuple[int, ...]:
-    """The ids of ``sharding``'s devices in its order (what ``jax.jit`` requires its arrays
-    to share)."""
-    order = getattr(sharding, "_device_assignment", None)
-    if order is None:  # pragma: no cover - another JAX layout
-        order = sorted(sharding.device_set, key=lambda d: d.id)
-    return tuple(d.id for d in order)
 
 
 def _as_planned(x: jax.Array, sharding: Sharding) -> jax.Array:

@@ -3536,7 +3536,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/runtime.py",
         (
             (
-                "            groups[tuple(d.id for d in self.dst_shardings[i].mesh.devices.flat)]",
+                "            groups[views.device_order(self.dst_shardings[i])]",
                 "            groups[()]",
             ),
         ),
@@ -3551,7 +3551,7 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/quant.py",
         (
             (
-                "            groups.setdefault(_device_order(s), []).append(k)",
+                "            groups.setdefault(views.device_order(s), []).append(k)",
                 "            groups.setdefault((), []).append(k)",
             ),
         ),

@@ -591,7 +591,7 @@ class Runtime:
         # and a step may make leaves whose meshes hold the same devices in other orders.
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i in leaves:
-            groups[tuple(d.id for d in self.dst_shardings[i].mesh.devices.flat)].append(i)
+            groups[views.device_order(self.dst_shardings[i])].append(i)
         made: dict[int, jax.Array] = {}
         for group in groups.values():
             made.update(zip(group, self._alloc_fn(group)(), strict=True))

@@ -92,6 +92,12 @@ def ordered(bufs: dict[int, jax.Array], sharding: Sharding) -> list[jax.Array]:
     return [bufs[d.id] for d in _addressable_order(sharding)]
 
 
+def device_order(sharding: Sharding) -> tuple[int, ...]:
+    """The ids of ``sharding``'s devices in its order: the arrays and outputs of one jitted
+    program must share one."""
+    return tuple(d.id for d in sharding._device_assignment)
+
+
 def _addressable_order(sharding: Sharding) -> list[Any]:
     order = getattr(sharding, "_addressable_device_assignment", None)
     if order is None:  # pragma: no cover - another JAX layout
