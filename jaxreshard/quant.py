@@ -288,10 +288,9 @@ class Quantizer:
         self.src_shardings = tuple(src_shardings)  # values stay in the source layout
         self.scale_shardings = tuple(scale_shardings)
         self._platforms = {d.platform for s in self.src_shardings for d in s.device_set}
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for k, s in enumerate(self.src_shardings):
-            groups.setdefault(views.device_order(s), []).append(k)
-        self._groups = [(tuple(ks), self._program(ks)) for ks in groups.values()]
+        self._groups = [
+            (tuple(ks), self._program(ks)) for ks in views.by_device_order(self.src_shardings)
+        ]
 
     def _program(self, leaves: Sequence[int]) -> Callable[..., Any]:
         """The jitted quantize program of ``leaves`` (indices), sources in, (values, scales)

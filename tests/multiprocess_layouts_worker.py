@@ -12,10 +12,12 @@ traceback, on the first failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 SCENARIO, PID, NPROC, PORT, NDEV = sys.argv[1], *map(int, sys.argv[2:6])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV}"
@@ -295,6 +297,16 @@ def case_colocated_adapters() -> None:
     ok("colocated_adapters_2x4", checked=n)
 
 
+@contextlib.contextmanager
+def every_qualifying_leaf_whole() -> Iterator[None]:
+    """Leaves that may move as whole shards do, however small (`whole.LATENCY_MARGIN` 0)."""
+    margin, whole.LATENCY_MARGIN = whole.LATENCY_MARGIN, 0.0
+    try:
+        yield
+    finally:
+        whole.LATENCY_MARGIN = margin
+
+
 def case_whole_shards() -> None:
     """Leaves that move as whole shards (`planning.whole`), across processes: the same spec
     from the trainer (0, 1 | 4, 5) to the sampler (2, 3 | 6, 7), each process sending and
@@ -321,11 +333,8 @@ def case_whole_shards() -> None:
         "across": NamedSharding(second, P("tp")),
         "replicated": NamedSharding(replicas, P("tp")),
     }
-    margin, whole.LATENCY_MARGIN = whole.LATENCY_MARGIN, 0.0  # (small leaves: whole all the same)
-    try:
+    with every_qualifying_leaf_whole():  # (small leaves: whole all the same)
         n, plan = move(full, srcs, dsts, {})
-    finally:
-        whole.LATENCY_MARGIN = margin
     moved = {plan.leaves[i].path for step in plan.lowered.steps for i in step.whole}
     assert moved == {"['same']", "['across']", "['replicated']"}, moved
     assert not any(step.packs or step.unpacks for step in plan.lowered.steps)
@@ -358,11 +367,8 @@ def case_whole_beside_staged() -> None:
         "a": NamedSharding(orders[0], P("tp")),
         "b": NamedSharding(orders[1], P("tp")),
     }
-    margin, whole.LATENCY_MARGIN = whole.LATENCY_MARGIN, 0.0  # (small leaves: whole all the same)
-    try:
+    with every_qualifying_leaf_whole():  # (small leaves: whole all the same)
         n, plan = move(full, srcs, dsts, {})
-    finally:
-        whole.LATENCY_MARGIN = margin
     moved = {plan.leaves[i].path for step in plan.lowered.steps for i in step.whole}
     assert moved == {"['a']", "['b']"}, moved
     ok("whole_beside_staged_2x4", checked=n)

@@ -3536,8 +3536,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/run/runtime.py",
         (
             (
-                "            groups[views.device_order(self.dst_shardings[i])]",
-                "            groups[()]",
+                "views.by_device_order([self.dst_shardings[i] for i in leaves])",
+                "[list(range(len(leaves)))]",
             ),
         ),
         (
@@ -3551,8 +3551,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/quant.py",
         (
             (
-                "            groups.setdefault(views.device_order(s), []).append(k)",
-                "            groups.setdefault((), []).append(k)",
+                "for ks in views.by_device_order(self.src_shardings)",
+                "for ks in [list(range(len(self.src_shardings)))]",
             ),
         ),
         (

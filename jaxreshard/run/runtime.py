@@ -429,18 +429,13 @@ class Runtime:
         shardings, and which of them run on this process."""
         local_union = [d for d in self.lowered.union if d in self.local]
         roles = {d: r for d, r in step_roles(step, local_union).items()}
-        # (the devices of this step's transfer: the staged steps' are the devices of every
-        # staged message, and whole-shard steps may add others to the union)
-        local = [d for d in step.transfer.devices if d in self.local] if step.transfer else []
         packs = [self._pack(c) for c in step.packs if self._is_local(c.program.mesh)]
         unpacks = [self._unpack(c) for c in step.unpacks if self._is_local(c.program.mesh)]
         transfer: _TransferRun | _WholeRun | None = None
-        if step.whole:
-            assert step.transfer is not None
-            if self.local.intersection(step.transfer.devices):
-                transfer = _WholeRun(self, step)
-        elif step.transfer is not None and local:
-            transfer = _TransferRun(self, step, local)
+        # This process runs a transfer where its own devices take part (each transfer is over
+        # its own devices: whole-shard steps may add some to the union the staged ones span).
+        if step.transfer is not None and self.local.intersection(step.transfer.devices):
+            transfer = _WholeRun(self, step) if step.whole else _TransferRun(self, step)
         return _StepRun(step.fresh, step.slots, roles, packs, transfer, unpacks, step.kept)
 
     def _is_local(self, mesh: MeshSpec) -> bool:
@@ -589,12 +584,10 @@ class Runtime:
     def _alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
         # One zeros program per order of devices: a jitted program's outputs must share one,
         # and a step may make leaves whose meshes hold the same devices in other orders.
-        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i in leaves:
-            groups[views.device_order(self.dst_shardings[i])].append(i)
         made: dict[int, jax.Array] = {}
-        for group in groups.values():
-            made.update(zip(group, self._alloc_fn(group)(), strict=True))
+        for group in views.by_device_order([self.dst_shardings[i] for i in leaves]):
+            ids = [leaves[k] for k in group]
+            made.update(zip(ids, self._alloc_fn(ids)(), strict=True))
         return [made[i] for i in leaves]
 
     def _alloc_fn(self, leaves: Sequence[int]) -> Callable[[], tuple[jax.Array, ...]]:
@@ -851,11 +844,11 @@ class _Permutes:
 class _TransferRun(_Permutes):
     """The transfer of one step: which buffer each local device passes in each round."""
 
-    def __init__(self, runtime: Runtime, step: Step, local: Sequence[int]) -> None:
+    def __init__(self, runtime: Runtime, step: Step) -> None:
         super().__init__(runtime, step)
         program = step.transfer
-        assert program is not None and set(self.devices) == set(local)
-        senders = step.senders()
+        assert program is not None
+        local, senders = self.devices, step.senders()
         # The buffer each local device sends in each round it sends in: the one its pack
         # filled for that round, or for another round of the step (`Step.shared`).
         self.sends = {

@@ -92,10 +92,13 @@ def ordered(bufs: dict[int, jax.Array], sharding: Sharding) -> list[jax.Array]:
     return [bufs[d.id] for d in _addressable_order(sharding)]
 
 
-def device_order(sharding: Sharding) -> tuple[int, ...]:
-    """The ids of ``sharding``'s devices in its order: the arrays and outputs of one jitted
-    program must share one."""
-    return tuple(d.id for d in sharding._device_assignment)
+def by_device_order(shardings: Sequence[Sharding]) -> list[list[int]]:
+    """The positions of ``shardings`` grouped by their order of devices (groups in order of
+    their first member): the arrays and outputs of one jitted program must share one."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, s in enumerate(shardings):
+        groups.setdefault(tuple(d.id for d in s._device_assignment), []).append(k)
+    return list(groups.values())
 
 
 def _addressable_order(sharding: Sharding) -> list[Any]:
