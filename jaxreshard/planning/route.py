@@ -35,7 +35,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
 from jaxreshard.planning.topology import Topology
@@ -206,8 +206,14 @@ class _Numbering:
         return n
 
 
-@dataclasses.dataclass(frozen=True)
-class _Demand:
+class _Demand(NamedTuple):
+    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes) that device ``dst`` needs, sent by
+    one or several of ``candidates``.
+
+    A named tuple, like `_Region`: `route` makes hundreds of thousands of both at 4,096
+    GPUs, and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) takes
+    four times as long."""
+
     leaf: int
     dst: int
     box: Box
@@ -1142,9 +1148,10 @@ def _closest(
     return tuple(s for s in replicas if tier(s, dst) == best)
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class _Region:
-    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``."""
+class _Region(NamedTuple):
+    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``.
+
+    Ordered as a tuple, by its fields in turn (a named tuple: see `_Demand`)."""
 
     replicas: tuple[int, ...]
     leaf: int
