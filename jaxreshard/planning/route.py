@@ -37,7 +37,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
-from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
+from jaxreshard.planning.layout import (
+    Box,
+    Layout,
+    box_shape,
+    box_size,
+    split_flat_sized,
+    split_rows,
+    strides,
+)
 from jaxreshard.planning.topology import Topology
 
 
@@ -380,7 +388,7 @@ def _rotate(
         else:
             key = number.get(choices, choices)
         sender = same.get((key, d.leaf, d.box), -1) if alike else -1
-        if sender not in choices:
+        if sender < 0 or sender not in choices:  # (-1: none yet; no search of hundreds)
             sender = choices[turn[key] % len(choices)]
             turn[key] += 1
             same[key, d.leaf, d.box] = sender
@@ -584,10 +592,11 @@ class _Ranked:
             heapq.heapreplace(heap, (-now, s))
         return None
 
-    def take(self) -> tuple[int, int]:
+    def take(self) -> tuple[int, int] | None:
+        """`top`, taken out of the heap (until `give_back`)."""
         best = self.top()
-        assert best is not None
-        heapq.heappop(self.heap)
+        if best is not None:
+            heapq.heappop(self.heap)
         return best
 
     def give_back(self, senders: Iterable[int]) -> None:
@@ -610,8 +619,8 @@ def _split(demand: _Demand, ranked: _Ranked) -> list[tuple[int, Box]]:
     left: dict[int, int] = {}  # the senders looked at, with their quota left
     take: dict[int, int] = {}
     remaining = rows
-    while remaining and ranked.top() is not None:
-        sender, quota = ranked.take()
+    while remaining and (best := ranked.take()) is not None:
+        sender, quota = best
         left[sender] = quota
         n = min(remaining, max(0, round(quota / row_bytes)))
         if not n:  # every sender after this one has as little quota left
@@ -625,7 +634,8 @@ def _split(demand: _Demand, ranked: _Ranked) -> list[tuple[int, Box]]:
             left[sender] - take.get(sender, 0) * row_bytes,
             -sender,
         ):
-            sender, left[sender] = ranked.take()
+            ranked.take()
+            sender, left[sender] = untaken
         take[sender] = take.get(sender, 0) + 1
         remaining -= 1
     ranked.give_back(left)
@@ -736,16 +746,22 @@ class _FlowGraph:
     def _push(self, u: int, t: int, limit: int, level: list[int], it: list[int]) -> int:
         if u == t:
             return limit
-        while it[u] < len(self.adj[u]):
-            e = self.adj[u][it[u]]
-            v = self.to[e]
-            if self.cap[e] > 0 and level[v] == level[u] + 1:
-                pushed = self._push(v, t, min(limit, self.cap[e]), level, it)
+        # Attributes as locals, and ``u``'s edge pointer in ``i`` until we return: the calls
+        # below go only to nodes of deeper levels, which never touch ``it[u]``.
+        adj, to, cap = self.adj[u], self.to, self.cap
+        deeper = level[u] + 1
+        i = it[u]
+        while i < len(adj):
+            e = adj[i]
+            if cap[e] > 0 and level[to[e]] == deeper:
+                pushed = self._push(to[e], t, min(limit, cap[e]), level, it)
                 if pushed:
-                    self.cap[e] -= pushed
-                    self.cap[e ^ 1] += pushed
+                    cap[e] -= pushed
+                    cap[e ^ 1] += pushed
+                    it[u] = i
                     return pushed
-            it[u] += 1
+            i += 1
+        it[u] = i
         return 0
 
 
@@ -1119,11 +1135,12 @@ def _merged(boxes: Sequence[tuple[int, Box]]) -> list[tuple[int, Box]]:
 
 def _joined(a: Box, b: Box) -> Box | None:
     """The box ``a`` and ``b`` make together when ``b`` continues ``a`` along one dimension."""
-    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    if len(differ) != 1 or a[differ[0]][1] != b[differ[0]][0]:
-        return None
-    i = differ[0]
-    return (*a[:i], (a[i][0], b[i][1]), *a[i + 1 :])
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:  # the one dimension they may differ in: the rest must be equal
+            if x[1] != y[0] or a[i + 1 :] != b[i + 1 :]:
+                return None
+            return (*a[:i], (x[0], y[1]), *a[i + 1 :])
+    return None  # the same box
 
 
 def _pooled(runs: Sequence[list[_Region]], pool_bytes: int) -> list[list[_Region]]:
@@ -1187,8 +1204,9 @@ def _split_evenly(
             if (first, last) == (0, r.nbytes // item):
                 parts[j].append(r)
                 continue
-            for box in split_flat(r.box, first, last):
-                parts[j].append(_Region(r.replicas, r.leaf, box, box_size(box) * item))
+            shape = box_shape(r.box)
+            for box, size in split_flat_sized(r.box, shape, strides(shape), first, last):
+                parts[j].append(_Region(r.replicas, r.leaf, box, size * item))
         offset += r.nbytes
     return parts
 
