@@ -525,49 +525,46 @@ def _hand_out(
             heap = heaps[g] = [(-left[s], load[s], s) for s in group]
             heapq.heapify(heap)
         while True:
-            stored = heap[0]
-            s = stored[2]
-            now = (-left[s], load[s], s)
-            if now == stored:
+            negative, loaded, s = heap[0]
+            if -negative == left[s] and loaded == load[s]:
                 return s
-            heapq.heapreplace(heap, now)
+            heapq.heapreplace(heap, (-left[s], load[s], s))
 
     for g, demand in ordered:
-        group = demand.candidates
+        leaf, dst, box, group, nbytes = demand
         left = quota[g]
         paired = []
         if limit is not None and len(group) > 1:
             # Senders already paired with this receiver are few; look them up, not the group.
             near = paired_with[demand.dst]
+            most = limit - nbytes  # (the load a paired sender may have before this demand)
             if len(group) <= len(near):
-                paired = [s for s in group if s in near]
+                paired = [s for s in group if s in near and load[s] <= most]
             else:
                 member = members.get(g) or members.setdefault(g, frozenset(group))
-                paired = [s for s in near if s in member]
-            paired = [s for s in paired if load[s] + demand.nbytes <= limit]
+                paired = [s for s in near if s in member and load[s] <= most]
         if len(group) == 1:
             best = group[0]
         elif paired or len(group) < 8:
             best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
         else:
             best = most_left(g, group, left)
-        if len(group) == 1 or paired or left[best] >= demand.nbytes:
-            parts = [(best, demand.box)]
+        if len(group) == 1 or paired or left[best] >= nbytes:
+            parts = [(best, box, nbytes)]
         else:
             ranked = ranks.get(g)
             if ranked is None:
                 ranked = ranks[g] = _Ranked(group, left)
-            parts = _split(demand, ranked)
-        for sender, box in parts:
-            nbytes = (
-                demand.nbytes
-                if len(parts) == 1
-                else box_size(box) * demand.nbytes // box_size(demand.box)
-            )
-            left[sender] -= nbytes
-            load[sender] += nbytes
-            paired_with[demand.dst].add(sender)
-            out.append((sender, demand.dst, demand.leaf, box, nbytes))
+            whole = box_size(box)
+            parts = [
+                (s, part, box_size(part) * nbytes // whole) for s, part in _split(demand, ranked)
+            ]
+        for sender, part, sent in parts:
+            left[sender] -= sent
+            load[sender] += sent
+            if limit is not None:  # (only the pair preference reads them)
+                paired_with[dst].add(sender)
+            out.append((sender, dst, leaf, part, sent))
     return out
 
 
