@@ -688,16 +688,20 @@ def _flow(totals: dict[tuple[int, ...], int], senders: list[int], cap: int) -> Q
     sender_node = {s: 1 + n_groups + i for i, s in enumerate(senders)}
     sink = 1 + n_groups + len(senders)
     graph = _FlowGraph(sink + 1)
-    edges = {}
-    for g, group in enumerate(groups):
-        graph.add(0, 1 + g, totals[group])
-        for s in group:
-            edges[group, s] = graph.add(1 + g, sender_node[s], totals[group])
+    # Each group's edges to its members, in member order: not keyed by the group, a tuple
+    # of up to hundreds of replicas that CPython would hash on every lookup.
+    edges: list[list[int]] = []
+    for g, (group, nbytes) in enumerate(totals.items()):
+        graph.add(0, 1 + g, nbytes)
+        edges.append([graph.add(1 + g, sender_node[s], nbytes) for s in group])
     for s in senders:
         graph.add(sender_node[s], sink, cap)
     if graph.max_flow(0, sink) < sum(totals.values()):
         return None
-    return {group: {s: graph.flow_on(edges[group, s]) for s in group} for group in groups}
+    return {
+        group: {s: graph.flow_on(e) for s, e in zip(group, ids, strict=True)}
+        for group, ids in zip(groups, edges, strict=True)
+    }
 
 
 class _FlowGraph:
@@ -710,11 +714,14 @@ class _FlowGraph:
         self.orig: list[int] = []
 
     def add(self, u: int, v: int, cap: int) -> int:
-        self.adj[u].append(len(self.to))
-        self.to.append(v), self.cap.append(cap), self.orig.append(cap)
-        self.adj[v].append(len(self.to))
-        self.to.append(u), self.cap.append(0), self.orig.append(0)
-        return len(self.to) - 2
+        """Add an edge ``u -> v`` (and its reverse, at the next index); returns its index."""
+        e = len(self.to)
+        self.adj[u].append(e)
+        self.adj[v].append(e + 1)
+        self.to += (v, u)
+        self.cap += (cap, 0)
+        self.orig += (cap, 0)
+        return e
 
     def flow_on(self, edge: int) -> int:
         return self.orig[edge] - self.cap[edge]
