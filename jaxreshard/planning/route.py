@@ -35,9 +35,17 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
-from jaxreshard.planning.layout import Box, Layout, box_size, split_flat, split_rows
+from jaxreshard.planning.layout import (
+    Box,
+    Layout,
+    box_shape,
+    box_size,
+    split_flat_sized,
+    split_rows,
+    strides,
+)
 from jaxreshard.planning.topology import Topology
 
 
@@ -186,8 +194,34 @@ class Assignment:
         return tuple(sorted([*self.sent, *each_piece(self.fans)], key=piece_order))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Demand:
+class _Numbering:
+    """Numbers tuples by value (0, 1, ... in first-seen order), looked up by identity.
+
+    Candidate and replica groups are tuples of up to hundreds of devices, and CPython does
+    not cache tuple hashes: a dict keyed by the groups hashes a whole group on every lookup.
+    Here each distinct tuple object is hashed once, then found by its id. The caller keeps
+    every tuple it numbers alive while it uses the numbering, so no id is reused meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self.numbers: dict[tuple[int, ...], int] = {}  # each distinct tuple -> its number
+        self._by_id: dict[int, int] = {}  # id(tuple) -> its number
+
+    def __call__(self, group: tuple[int, ...]) -> int:
+        n = self._by_id.get(id(group))
+        if n is None:
+            n = self._by_id[id(group)] = self.numbers.setdefault(group, len(self.numbers))
+        return n
+
+
+class _Demand(NamedTuple):
+    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes) that device ``dst`` needs, sent by
+    one or several of ``candidates``.
+
+    A named tuple, like `_Region`: `route` makes hundreds of thousands of both at 4,096
+    GPUs, and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) takes
+    four times as long."""
+
     leaf: int
     dst: int
     box: Box
@@ -214,17 +248,12 @@ def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Pie
     alike, are packed once, `lower.Step.shared`): packing is a copy of every byte, where the
     slack costs at most 1% more sent by the busiest sender.
     """
-    # Candidate groups are tuples of up to hundreds of replicas, and CPython does not cache
-    # tuple hashes or shortcut comparing equal ones: each demand's group is hashed once here,
-    # and the passes below key and sort by its number (groups numbered in sorted order).
-    index: dict[tuple[int, ...], int] = {}
-    seen: dict[int, int] = {}  # id(tuple) -> its index: demands share their groups' tuples
-    first = []
-    for d in demands:  # (``demands`` keeps every tuple alive, so no id is reused meanwhile)
-        g = seen.get(id(d.candidates))
-        if g is None:
-            g = seen[id(d.candidates)] = index.setdefault(d.candidates, len(index))
-        first.append(g)
+    # Candidate groups are tuples of up to hundreds of replicas: each demand's is numbered
+    # once (`_Numbering`; ``demands`` keeps them alive), and the passes below key and sort
+    # by its number (groups renumbered in sorted order).
+    numbering = _Numbering()
+    first = [numbering(d.candidates) for d in demands]
+    index = numbering.numbers
     groups = sorted(index)
     number = {group: n for n, group in enumerate(groups)}
     renumber = [number[group] for group in index]  # first-seen order -> sorted order
@@ -359,7 +388,7 @@ def _rotate(
         else:
             key = number.get(choices, choices)
         sender = same.get((key, d.leaf, d.box), -1) if alike else -1
-        if sender not in choices:
+        if sender < 0 or sender not in choices:  # (-1: none yet; no search of hundreds)
             sender = choices[turn[key] % len(choices)]
             turn[key] += 1
             same[key, d.leaf, d.box] = sender
@@ -496,49 +525,46 @@ def _hand_out(
             heap = heaps[g] = [(-left[s], load[s], s) for s in group]
             heapq.heapify(heap)
         while True:
-            stored = heap[0]
-            s = stored[2]
-            now = (-left[s], load[s], s)
-            if now == stored:
+            negative, loaded, s = heap[0]
+            if -negative == left[s] and loaded == load[s]:
                 return s
-            heapq.heapreplace(heap, now)
+            heapq.heapreplace(heap, (-left[s], load[s], s))
 
     for g, demand in ordered:
-        group = demand.candidates
+        leaf, dst, box, group, nbytes = demand
         left = quota[g]
         paired = []
         if limit is not None and len(group) > 1:
             # Senders already paired with this receiver are few; look them up, not the group.
             near = paired_with[demand.dst]
+            most = limit - nbytes  # (the load a paired sender may have before this demand)
             if len(group) <= len(near):
-                paired = [s for s in group if s in near]
+                paired = [s for s in group if s in near and load[s] <= most]
             else:
                 member = members.get(g) or members.setdefault(g, frozenset(group))
-                paired = [s for s in near if s in member]
-            paired = [s for s in paired if load[s] + demand.nbytes <= limit]
+                paired = [s for s in near if s in member and load[s] <= most]
         if len(group) == 1:
             best = group[0]
         elif paired or len(group) < 8:
             best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
         else:
             best = most_left(g, group, left)
-        if len(group) == 1 or paired or left[best] >= demand.nbytes:
-            parts = [(best, demand.box)]
+        if len(group) == 1 or paired or left[best] >= nbytes:
+            parts = [(best, box, nbytes)]
         else:
             ranked = ranks.get(g)
             if ranked is None:
                 ranked = ranks[g] = _Ranked(group, left)
-            parts = _split(demand, ranked)
-        for sender, box in parts:
-            nbytes = (
-                demand.nbytes
-                if len(parts) == 1
-                else box_size(box) * demand.nbytes // box_size(demand.box)
-            )
-            left[sender] -= nbytes
-            load[sender] += nbytes
-            paired_with[demand.dst].add(sender)
-            out.append((sender, demand.dst, demand.leaf, box, nbytes))
+            whole = box_size(box)
+            parts = [
+                (s, part, box_size(part) * nbytes // whole) for s, part in _split(demand, ranked)
+            ]
+        for sender, part, sent in parts:
+            left[sender] -= sent
+            load[sender] += sent
+            if limit is not None:  # (only the pair preference reads them)
+                paired_with[dst].add(sender)
+            out.append((sender, dst, leaf, part, sent))
     return out
 
 
@@ -563,10 +589,11 @@ class _Ranked:
             heapq.heapreplace(heap, (-now, s))
         return None
 
-    def take(self) -> tuple[int, int]:
+    def take(self) -> tuple[int, int] | None:
+        """`top`, taken out of the heap (until `give_back`)."""
         best = self.top()
-        assert best is not None
-        heapq.heappop(self.heap)
+        if best is not None:
+            heapq.heappop(self.heap)
         return best
 
     def give_back(self, senders: Iterable[int]) -> None:
@@ -589,8 +616,8 @@ def _split(demand: _Demand, ranked: _Ranked) -> list[tuple[int, Box]]:
     left: dict[int, int] = {}  # the senders looked at, with their quota left
     take: dict[int, int] = {}
     remaining = rows
-    while remaining and ranked.top() is not None:
-        sender, quota = ranked.take()
+    while remaining and (best := ranked.take()) is not None:
+        sender, quota = best
         left[sender] = quota
         n = min(remaining, max(0, round(quota / row_bytes)))
         if not n:  # every sender after this one has as little quota left
@@ -604,7 +631,8 @@ def _split(demand: _Demand, ranked: _Ranked) -> list[tuple[int, Box]]:
             left[sender] - take.get(sender, 0) * row_bytes,
             -sender,
         ):
-            sender, left[sender] = ranked.take()
+            ranked.take()
+            sender, left[sender] = untaken
         take[sender] = take.get(sender, 0) + 1
         remaining -= 1
     ranked.give_back(left)
@@ -660,16 +688,20 @@ def _flow(totals: dict[tuple[int, ...], int], senders: list[int], cap: int) -> Q
     sender_node = {s: 1 + n_groups + i for i, s in enumerate(senders)}
     sink = 1 + n_groups + len(senders)
     graph = _FlowGraph(sink + 1)
-    edges = {}
-    for g, group in enumerate(groups):
-        graph.add(0, 1 + g, totals[group])
-        for s in group:
-            edges[group, s] = graph.add(1 + g, sender_node[s], totals[group])
+    # Each group's edges to its members, in member order: not keyed by the group, a tuple
+    # of up to hundreds of replicas that CPython would hash on every lookup.
+    edges: list[list[int]] = []
+    for g, (group, nbytes) in enumerate(totals.items()):
+        graph.add(0, 1 + g, nbytes)
+        edges.append([graph.add(1 + g, sender_node[s], nbytes) for s in group])
     for s in senders:
         graph.add(sender_node[s], sink, cap)
     if graph.max_flow(0, sink) < sum(totals.values()):
         return None
-    return {group: {s: graph.flow_on(edges[group, s]) for s in group} for group in groups}
+    return {
+        group: {s: graph.flow_on(e) for s, e in zip(group, ids, strict=True)}
+        for group, ids in zip(groups, edges, strict=True)
+    }
 
 
 class _FlowGraph:
@@ -682,11 +714,14 @@ class _FlowGraph:
         self.orig: list[int] = []
 
     def add(self, u: int, v: int, cap: int) -> int:
-        self.adj[u].append(len(self.to))
-        self.to.append(v), self.cap.append(cap), self.orig.append(cap)
-        self.adj[v].append(len(self.to))
-        self.to.append(u), self.cap.append(0), self.orig.append(0)
-        return len(self.to) - 2
+        """Add an edge ``u -> v`` (and its reverse, at the next index); returns its index."""
+        e = len(self.to)
+        self.adj[u].append(e)
+        self.adj[v].append(e + 1)
+        self.to += (v, u)
+        self.cap += (cap, 0)
+        self.orig += (cap, 0)
+        return e
 
     def flow_on(self, edge: int) -> int:
         return self.orig[edge] - self.cap[edge]
@@ -715,16 +750,22 @@ class _FlowGraph:
     def _push(self, u: int, t: int, limit: int, level: list[int], it: list[int]) -> int:
         if u == t:
             return limit
-        while it[u] < len(self.adj[u]):
-            e = self.adj[u][it[u]]
-            v = self.to[e]
-            if self.cap[e] > 0 and level[v] == level[u] + 1:
-                pushed = self._push(v, t, min(limit, self.cap[e]), level, it)
+        # Attributes as locals, and ``u``'s edge pointer in ``i`` until we return: the calls
+        # below go only to nodes of deeper levels, which never touch ``it[u]``.
+        adj, to, cap = self.adj[u], self.to, self.cap
+        deeper = level[u] + 1
+        i = it[u]
+        while i < len(adj):
+            e = adj[i]
+            if cap[e] > 0 and level[to[e]] == deeper:
+                pushed = self._push(to[e], t, min(limit, cap[e]), level, it)
                 if pushed:
-                    self.cap[e] -= pushed
-                    self.cap[e ^ 1] += pushed
+                    cap[e] -= pushed
+                    cap[e ^ 1] += pushed
+                    it[u] = i
                     return pushed
-            it[u] += 1
+            i += 1
+        it[u] = i
         return 0
 
 
@@ -815,14 +856,19 @@ def route(
         {d for leaf in leaves for layout in (leaf.src, leaf.dst) for d in layout.devices}
     )
     domain = topology.domain_of
-    closest: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+    # (replicas' number, receiver's domain) -> the closest replicas. Replicas are numbered
+    # by identity (`_Numbering`; every group comes from a leaf's `Layout.replicas`, which
+    # live as long as ``leaves``): hundreds of thousands of calls at 4,096 GPUs.
+    closest: dict[tuple[int, int], tuple[int, ...]] = {}
+    replicas_number = _Numbering()
 
     def closeness(replicas: tuple[int, ...], d: int) -> tuple[int, ...]:
         # The closest replicas depend on the receiver's domain only: cached per domain.
-        key = (replicas, domain[d])
-        if key not in closest:
-            closest[key] = _closest(replicas, d, topology.tier)
-        return closest[key]
+        key = (replicas_number(replicas), domain[d])
+        found = closest.get(key)
+        if found is None:
+            found = closest[key] = _closest(replicas, d, topology.tier)
+        return found
 
     local: list[LocalCopy] = []
     near: list[_Demand] = []  # served from a replica in the receiver's own domain
@@ -1053,8 +1099,11 @@ def _per_leaf(
     same demands in the same order (a model's layers laid out alike) are chosen for once."""
     out: list[Piece] = []
     known: dict[tuple[object, ...], list[Piece]] = {}
+    # Candidates by number: each key would hash every demand's group otherwise (`_Numbering`;
+    # ``demands`` keeps the groups alive).
+    candidates = _Numbering()
     for run in _by_leaf(demands):
-        key = tuple((d.dst, d.box, d.candidates, d.nbytes) for d in run)
+        key = tuple((d.dst, d.box, candidates(d.candidates), d.nbytes) for d in run)
         if key in known:
             leaf = run[0].leaf
             out.extend(Piece(leaf, p.src, p.dst, p.box) for p in known[key])
@@ -1090,11 +1139,12 @@ def _merged(boxes: Sequence[tuple[int, Box]]) -> list[tuple[int, Box]]:
 
 def _joined(a: Box, b: Box) -> Box | None:
     """The box ``a`` and ``b`` make together when ``b`` continues ``a`` along one dimension."""
-    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    if len(differ) != 1 or a[differ[0]][1] != b[differ[0]][0]:
-        return None
-    i = differ[0]
-    return (*a[:i], (a[i][0], b[i][1]), *a[i + 1 :])
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:  # the one dimension they may differ in: the rest must be equal
+            if x[1] != y[0] or a[i + 1 :] != b[i + 1 :]:
+                return None
+            return (*a[:i], (x[0], y[1]), *a[i + 1 :])
+    return None  # the same box
 
 
 def _pooled(runs: Sequence[list[_Region]], pool_bytes: int) -> list[list[_Region]]:
@@ -1119,9 +1169,10 @@ def _closest(
     return tuple(s for s in replicas if tier(s, dst) == best)
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class _Region:
-    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``."""
+class _Region(NamedTuple):
+    """Part ``box`` of leaf ``leaf`` (``nbytes`` bytes), held by the devices ``replicas``.
+
+    Ordered as a tuple, by its fields in turn (a named tuple: see `_Demand`)."""
 
     replicas: tuple[int, ...]
     leaf: int
@@ -1157,8 +1208,9 @@ def _split_evenly(
             if (first, last) == (0, r.nbytes // item):
                 parts[j].append(r)
                 continue
-            for box in split_flat(r.box, first, last):
-                parts[j].append(_Region(r.replicas, r.leaf, box, box_size(box) * item))
+            shape = box_shape(r.box)
+            for box, size in split_flat_sized(r.box, shape, strides(shape), first, last):
+                parts[j].append(_Region(r.replicas, r.leaf, box, size * item))
         offset += r.nbytes
     return parts
 
