@@ -1795,7 +1795,8 @@ class _CodeClasses:
     def _ask(self, pairs: np.ndarray) -> list[int]:
         """``link_class`` of each of ``pairs`` (codes of sender and receiver)."""
         assert self.link_class is not None
-        return [self.link_class(*divmod(p, self.n)) for p in pairs.tolist()]
+        senders, receivers = np.divmod(pairs, self.n)  # (a whole plan's pairs: ~10^5 calls)
+        return list(map(self.link_class, senders.tolist(), receivers.tolist()))
 
 
 def _interleave(runs: Sequence[Sequence[Any]]) -> list[Any]:
@@ -2623,8 +2624,12 @@ def _alike_devices(
     rows: dict[tuple[int, bytes, bytes], int] = {}
     keep = []
     row_stage = []
+    # Each member's key from slices of the arrays' bytes, not of the arrays (a slice and
+    # `tobytes` per member cost 3 us: 145,000 members at 4,096 GPUs).
+    stages, sizes, counts = stage_of.tolist(), size.tobytes(), count.tobytes()
+    ws, wc = size.itemsize, count.itemsize
     for m, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        key = (int(stage_of[m]), size[a:b].tobytes(), count[a:b].tobytes())
+        key = (stages[m], sizes[a * ws : b * ws], counts[a * wc : b * wc])
         if key not in rows:
             rows[key] = len(rows)
             keep.append(np.arange(a, b))
