@@ -859,8 +859,8 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         SCHEDULE,
         (
             (
-                "key = (int(stage_of[m]), size[a:b].tobytes(), count[a:b].tobytes())",
-                'key = (int(stage_of[m]), size[a:b].tobytes(), b"")',
+                "key = (stages[m], sizes[a * ws : b * ws], counts[a * wc : b * wc])",
+                'key = (stages[m], sizes[a * ws : b * ws], b"")',
             ),
         ),
         (f"{T_PLANNER}::test_the_chunk_model_prices_the_busiest_device_of_each_stage",),
@@ -3560,6 +3560,27 @@ SURFACE_MUTANTS: list[Mutant] = [
             "test_fp8_leaves_whose_sources_order_devices_differently_quantize_apart",
         ),
         "fp8 sources in different device orders are quantized by one program",
+    ),
+    Mutant(
+        "colour-swap-keeps-the-last-senders-old-colour",
+        "jaxreshard/planning/schedule.py",
+        (("            del at_src[node][last]\n", ""),),
+        ("tests/test_planner.py::test_colour_rounds_meets_the_konig_bound",),
+        "a Kempe swap ending at a sender leaves that sender's edge under its old colour too",
+    ),
+    Mutant(
+        "colour-every-chunk-numbered-first",
+        "jaxreshard/planning/schedule.py",
+        (("            k = chunks.get(d, 0)\n", "            k = 0\n"),),
+        ("tests/test_planner.py::test_colour_rounds_meets_the_konig_bound",),
+        "a pair's chunks in several rounds are all numbered chunk 0",
+    ),
+    Mutant(
+        "parted-rounds-unsorted",
+        "jaxreshard/planning/schedule.py",
+        (("order = np.lexsort((dst, src))", "order = np.arange(len(src))"),),
+        ("tests/test_planner.py",),
+        "a stage planned by parts lists each round's entries part by part, not in pair order",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -565,6 +565,8 @@ def _random_multigraphs():
     """Multigraphs of the shapes the colouring takes shortcuts on, and a plain one."""
     rng = np.random.default_rng(1)
     plain = {(int(s), int(d)): int(rng.integers(1, 4)) for s in range(6) for d in range(6, 12)}
+    # Dense and uneven: many colours free at neither end, so many alternating-path swaps.
+    dense = {(s, d): int(rng.integers(1, 7)) for s in range(12) for d in range(12, 24)}
     groups = {}  # relay stages: disjoint groups, every device sends to and receives from the rest
     for g, (k, n) in enumerate([(3, 5), (4, 7), (2, 1), (5, 6)]):
         members = range(10 * g, 10 * g + k)
@@ -577,6 +579,7 @@ def _random_multigraphs():
     racks[205, 204] += 2
     return {
         "plain": plain,
+        "dense": dense,
         "groups": groups,
         "equal": equal,
         "nearly-equal": nearly,
