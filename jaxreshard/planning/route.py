@@ -509,27 +509,18 @@ def _hand_out(
     # of up to hundreds of replicas, and CPython does not cache tuple hashes, so keying by
     # the group would hash the whole group on every lookup (millions at 4,096 GPUs).
     quota = [dict(by_sender) for by_sender in quotas]
-    load: dict[int, int] = defaultdict(int)
+    # Plain dicts and lists, not defaultdicts: CPython specializes subscripts of exact dicts
+    # and lists only (on a defaultdict ``load[s]`` is a slower generic call). Every member of
+    # a group has a quota, so ``load`` starts with every sender there is.
+    load = dict.fromkeys([s for by_sender in quotas for s in by_sender], 0)
     out: list[_Sent] = []
     paired_with: dict[int, set[int]] = defaultdict(set)  # receiver -> its senders so far
-    ranks: dict[int, _Ranked] = {}
-    members: dict[int, frozenset[int]] = {}
-    heaps: dict[int, list[tuple[int, int, int]]] = {}
-
-    def most_left(g: int, group: tuple[int, ...], left: dict[int, int]) -> int:
-        """The member with the most quota left (then the least loaded, then the lowest id),
-        from a lazy heap of negated keys: keys only ever fall (quotas shrink, loads grow), so
-        a top entry whose key is still current is the best; a stale one goes back updated."""
-        heap = heaps.get(g)
-        if heap is None:
-            heap = heaps[g] = [(-left[s], load[s], s) for s in group]
-            heapq.heapify(heap)
-        while True:
-            negative, loaded, s = heap[0]
-            if -negative == left[s] and loaded == load[s]:
-                return s
-            heapq.heapreplace(heap, (-left[s], load[s], s))
-
+    ranks: list[_Ranked | None] = [None] * len(quotas)
+    members: list[frozenset[int] | None] = [None] * len(quotas)
+    # Per group, its members by most quota left (then least loaded, then lowest id): a lazy
+    # heap of negated keys. Keys only ever fall (quotas shrink, loads grow), so a top entry
+    # whose key is still current is the best; a stale one goes back updated.
+    heaps: list[list[tuple[int, int, int]] | None] = [None] * len(quotas)
     for g, demand in ordered:
         leaf, dst, box, group, nbytes = demand
         left = quota[g]
@@ -541,18 +532,27 @@ def _hand_out(
             if len(group) <= len(near):
                 paired = [s for s in group if s in near and load[s] <= most]
             else:
-                member = members.get(g) or members.setdefault(g, frozenset(group))
+                member = members[g]
+                if member is None:
+                    member = members[g] = frozenset(group)
                 paired = [s for s in near if s in member and load[s] <= most]
         if len(group) == 1:
             best = group[0]
         elif paired or len(group) < 8:
             best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
-        else:
-            best = most_left(g, group, left)
+        else:  # the member with the most quota left, from the group's heap (inline: hot)
+            heap = heaps[g]
+            if heap is None:
+                heap = heaps[g] = [(-left[s], load[s], s) for s in group]
+                heapq.heapify(heap)
+            negative, loaded, best = heap[0]
+            while -negative != left[best] or loaded != load[best]:
+                heapq.heapreplace(heap, (-left[best], load[best], best))
+                negative, loaded, best = heap[0]
         if len(group) == 1 or paired or left[best] >= nbytes:
             parts = [(best, box, nbytes)]
         else:
-            ranked = ranks.get(g)
+            ranked = ranks[g]
             if ranked is None:
                 ranked = ranks[g] = _Ranked(group, left)
             whole = box_size(box)
@@ -570,7 +570,7 @@ def _hand_out(
 
 class _Ranked:
     """The members of one candidate group by quota left, most first (then lowest id): a lazy
-    heap, as in `_hand_out`'s ``most_left`` (quotas only shrink), so a split looks at the few
+    heap, as in `_hand_out`'s ``heaps`` (quotas only shrink), so a split looks at the few
     senders it takes rather than the whole group (groups reach hundreds of replicas)."""
 
     def __init__(self, group: tuple[int, ...], left: dict[int, int]) -> None:
@@ -591,10 +591,13 @@ class _Ranked:
 
     def take(self) -> tuple[int, int] | None:
         """`top`, taken out of the heap (until `give_back`)."""
-        best = self.top()
-        if best is not None:
-            heapq.heappop(self.heap)
-        return best
+        heap, left = self.heap, self.left
+        if not heap:
+            return None
+        negative, s = heapq.heappop(heap)
+        while -negative != left[s]:  # stale: back in with its key now, and the best out
+            negative, s = heapq.heappushpop(heap, (-left[s], s))
+        return s, -negative
 
     def give_back(self, senders: Iterable[int]) -> None:
         for s in senders:
