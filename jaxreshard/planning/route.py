@@ -229,8 +229,9 @@ class _Demand(NamedTuple):
     nbytes: int
 
 
-def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Piece]:
-    """Give each demand a sender (or split it over several), minimising the busiest sender.
+def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[_Sent]:
+    """Give each demand a sender (or split it over several), minimising the busiest sender:
+    the pieces as `_Sent` tuples, sorted.
 
     First the optimal per-sender loads are found (`_min_max_quotas`). Demands are then handed
     out largest first; a sender that already sends to the same receiver is preferred while its
@@ -294,8 +295,7 @@ def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Pie
     fewest = min(key for key, _ in ranked)
     tied = [sent for key, sent in ranked if key == fewest]
     chosen = tied[0] if len(tied) == 1 else min(tied, key=_shapes)
-    # (sorted as (src, dst, leaf, box): a piece occurs once, so its nbytes never decide)
-    return [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sorted(chosen)]
+    return sorted(chosen)
 
 
 MIN_SHARE_BYTES = 1 << 20
@@ -986,14 +986,19 @@ def route(
     choose = functools.partial(_choose_senders, alike=not fan_out)
     if by_leaf:
         choose = functools.partial(_per_leaf, choose)
-    near_pieces = choose(near)
+    # Pieces in `piece_order`. Within a stage that is the order of the chosen (src, dst,
+    # leaf, box, nbytes) tuples (a piece occurs once, so nbytes never decides), which sort
+    # natively, unlike pieces by a key function; each piece is then made once.
+    near_sent = choose(near)
     if relays:
         # Sends inside a domain need nothing from stage 0; riding in stage 1 they share fast
         # rounds with the relays instead of taking fast rounds of their own beside the slow
         # cross-domain ones (a round lasts as long as its slowest message).
-        near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
-    pieces = choose(far) + near_pieces
-    pieces.sort(key=piece_order)
+        pieces = [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sorted(choose(far))]
+        pieces += [Piece(leaf, s, d, box, 1, False) for s, d, leaf, box, _ in sorted(near_sent)]
+    else:
+        sent = sorted(choose(far) + near_sent)
+        pieces = [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sent]
     relays.sort(key=lambda f: (f.stage, f.src, f.leaf, f.box, f.dsts))
     return Assignment(tuple(local), tuple(pieces), tuple(relays))
 
@@ -1108,8 +1113,8 @@ def _chained(
 
 
 def _per_leaf(
-    choose: Callable[[Sequence[_Demand]], list[Piece]], demands: Sequence[_Demand]
-) -> list[Piece]:
+    choose: Callable[[Sequence[_Demand]], list[_Sent]], demands: Sequence[_Demand]
+) -> list[_Sent]:
     """``choose`` senders for each leaf's demands on their own: every leaf is then balanced
     over its senders by itself, and so is every slab of it (`schedule.split_units` runs a
     plan unit by unit, one after the other, so a balance reached only over the whole plan
@@ -1117,8 +1122,8 @@ def _per_leaf(
 
     ``choose`` depends on a leaf's demands only, not on which leaf they are: leaves with the
     same demands in the same order (a model's layers laid out alike) are chosen for once."""
-    out: list[Piece] = []
-    known: dict[tuple[object, ...], list[Piece]] = {}
+    out: list[_Sent] = []
+    known: dict[tuple[object, ...], list[_Sent]] = {}
     # Candidates by number: each key would hash every demand's group otherwise (`_Numbering`;
     # ``demands`` keeps the groups alive).
     candidates = _Numbering()
@@ -1126,7 +1131,7 @@ def _per_leaf(
         key = tuple((d.dst, d.box, candidates(d.candidates), d.nbytes) for d in run)
         if key in known:
             leaf = run[0].leaf
-            out.extend(Piece(leaf, p.src, p.dst, p.box) for p in known[key])
+            out.extend((src, dst, leaf, box, n) for src, dst, _, box, n in known[key])
         else:
             out.extend(known.setdefault(key, choose(run)))
     return out
