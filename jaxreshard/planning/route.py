@@ -1222,21 +1222,30 @@ def _split_evenly(
     # bounds are in order, as they are unless snapping crossed two) to the one its end does.
     ordered = all(a <= b for a, b in itertools.pairwise(bounds))
     for r, item in zip(regions, itemsizes, strict=True):
+        end = offset + r.nbytes
         start = max(0, bisect.bisect_right(bounds, offset) - 1) if ordered else 0
+        if ordered and end <= bounds[start + 1]:  # within one run (most regions): whole
+            parts[start].append(r)
+            offset = end
+            continue
+        shape: tuple[int, ...] | None = None  # (the region's box's, once it is cut)
+        steps: list[int] = []
         for j in range(start, k):
-            if ordered and bounds[j] >= offset + r.nbytes:
+            if ordered and bounds[j] >= end:
                 break
-            lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + r.nbytes)
+            lo, hi = max(bounds[j], offset), min(bounds[j + 1], end)
             if lo >= hi:
                 continue
             first, last = (lo - offset) // item, (hi - offset) // item
             if (first, last) == (0, r.nbytes // item):
                 parts[j].append(r)
                 continue
-            shape = box_shape(r.box)
-            for box, size in split_flat_sized(r.box, shape, strides(shape), first, last):
+            if shape is None:
+                shape = box_shape(r.box)
+                steps = strides(shape)
+            for box, size in split_flat_sized(r.box, shape, steps, first, last):
                 parts[j].append(_Region(r.replicas, r.leaf, box, size * item))
-        offset += r.nbytes
+        offset = end
     return parts
 
 
