@@ -144,6 +144,15 @@ class Fan:
     box: Box
     stage: int
 
+    def __init__(self, leaf: int, src: int, dsts: tuple[int, ...], box: Box, stage: int) -> None:
+        # Written out with the slots' own setters, as `Piece.__init__` is: 10^5 fans at
+        # 4,096 GPUs.
+        _set_fan_leaf(self, leaf)
+        _set_fan_src(self, src)
+        _set_fan_dsts(self, dsts)
+        _set_fan_box(self, box)
+        _set_fan_stage(self, stage)
+
     @property
     def from_dst(self) -> bool:
         return True  # a relay: read from the sender's destination shard
@@ -155,6 +164,10 @@ class Fan:
         box = self.box if box is None else box
         return [Piece(leaf, src, d, box, stage) for d in self.dsts]
 
+
+_set_fan_leaf, _set_fan_src, _set_fan_dsts, _set_fan_box, _set_fan_stage = (
+    vars(Fan)[field.name].__set__ for field in dataclasses.fields(Fan)
+)
 
 Sent = Piece | Fan
 """What an assignment sends: a piece to one receiver, or a fan to several."""
@@ -906,7 +919,7 @@ def route(
                 continue
             # The holders by domain, when none of them holds a region (every region, where
             # the sides are apart): at thousands of GPUs a box has hundreds of holders.
-            apart: list[tuple[int, list[int]]] | None = None
+            apart: list[tuple[int, tuple[int, ...]]] | None = None
             holding = set(holders)
             for _, replicas, common in leaf.src.overlapping(dst_box):
                 if replicas not in held_in:
@@ -924,7 +937,7 @@ def route(
                 nbytes = box_size(common) * leaf.itemsize
                 for g, ds in wanting:
                     if fan_out and len(ds) > 1 and g not in held:
-                        groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
+                        groups[g, ds].append(_Region(replicas, index, common, nbytes))
                         continue
                     for d in ds:
                         senders = closeness(replicas, d)
@@ -970,15 +983,16 @@ def route(
             m = len(ds) if not min_share_bytes else max(1, min(len(ds), total // min_share_bytes))
             first = turn[ds]
             turn[ds] = (first + m) % len(ds)
-            importers = [ds[(first + j) % len(ds)] for j in range(m)]
             parts = _split_evenly(run, m, [leaves[r.leaf].itemsize for r in run])
-            for d, part in zip(importers, parts, strict=True):
+            for j, part in enumerate(parts):  # (m parts: the importers from ``first`` on)
+                at = (first + j) % len(ds)
+                d = ds[at]
                 for r in part:
                     senders = closeness(r.replicas, d)
                     far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
                 # The importer forwards what it received, read from its destination shard:
                 # regions next to each other (a stage's experts) go as one box.
-                others = tuple(other for other in ds if other != d)
+                others = ds[:at] + ds[at + 1 :]  # (a domain's devices are distinct)
                 for leaf, box in _merged([(r.leaf, r.box) for r in part]):
                     relays.append(Fan(leaf, d, others, box, 1))
     # Without fan-out, replicas of a destination shard are sent alike where balance allows
@@ -1003,12 +1017,14 @@ def route(
     return Assignment(tuple(local), tuple(pieces), tuple(relays))
 
 
-def _by_domain(devices: Iterable[int], domain: Mapping[int, int]) -> list[tuple[int, list[int]]]:
+def _by_domain(
+    devices: Iterable[int], domain: Mapping[int, int]
+) -> list[tuple[int, tuple[int, ...]]]:
     """``devices`` grouped by domain, in order of domain; each group keeps their order."""
     out: dict[int, list[int]] = defaultdict(list)
     for d in devices:
         out[domain[d]].append(d)
-    return sorted(out.items())
+    return [(g, tuple(ds)) for g, ds in sorted(out.items())]
 
 
 Group = tuple[int, tuple[int, ...]]
@@ -1038,15 +1054,20 @@ def _source_bound(groups: Mapping[Group, list[_Region]]) -> bool:
     sources: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     into: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     importers: dict[int, set[int]] = defaultdict(set)
-    held: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # (leaf, replicas) -> bytes
+    # (leaf, replicas' number) -> bytes: replicas numbered by identity (`_Numbering`; the
+    # regions keep them alive), not hashed by value for each of 10^5 regions at 4,096 GPUs.
+    held: dict[tuple[int, int], int] = defaultdict(int)
+    number = _Numbering()
     for (g, ds), regions in groups.items():
         importers[g].update(ds)
         for r in regions:
             into[r.leaf][g] += r.nbytes
-            held[r.leaf, r.replicas] += r.nbytes
+            held[r.leaf, number(r.replicas)] += r.nbytes
     # Spread over the holders once per set of them (every rack lacks the same regions: at
     # 4,096 GPUs 29 times each, over 16 replicas).
-    for (leaf, replicas), nbytes in held.items():
+    numbered = list(number.numbers)
+    for (leaf, n), nbytes in held.items():
+        replicas = numbered[n]
         share = nbytes / len(replicas)
         for s in replicas:
             sources[leaf][s] += share
@@ -1164,11 +1185,14 @@ def _merged(boxes: Sequence[tuple[int, Box]]) -> list[tuple[int, Box]]:
 
 def _joined(a: Box, b: Box) -> Box | None:
     """The box ``a`` and ``b`` make together when ``b`` continues ``a`` along one dimension."""
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+    for i, x in enumerate(a):
+        y = b[i]
         if x != y:  # the one dimension they may differ in: the rest must be equal
             if x[1] != y[0] or a[i + 1 :] != b[i + 1 :]:
                 return None
-            return (*a[:i], (x[0], y[1]), *a[i + 1 :])
+            joined = list(a)
+            joined[i] = (x[0], y[1])
+            return tuple(joined)
     return None  # the same box
 
 
@@ -1190,8 +1214,9 @@ def _pooled(runs: Sequence[list[_Region]], pool_bytes: int) -> list[list[_Region
 def _closest(
     replicas: tuple[int, ...], dst: int, tier: Callable[[int, int], int]
 ) -> tuple[int, ...]:
-    best = min(tier(s, dst) for s in replicas)
-    return tuple(s for s in replicas if tier(s, dst) == best)
+    tiers = [tier(s, dst) for s in replicas]  # (once each: groups reach hundreds)
+    best = min(tiers)
+    return tuple([s for s, t in zip(replicas, tiers, strict=True) if t == best])
 
 
 class _Region(NamedTuple):
