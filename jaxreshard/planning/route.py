@@ -144,6 +144,15 @@ class Fan:
     box: Box
     stage: int
 
+    def __init__(self, leaf: int, src: int, dsts: tuple[int, ...], box: Box, stage: int) -> None:
+        # Written out with the slots' own setters, as `Piece.__init__` is: 10^5 fans at
+        # 4,096 GPUs.
+        _set_fan_leaf(self, leaf)
+        _set_fan_src(self, src)
+        _set_fan_dsts(self, dsts)
+        _set_fan_box(self, box)
+        _set_fan_stage(self, stage)
+
     @property
     def from_dst(self) -> bool:
         return True  # a relay: read from the sender's destination shard
@@ -155,6 +164,10 @@ class Fan:
         box = self.box if box is None else box
         return [Piece(leaf, src, d, box, stage) for d in self.dsts]
 
+
+_set_fan_leaf, _set_fan_src, _set_fan_dsts, _set_fan_box, _set_fan_stage = (
+    vars(Fan)[field.name].__set__ for field in dataclasses.fields(Fan)
+)
 
 Sent = Piece | Fan
 """What an assignment sends: a piece to one receiver, or a fan to several."""
@@ -229,8 +242,9 @@ class _Demand(NamedTuple):
     nbytes: int
 
 
-def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Piece]:
-    """Give each demand a sender (or split it over several), minimising the busiest sender.
+def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[_Sent]:
+    """Give each demand a sender (or split it over several), minimising the busiest sender:
+    the pieces as `_Sent` tuples, sorted.
 
     First the optimal per-sender loads are found (`_min_max_quotas`). Demands are then handed
     out largest first; a sender that already sends to the same receiver is preferred while its
@@ -294,8 +308,7 @@ def _choose_senders(demands: Sequence[_Demand], alike: bool = False) -> list[Pie
     fewest = min(key for key, _ in ranked)
     tied = [sent for key, sent in ranked if key == fewest]
     chosen = tied[0] if len(tied) == 1 else min(tied, key=_shapes)
-    # (sorted as (src, dst, leaf, box): a piece occurs once, so its nbytes never decide)
-    return [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sorted(chosen)]
+    return sorted(chosen)
 
 
 MIN_SHARE_BYTES = 1 << 20
@@ -370,29 +383,46 @@ def _rotate(
         paired_with[d].add(s)
     position: dict[int, dict[int, int]] = {}
     same: dict[tuple[object, ...], int] = {}  # (choices' key, leaf, box) -> its sender
-    for g, d in sorted(shared, key=lambda gd: (gd[0], gd[1].leaf, gd[1].box, gd[1].dst)):
+    # In order of (group, leaf, box, receiver), each box by its rank among the distinct ones:
+    # keys of plain ints compare far faster than ones holding boxes, tuples of tuples (at
+    # 4,096 GPUs a few thousand distinct boxes among 10^5 demands).
+    boxes: dict[Box, int] = {}
+    numbers = [boxes.setdefault(d.box, len(boxes)) for _, d in shared]
+    ranks = _ranks(list(boxes))
+    keys = [(g, d.leaf, ranks[n], d.dst) for (g, d), n in zip(shared, numbers, strict=True)]
+    for j in sorted(range(len(shared)), key=keys.__getitem__):
+        g, d = shared[j]
+        leaf, dst, box, group, nbytes = d
         # The candidates already paired with the receiver, in candidate order: few, so
-        # looked up from the receiver's side when groups are large.
-        group = d.candidates
+        # looked up from the receiver's side when groups are large. A set of choices is
+        # counted under one key: a group's own number.
+        choices, key = group, g
         near = paired_with[d.dst]
-        if len(near) < len(group):
-            at = position.get(g)
-            if at is None:
-                at = position[g] = {s: i for i, s in enumerate(group)}
-            choices = tuple(sorted((s for s in near if s in at), key=at.__getitem__))
-        else:
-            choices = tuple(s for s in group if s in near)
-        key: int | tuple[int, ...] = g  # one key per set of choices: a group's own number
-        if not choices or len(choices) == len(group):
-            choices = group
-        else:
-            key = number.get(choices, choices)
-        sender = same.get((key, d.leaf, d.box), -1) if alike else -1
+        if near:  # (none at all where no demand has a single candidate)
+            if len(near) < len(group):
+                at = position.get(g)
+                if at is None:
+                    at = position[g] = {s: i for i, s in enumerate(group)}
+                paired = tuple(sorted((s for s in near if s in at), key=at.__getitem__))
+            else:
+                paired = tuple(s for s in group if s in near)
+            if paired and len(paired) != len(group):
+                choices, key = paired, number.get(paired, paired)
+        sender = same.get((key, leaf, box), -1) if alike else -1
         if sender < 0 or sender not in choices:  # (-1: none yet; no search of hundreds)
             sender = choices[turn[key] % len(choices)]
             turn[key] += 1
-            same[key, d.leaf, d.box] = sender
-        out.append((sender, d.dst, d.leaf, d.box, d.nbytes))
+            if alike:
+                same[key, leaf, box] = sender
+        out.append((sender, dst, leaf, box, nbytes))
+    return out
+
+
+def _ranks(items: Sequence[object]) -> list[int]:
+    """Where each of ``items`` (distinct) falls among them sorted: 0 for the least."""
+    out = [0] * len(items)
+    for rank, i in enumerate(sorted(range(len(items)), key=items.__getitem__)):
+        out[i] = rank
     return out
 
 
@@ -509,27 +539,18 @@ def _hand_out(
     # of up to hundreds of replicas, and CPython does not cache tuple hashes, so keying by
     # the group would hash the whole group on every lookup (millions at 4,096 GPUs).
     quota = [dict(by_sender) for by_sender in quotas]
-    load: dict[int, int] = defaultdict(int)
+    # Plain dicts and lists, not defaultdicts: CPython specializes subscripts of exact dicts
+    # and lists only (on a defaultdict ``load[s]`` is a slower generic call). Every member of
+    # a group has a quota, so ``load`` starts with every sender there is.
+    load = dict.fromkeys([s for by_sender in quotas for s in by_sender], 0)
     out: list[_Sent] = []
     paired_with: dict[int, set[int]] = defaultdict(set)  # receiver -> its senders so far
-    ranks: dict[int, _Ranked] = {}
-    members: dict[int, frozenset[int]] = {}
-    heaps: dict[int, list[tuple[int, int, int]]] = {}
-
-    def most_left(g: int, group: tuple[int, ...], left: dict[int, int]) -> int:
-        """The member with the most quota left (then the least loaded, then the lowest id),
-        from a lazy heap of negated keys: keys only ever fall (quotas shrink, loads grow), so
-        a top entry whose key is still current is the best; a stale one goes back updated."""
-        heap = heaps.get(g)
-        if heap is None:
-            heap = heaps[g] = [(-left[s], load[s], s) for s in group]
-            heapq.heapify(heap)
-        while True:
-            negative, loaded, s = heap[0]
-            if -negative == left[s] and loaded == load[s]:
-                return s
-            heapq.heapreplace(heap, (-left[s], load[s], s))
-
+    ranks: list[_Ranked | None] = [None] * len(quotas)
+    members: list[frozenset[int] | None] = [None] * len(quotas)
+    # Per group, its members by most quota left (then least loaded, then lowest id): a lazy
+    # heap of negated keys. Keys only ever fall (quotas shrink, loads grow), so a top entry
+    # whose key is still current is the best; a stale one goes back updated.
+    heaps: list[list[tuple[int, int, int]] | None] = [None] * len(quotas)
     for g, demand in ordered:
         leaf, dst, box, group, nbytes = demand
         left = quota[g]
@@ -541,18 +562,27 @@ def _hand_out(
             if len(group) <= len(near):
                 paired = [s for s in group if s in near and load[s] <= most]
             else:
-                member = members.get(g) or members.setdefault(g, frozenset(group))
+                member = members[g]
+                if member is None:
+                    member = members[g] = frozenset(group)
                 paired = [s for s in near if s in member and load[s] <= most]
         if len(group) == 1:
             best = group[0]
         elif paired or len(group) < 8:
             best = max(paired or group, key=lambda s: (left[s], -load[s], -s))
-        else:
-            best = most_left(g, group, left)
+        else:  # the member with the most quota left, from the group's heap (inline: hot)
+            heap = heaps[g]
+            if heap is None:
+                heap = heaps[g] = [(-left[s], load[s], s) for s in group]
+                heapq.heapify(heap)
+            negative, loaded, best = heap[0]
+            while -negative != left[best] or loaded != load[best]:
+                heapq.heapreplace(heap, (-left[best], load[best], best))
+                negative, loaded, best = heap[0]
         if len(group) == 1 or paired or left[best] >= nbytes:
             parts = [(best, box, nbytes)]
         else:
-            ranked = ranks.get(g)
+            ranked = ranks[g]
             if ranked is None:
                 ranked = ranks[g] = _Ranked(group, left)
             whole = box_size(box)
@@ -570,7 +600,7 @@ def _hand_out(
 
 class _Ranked:
     """The members of one candidate group by quota left, most first (then lowest id): a lazy
-    heap, as in `_hand_out`'s ``most_left`` (quotas only shrink), so a split looks at the few
+    heap, as in `_hand_out`'s ``heaps`` (quotas only shrink), so a split looks at the few
     senders it takes rather than the whole group (groups reach hundreds of replicas)."""
 
     def __init__(self, group: tuple[int, ...], left: dict[int, int]) -> None:
@@ -591,10 +621,13 @@ class _Ranked:
 
     def take(self) -> tuple[int, int] | None:
         """`top`, taken out of the heap (until `give_back`)."""
-        best = self.top()
-        if best is not None:
-            heapq.heappop(self.heap)
-        return best
+        heap, left = self.heap, self.left
+        if not heap:
+            return None
+        negative, s = heapq.heappop(heap)
+        while -negative != left[s]:  # stale: back in with its key now, and the best out
+            negative, s = heapq.heappushpop(heap, (-left[s], s))
+        return s, -negative
 
     def give_back(self, senders: Iterable[int]) -> None:
         for s in senders:
@@ -886,7 +919,7 @@ def route(
                 continue
             # The holders by domain, when none of them holds a region (every region, where
             # the sides are apart): at thousands of GPUs a box has hundreds of holders.
-            apart: list[tuple[int, list[int]]] | None = None
+            apart: list[tuple[int, tuple[int, ...]]] | None = None
             holding = set(holders)
             for _, replicas, common in leaf.src.overlapping(dst_box):
                 if replicas not in held_in:
@@ -904,7 +937,7 @@ def route(
                 nbytes = box_size(common) * leaf.itemsize
                 for g, ds in wanting:
                     if fan_out and len(ds) > 1 and g not in held:
-                        groups[g, tuple(ds)].append(_Region(replicas, index, common, nbytes))
+                        groups[g, ds].append(_Region(replicas, index, common, nbytes))
                         continue
                     for d in ds:
                         senders = closeness(replicas, d)
@@ -950,15 +983,16 @@ def route(
             m = len(ds) if not min_share_bytes else max(1, min(len(ds), total // min_share_bytes))
             first = turn[ds]
             turn[ds] = (first + m) % len(ds)
-            importers = [ds[(first + j) % len(ds)] for j in range(m)]
             parts = _split_evenly(run, m, [leaves[r.leaf].itemsize for r in run])
-            for d, part in zip(importers, parts, strict=True):
+            for j, part in enumerate(parts):  # (m parts: the importers from ``first`` on)
+                at = (first + j) % len(ds)
+                d = ds[at]
                 for r in part:
                     senders = closeness(r.replicas, d)
                     far.append(_Demand(r.leaf, d, r.box, senders, r.nbytes))
                 # The importer forwards what it received, read from its destination shard:
                 # regions next to each other (a stage's experts) go as one box.
-                others = tuple(other for other in ds if other != d)
+                others = ds[:at] + ds[at + 1 :]  # (a domain's devices are distinct)
                 for leaf, box in _merged([(r.leaf, r.box) for r in part]):
                     relays.append(Fan(leaf, d, others, box, 1))
     # Without fan-out, replicas of a destination shard are sent alike where balance allows
@@ -966,24 +1000,31 @@ def route(
     choose = functools.partial(_choose_senders, alike=not fan_out)
     if by_leaf:
         choose = functools.partial(_per_leaf, choose)
-    near_pieces = choose(near)
+    # Pieces in `piece_order`. Within a stage that is the order of the chosen (src, dst,
+    # leaf, box, nbytes) tuples (a piece occurs once, so nbytes never decides), which sort
+    # natively, unlike pieces by a key function; each piece is then made once.
+    near_sent = choose(near)
     if relays:
         # Sends inside a domain need nothing from stage 0; riding in stage 1 they share fast
         # rounds with the relays instead of taking fast rounds of their own beside the slow
         # cross-domain ones (a round lasts as long as its slowest message).
-        near_pieces = [dataclasses.replace(p, stage=1, relay=False) for p in near_pieces]
-    pieces = choose(far) + near_pieces
-    pieces.sort(key=piece_order)
+        pieces = [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sorted(choose(far))]
+        pieces += [Piece(leaf, s, d, box, 1, False) for s, d, leaf, box, _ in sorted(near_sent)]
+    else:
+        sent = sorted(choose(far) + near_sent)
+        pieces = [Piece(leaf, src, dst, box) for src, dst, leaf, box, _ in sent]
     relays.sort(key=lambda f: (f.stage, f.src, f.leaf, f.box, f.dsts))
     return Assignment(tuple(local), tuple(pieces), tuple(relays))
 
 
-def _by_domain(devices: Iterable[int], domain: Mapping[int, int]) -> list[tuple[int, list[int]]]:
+def _by_domain(
+    devices: Iterable[int], domain: Mapping[int, int]
+) -> list[tuple[int, tuple[int, ...]]]:
     """``devices`` grouped by domain, in order of domain; each group keeps their order."""
     out: dict[int, list[int]] = defaultdict(list)
     for d in devices:
         out[domain[d]].append(d)
-    return sorted(out.items())
+    return [(g, tuple(ds)) for g, ds in sorted(out.items())]
 
 
 Group = tuple[int, tuple[int, ...]]
@@ -1013,15 +1054,20 @@ def _source_bound(groups: Mapping[Group, list[_Region]]) -> bool:
     sources: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     into: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     importers: dict[int, set[int]] = defaultdict(set)
-    held: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # (leaf, replicas) -> bytes
+    # (leaf, replicas' number) -> bytes: replicas numbered by identity (`_Numbering`; the
+    # regions keep them alive), not hashed by value for each of 10^5 regions at 4,096 GPUs.
+    held: dict[tuple[int, int], int] = defaultdict(int)
+    number = _Numbering()
     for (g, ds), regions in groups.items():
         importers[g].update(ds)
         for r in regions:
             into[r.leaf][g] += r.nbytes
-            held[r.leaf, r.replicas] += r.nbytes
+            held[r.leaf, number(r.replicas)] += r.nbytes
     # Spread over the holders once per set of them (every rack lacks the same regions: at
     # 4,096 GPUs 29 times each, over 16 replicas).
-    for (leaf, replicas), nbytes in held.items():
+    numbered = list(number.numbers)
+    for (leaf, n), nbytes in held.items():
+        replicas = numbered[n]
         share = nbytes / len(replicas)
         for s in replicas:
             sources[leaf][s] += share
@@ -1088,8 +1134,8 @@ def _chained(
 
 
 def _per_leaf(
-    choose: Callable[[Sequence[_Demand]], list[Piece]], demands: Sequence[_Demand]
-) -> list[Piece]:
+    choose: Callable[[Sequence[_Demand]], list[_Sent]], demands: Sequence[_Demand]
+) -> list[_Sent]:
     """``choose`` senders for each leaf's demands on their own: every leaf is then balanced
     over its senders by itself, and so is every slab of it (`schedule.split_units` runs a
     plan unit by unit, one after the other, so a balance reached only over the whole plan
@@ -1097,8 +1143,8 @@ def _per_leaf(
 
     ``choose`` depends on a leaf's demands only, not on which leaf they are: leaves with the
     same demands in the same order (a model's layers laid out alike) are chosen for once."""
-    out: list[Piece] = []
-    known: dict[tuple[object, ...], list[Piece]] = {}
+    out: list[_Sent] = []
+    known: dict[tuple[object, ...], list[_Sent]] = {}
     # Candidates by number: each key would hash every demand's group otherwise (`_Numbering`;
     # ``demands`` keeps the groups alive).
     candidates = _Numbering()
@@ -1106,7 +1152,7 @@ def _per_leaf(
         key = tuple((d.dst, d.box, candidates(d.candidates), d.nbytes) for d in run)
         if key in known:
             leaf = run[0].leaf
-            out.extend(Piece(leaf, p.src, p.dst, p.box) for p in known[key])
+            out.extend((src, dst, leaf, box, n) for src, dst, _, box, n in known[key])
         else:
             out.extend(known.setdefault(key, choose(run)))
     return out
@@ -1139,11 +1185,14 @@ def _merged(boxes: Sequence[tuple[int, Box]]) -> list[tuple[int, Box]]:
 
 def _joined(a: Box, b: Box) -> Box | None:
     """The box ``a`` and ``b`` make together when ``b`` continues ``a`` along one dimension."""
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+    for i, x in enumerate(a):
+        y = b[i]
         if x != y:  # the one dimension they may differ in: the rest must be equal
             if x[1] != y[0] or a[i + 1 :] != b[i + 1 :]:
                 return None
-            return (*a[:i], (x[0], y[1]), *a[i + 1 :])
+            joined = list(a)
+            joined[i] = (x[0], y[1])
+            return tuple(joined)
     return None  # the same box
 
 
@@ -1165,8 +1214,9 @@ def _pooled(runs: Sequence[list[_Region]], pool_bytes: int) -> list[list[_Region
 def _closest(
     replicas: tuple[int, ...], dst: int, tier: Callable[[int, int], int]
 ) -> tuple[int, ...]:
-    best = min(tier(s, dst) for s in replicas)
-    return tuple(s for s in replicas if tier(s, dst) == best)
+    tiers = [tier(s, dst) for s in replicas]  # (once each: groups reach hundreds)
+    best = min(tiers)
+    return tuple([s for s, t in zip(replicas, tiers, strict=True) if t == best])
 
 
 class _Region(NamedTuple):
@@ -1197,21 +1247,30 @@ def _split_evenly(
     # bounds are in order, as they are unless snapping crossed two) to the one its end does.
     ordered = all(a <= b for a, b in itertools.pairwise(bounds))
     for r, item in zip(regions, itemsizes, strict=True):
+        end = offset + r.nbytes
         start = max(0, bisect.bisect_right(bounds, offset) - 1) if ordered else 0
+        if ordered and end <= bounds[start + 1]:  # within one run (most regions): whole
+            parts[start].append(r)
+            offset = end
+            continue
+        shape: tuple[int, ...] | None = None  # (the region's box's, once it is cut)
+        steps: list[int] = []
         for j in range(start, k):
-            if ordered and bounds[j] >= offset + r.nbytes:
+            if ordered and bounds[j] >= end:
                 break
-            lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + r.nbytes)
+            lo, hi = max(bounds[j], offset), min(bounds[j + 1], end)
             if lo >= hi:
                 continue
             first, last = (lo - offset) // item, (hi - offset) // item
             if (first, last) == (0, r.nbytes // item):
                 parts[j].append(r)
                 continue
-            shape = box_shape(r.box)
-            for box, size in split_flat_sized(r.box, shape, strides(shape), first, last):
+            if shape is None:
+                shape = box_shape(r.box)
+                steps = strides(shape)
+            for box, size in split_flat_sized(r.box, shape, steps, first, last):
                 parts[j].append(_Region(r.replicas, r.leaf, box, size * item))
-        offset += r.nbytes
+        offset = end
     return parts
 
 
