@@ -230,44 +230,49 @@ class SlabCut:
         per (group, receiver): the group and the stream index. A slab's bytes are summed
         per group, then handed to the group's streams: at thousands of GPUs a leaf's
         relays are 20,000 entries but 1.4 million (entry, receiver) pairs."""
-        dim, index = self.dim, self._streams
+        pieces, boxes, wholes = zip(*self.entries, strict=True) if self.entries else ((), (), ())
+        group, _, slot_group, slot_stream = self._numbered
+        extent = _extents(boxes, len(boxes[0]) if boxes else 0)
+        size = extent.prod(axis=1)
+        rows = np.maximum(extent[:, self.dim], 1)
+        whole = np.fromiter(wholes, bool, len(wholes))
+        stage = np.fromiter(map(operator.attrgetter("stage"), pieces), np.int64, len(pieces))
+        return rows, size // rows * self.itemsize, whole, stage, group, slot_group, slot_stream
+
+    @functools.cached_property
+    def _numbered(
+        self,
+    ) -> tuple[np.ndarray, dict[tuple[int, tuple[int, int]], int], np.ndarray, np.ndarray]:
+        """Each entry's group (see `_arrays`); each ``(stage, (sender, receiver))`` stream
+        of the entries, numbered in the order the entries first reach it; per (group,
+        receiver), the group and its stream's number.
+
+        The streams are numbered over the groups in order, not over every entry's receivers:
+        an entry adds a stream only where it starts a group, so the order is the same, and
+        at 4,096 GPUs a leaf's 50,000 entries are 35,000 groups, their 130,000 receivers
+        50,000 (group, receiver) pairs."""
         groups: dict[tuple[int, int, tuple[int, ...]], int] = {}
         group = np.array(
             [groups.setdefault((p.stage, p.src, p.dsts), len(groups)) for p, _, _ in self.entries],
             np.int64,
         )
-        # Each entry's extent per dimension, as one array (150,000 entries a leaf at 4,096
-        # GPUs): its rows along ``dim`` and its size from it.
-        rank = len(self.entries[0][1]) if self.entries else 0
-        extent = np.array([[b - a for a, b in box] for _, box, _ in self.entries], np.int64)
-        extent = extent.reshape(len(self.entries), rank)
-        size = extent.prod(axis=1)
-        rows = np.maximum(extent[:, dim], 1)
-        whole = np.array([whole for _, _, whole in self.entries], dtype=bool)
-        stage = np.array([p.stage for p, _, _ in self.entries], dtype=np.int64)
-        slot_group = [g for (_, _, dsts), g in groups.items() for _ in dsts]
-        slot_stream = [index[st, (src, d)] for st, src, dsts in groups for d in dsts]
-        return (
-            rows,
-            size // rows * self.itemsize,
-            whole,
-            stage,
-            group,
-            np.array(slot_group, np.int64),
-            np.array(slot_stream, np.int64),
-        )
+        index: dict[tuple[int, tuple[int, int]], int] = {}
+        slot_group: list[int] = []
+        slot_stream: list[int] = []
+        for g, (stage, src, dsts) in enumerate(groups):
+            for d in dsts:
+                key = (stage, (src, d))
+                i = index.get(key)
+                if i is None:
+                    i = index[key] = len(index)
+                slot_group.append(g)
+                slot_stream.append(i)
+        return group, index, np.array(slot_group, np.int64), np.array(slot_stream, np.int64)
 
-    @functools.cached_property
+    @property
     def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
         """Each ``(stage, (sender, receiver))`` stream of the entries, numbered."""
-        index: dict[tuple[int, tuple[int, int]], int] = {}
-        for p, _, _ in self.entries:
-            stage, src = p.stage, p.src
-            for d in p.dsts:
-                key = (stage, (src, d))
-                if key not in index:
-                    index[key] = len(index)
-        return index
+        return self._numbered[1]
 
     def _rows(self, j: int, stage: int | None) -> np.ndarray:
         """Rows of every entry in slab ``j`` (0 for entries of other stages)."""
@@ -1217,6 +1222,16 @@ def _within(inner: Box, outer: Box) -> bool:
     return True
 
 
+def _extents(boxes: Sequence[Box], rank: int) -> np.ndarray:
+    """Each box's length along each of its ``rank`` dimensions (every box has that rank), as
+    one (boxes, rank) array: read from the boxes' bounds in one `np.fromiter` (a large leaf
+    has 10^5 pieces at thousands of GPUs: a list of lists made into an array took 1.5x as
+    long, a sum over them in Python far longer)."""
+    flat = itertools.chain.from_iterable(itertools.chain.from_iterable(boxes))
+    bounds = np.fromiter(flat, np.int64, 2 * rank * len(boxes)).reshape(len(boxes), rank, 2)
+    return bounds[:, :, 1] - bounds[:, :, 0]
+
+
 def _run(box: Box, dim: int, k: int, j: int) -> Box | None:
     """Run ``j`` of ``box`` cut into ``k`` near-equal runs of rows of dimension ``dim`` (the
     first ``rows % k`` one row longer); None where the run gets no row."""
@@ -1232,9 +1247,7 @@ def _slab_dimension(pieces: Sequence[Sent], k: int) -> int:
     size times the share of the slabs its rows reach (ties: the first dimension; a fan once
     per receiver). A dimension no layout shards gives every piece its full length there."""
     rank = len(pieces[0].box)
-    # Each piece's extent per dimension, as one array (a large leaf has 10^5 pieces at
-    # thousands of GPUs: three sums over them in Python took 0.5 s a leaf).
-    extent = np.array([[b - a for a, b in p.box] for p in pieces], np.int64).reshape(-1, rank)
+    extent = _extents([p.box for p in pieces], rank)
     size = extent.prod(axis=1) * np.array([len(p.dsts) for p in pieces], np.int64)
     if len(size) and int(size.max()) * k * len(size) >= 1 << 62:  # int64 could overflow
         spread = [sum(int(n) * min(int(e), k) for n, e in zip(size, extent[:, i], strict=True))
