@@ -231,7 +231,7 @@ class SlabCut:
         per group, then handed to the group's streams: at thousands of GPUs a leaf's
         relays are 20,000 entries but 1.4 million (entry, receiver) pairs."""
         pieces, boxes, wholes = zip(*self.entries, strict=True) if self.entries else ((), (), ())
-        group, _, slot_group, slot_stream = self._numbered
+        group, _, _, slot_group, slot_stream = self._numbered
         extent = _extents(boxes, len(boxes[0]) if boxes else 0)
         size = extent.prod(axis=1)
         rows = np.maximum(extent[:, self.dim], 1)
@@ -242,10 +242,12 @@ class SlabCut:
     @functools.cached_property
     def _numbered(
         self,
-    ) -> tuple[np.ndarray, dict[tuple[int, tuple[int, int]], int], np.ndarray, np.ndarray]:
+    ) -> tuple[
+        np.ndarray, dict[tuple[int, tuple[int, int]], int], np.ndarray, np.ndarray, np.ndarray
+    ]:
         """Each entry's group (see `_arrays`); each ``(stage, (sender, receiver))`` stream
-        of the entries, numbered in the order the entries first reach it; per (group,
-        receiver), the group and its stream's number.
+        of the entries, numbered in the order the entries first reach it, and the same as a
+        (streams, 3) array; per (group, receiver), the group and its stream's number.
 
         The streams are numbered over the groups in order, not over every entry's receivers:
         an entry adds a stream only where it starts a group, so the order is the same, and
@@ -257,6 +259,7 @@ class SlabCut:
             np.int64,
         )
         index: dict[tuple[int, tuple[int, int]], int] = {}
+        ids: list[int] = []  # each stream's stage, sender and receiver, in index order
         slot_group: list[int] = []
         slot_stream: list[int] = []
         for g, (stage, src, dsts) in enumerate(groups):
@@ -265,14 +268,26 @@ class SlabCut:
                 i = index.get(key)
                 if i is None:
                     i = index[key] = len(index)
+                    ids += stage, src, d
                 slot_group.append(g)
                 slot_stream.append(i)
-        return group, index, np.array(slot_group, np.int64), np.array(slot_stream, np.int64)
+        return (
+            group,
+            index,
+            np.array(ids, np.int64).reshape(-1, 3),
+            np.array(slot_group, np.int64),
+            np.array(slot_stream, np.int64),
+        )
 
     @property
     def _streams(self) -> dict[tuple[int, tuple[int, int]], int]:
         """Each ``(stage, (sender, receiver))`` stream of the entries, numbered."""
         return self._numbered[1]
+
+    @property
+    def stream_ids(self) -> np.ndarray:
+        """Each stream of `_streams` as a row (stage, sender, receiver), in index order."""
+        return self._numbered[2]
 
     def _rows(self, j: int, stage: int | None) -> np.ndarray:
         """Rows of every entry in slab ``j`` (0 for entries of other stages)."""
@@ -328,65 +343,86 @@ class _StreamKeys:
     each slab's cut's list of streams, interned, and the bytes the slab puts on each: a few
     array bytes instead of a frozenset of up to a million ``(stream, bytes)`` items (hashing
     those took about 8 s of a 4,096-GPU plan). A unit whose listed pieces are known by their
-    `Unit.parts` by the arrays of `PreparedPlan.streams` (sorted codes and bytes: equal
-    exactly where the streams are); any other unit by that frozenset. Cuts are held as dict
-    keys (compared by identity), so an id is never reused while its key lives."""
+    `Unit.parts` (and that has no slab) by the arrays of `PreparedPlan.streams` (sorted codes
+    and bytes: equal exactly where the streams are); any other unit by its streams' arrays
+    too, tagged apart: equal exactly where frozensets of their streams would be, and summed
+    without a dict (a dict and a frozenset took 0.25 s for the two pipelined units of
+    deepseek-v3-4096 that send slabs beside listed pieces). Cuts are held as dict keys
+    (compared by identity), so an id is never reused while its key lives."""
 
     def __init__(self, leaves: Sequence[LeafSpec], prepared: PreparedPlan | None = None) -> None:
         self.leaves = leaves
         self.prepared = prepared
-        self.interned: dict[tuple[tuple[int, tuple[int, int]], ...], int] = {}
+        self.interned: dict[bytes, int] = {}
         self.cut_ids: dict[SlabCut, int] = {}
-        self.codes_of: dict[SlabCut, np.ndarray] = {}
+        self.codes_of: dict[SlabCut, tuple[np.ndarray, np.ndarray]] = {}
 
     def of(self, unit: Unit) -> tuple[object, dict[tuple[int, tuple[int, int]], int] | None]:
-        """The unit's key, and its `Unit.stream_bytes` where keying it summed them (a unit
-        with listed pieces: summing them again would take as long), else None."""
-        prepared = self.prepared
-        if unit.listed and unit.parts is not None and prepared is not None:
-            codes, sizes = prepared.streams(unit.parts)
-            streams = prepared.stream_bytes(codes, sizes)
-            if not unit.slabs:
-                return _parts_key(codes, sizes), streams
-            streams = _add_slabs(streams, unit.slabs)
-            return frozenset(streams.items()), streams
+        """The unit's key, and its `Unit.stream_bytes` where keying it summed them, else None:
+        with ``prepared``, the key `codes` gives; without, a unit with listed pieces (or
+        without slabs) is keyed by a frozenset of its streams."""
+        if self.prepared is not None:
+            return self.codes(unit)[0], None
         if unit.listed or not unit.slabs:
             streams = unit.stream_bytes(self.leaves)
             return frozenset(streams.items()), streams
         return self._slab_key(_slab_totals(unit)), None
 
     def codes(self, unit: Unit) -> tuple[object, np.ndarray, np.ndarray]:
-        """The unit's key (as `of` gives it) and its streams as `PreparedPlan` codes and
-        bytes, without making a dict of them where the key needs none (needs ``prepared``)."""
+        """The unit's key and its streams as `PreparedPlan` codes and bytes (needs
+        ``prepared``)."""
         prepared = self.prepared
         assert prepared is not None, "stream codes are numbered over a prepared plan's devices"
-        if unit.listed and unit.parts is not None and not unit.slabs:
+        if unit.listed and unit.parts is not None:
             codes, sizes = prepared.streams(unit.parts)
-            return _parts_key(codes, sizes), codes, sizes
-        if unit.listed or not unit.slabs:
-            key, streams = self.of(unit)
-            assert streams is not None
-            return key, *_encoded(streams, prepared.n)
-        slabs = _slab_totals(unit)
-        codes = np.concatenate([self._cut_codes(cut) for cut, _ in slabs])
-        totals = np.concatenate([t for _, t in slabs]).astype(np.int64)
-        return self._slab_key(slabs), *_summed(codes[totals > 0], totals[totals > 0])
+            if not unit.slabs:
+                return _parts_key(codes, sizes), codes, sizes
+            codes, sizes = self._streams_of(_slab_totals(unit), codes, sizes)
+        elif unit.listed or not unit.slabs:
+            codes, sizes = _encoded(unit.stream_bytes(self.leaves), prepared.n)
+        else:
+            slabs = _slab_totals(unit)
+            return self._slab_key(slabs), *self._streams_of(slabs)
+        return ("streams", codes.tobytes(), sizes.tobytes()), codes, sizes
+
+    def _streams_of(
+        self,
+        slabs: Sequence[tuple[SlabCut, np.ndarray]],
+        codes: np.ndarray | None = None,
+        sizes: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The streams that ``slabs`` (and listed pieces' ``codes`` and ``sizes``, if given)
+        put bytes on, as sorted codes and bytes (`_summed`). Each cut's codes come sorted
+        (`_cut_codes`), so the stable sort of their concatenation merges sorted runs."""
+        all_codes, all_sizes = [] if codes is None else [codes], [] if sizes is None else [sizes]
+        for cut, totals in slabs:
+            cut_codes, order = self._cut_codes(cut)
+            totals = totals[order].astype(np.int64)
+            keep = totals > 0
+            all_codes.append(cut_codes[keep])
+            all_sizes.append(totals[keep])
+        return _summed(np.concatenate(all_codes), np.concatenate(all_sizes))
 
     def _slab_key(self, slabs: Sequence[tuple[SlabCut, np.ndarray]]) -> tuple[object, ...]:
         """The key of a unit of slabs only, from each slab's cut and stream totals: equal
         slabs put equal bytes on equal streams, so their sums are equal too."""
         return tuple((self._cut_id(cut), totals.tobytes()) for cut, totals in slabs)
 
-    def _cut_codes(self, cut: SlabCut) -> np.ndarray:
-        """The codes of ``cut``'s streams, in its streams' order."""
+    def _cut_codes(self, cut: SlabCut) -> tuple[np.ndarray, np.ndarray]:
+        """The codes of ``cut``'s streams, sorted, and the order of its streams they are in."""
         if cut not in self.codes_of:
             n = self.prepared.n  # type: ignore[union-attr]
-            self.codes_of[cut] = _codes(cut._streams, n)
+            stage, src, dst = cut.stream_ids.T
+            codes = (stage * n + src) * n + dst
+            order = np.argsort(codes, kind="stable")
+            self.codes_of[cut] = codes[order], order
         return self.codes_of[cut]
 
     def _cut_id(self, cut: SlabCut) -> int:
+        """``cut``'s list of streams, interned (equal ids: equal lists)."""
         if cut not in self.cut_ids:
-            self.cut_ids[cut] = self.interned.setdefault(tuple(cut._streams), len(self.interned))
+            ids = cut.stream_ids.tobytes()
+            self.cut_ids[cut] = self.interned.setdefault(ids, len(self.interned))
         return self.cut_ids[cut]
 
 
@@ -1219,10 +1255,11 @@ def _feeds(
     pair_key, pair_got = pair_key[within], pair_got[within]
     wholes = np.array(got_whole, bool)
     sizes = (inner[:, :, 1] - inner[:, :, 0]).prod(axis=1)
-    tiled = (np.bincount(pair_key, wholes[pair_got], len(keys)) == 0) & (
-        np.bincount(pair_key, sizes[pair_got], len(keys))
-        == (outer[:, :, 1] - outer[:, :, 0]).prod(axis=1)
-    )
+    # Per relay: none of the entries within is whole, and their sizes add up to its own.
+    no_whole = np.bincount(pair_key, wholes[pair_got], len(keys)) == 0
+    covered = np.bincount(pair_key, sizes[pair_got], len(keys))
+    tiled = no_whole & (covered == (outer[:, :, 1] - outer[:, :, 0]).prod(axis=1))
+    # Per relay: every entry within spans it along ``dim``.
     across = (inner[pair_got, dim] != outer[pair_key, dim]).any(axis=1)
     spans = np.bincount(pair_key, across, len(keys)) == 0
     ends = np.cumsum(np.bincount(pair_key, minlength=len(keys))).tolist()
@@ -1243,8 +1280,8 @@ def _feeds(
 def _bounds(boxes: Sequence[Box], rank: int) -> np.ndarray:
     """Each box's bounds along each of its ``rank`` dimensions (every box has that rank), as
     one (boxes, rank, 2) array: read in one `np.fromiter` (a large leaf has 10^5 pieces at
-    thousands of GPUs: a list of lists made into an array took 1.5x as long, a sum over
-    them in Python far longer)."""
+    thousands of GPUs: a list of lists made into an array took a third longer, sums over
+    them in Python several times as long)."""
     flat = itertools.chain.from_iterable(itertools.chain.from_iterable(boxes))
     return np.fromiter(flat, np.int64, 2 * rank * len(boxes)).reshape(len(boxes), rank, 2)
 
