@@ -308,7 +308,8 @@ class SlabCut:
 
     def stages(self, j: int, stage: int | None) -> list[int]:
         """The stages slab ``j`` (of stage ``stage``, or all) sends bytes of, in order."""
-        return [int(s) for s in np.unique(self._arrays[3][self._rows(j, stage) > 0])]
+        # (counted, not sorted: a large leaf's slab has 50,000 entries at 4,096 GPUs)
+        return np.flatnonzero(np.bincount(self._arrays[3][self._rows(j, stage) > 0])).tolist()
 
     def stream_totals(self, j: int, stage: int | None) -> np.ndarray:
         """Bytes slab ``j`` (of stage ``stage``, or all) puts on each stream of `_streams`,
@@ -982,10 +983,10 @@ def _pipelined(units: Sequence[Unit]) -> list[Unit]:
     # parts those pieces are (None once a unit without known parts brought some).
     arriving: dict[int, _Arriving] = defaultdict(_Arriving)
 
-    def send_on(i: int, unit: Unit) -> None:
-        for stage in sorted({p.stage for p in unit.listed if p.stage > 0}):
+    def send_on(i: int, unit: Unit, listed: Mapping[int, list[Sent]]) -> None:
+        for stage in sorted(s for s in listed if s > 0):
             into = arriving[i + stage]
-            into.pieces.extend(p for p in unit.listed if p.stage == stage)
+            into.pieces.extend(listed[stage])
             into.leaves.update(unit.leaves)
             into.add_parts(unit.parts, stage)
         for slab in unit.slabs:
@@ -996,8 +997,12 @@ def _pipelined(units: Sequence[Unit]) -> list[Unit]:
                     later.leaves.update(unit.leaves)
 
     for i, unit in enumerate(units):
-        send_on(i, unit)
-        own = tuple(p for p in unit.listed if p.stage == 0)
+        # The unit's listed pieces by stage, in order, in one pass (10^5 pieces at scale).
+        listed: dict[int, list[Sent]] = defaultdict(list)
+        for p in unit.listed:
+            listed[p.stage].append(p)
+        send_on(i, unit, listed)
+        own = tuple(listed.get(0, ()))
         own_slabs = tuple(s for s in (_staged(s, 0) for s in unit.slabs) if s)
         now = arriving.pop(i, _Arriving())
         parts = now.parts
