@@ -969,6 +969,8 @@ def _summed(codes: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarra
     order = np.argsort(codes, kind="stable")
     code, size = codes[order], sizes[order]
     starts = np.flatnonzero(np.concatenate(([True], code[1:] != code[:-1])))
+    if len(starts) == len(code):  # each code once (a slab's streams): nothing to add up
+        return code, size
     return code[starts], np.add.reduceat(size, starts)
 
 
