@@ -122,10 +122,13 @@ class Piece:
         return (self.dst,)
 
 
-# The slots' setters `Piece.__init__` uses (a frozen class's own ``__setattr__`` refuses).
-_set_leaf, _set_src, _set_dst, _set_box, _set_stage, _set_relay = (
-    vars(Piece)[field.name].__set__ for field in dataclasses.fields(Piece)
-)
+def _slot_setters(cls: type) -> tuple[Callable[[object, object], None], ...]:
+    """The setters of a slotted frozen dataclass's fields, in field order: what a written-out
+    ``__init__`` calls (the class's own ``__setattr__`` refuses, being frozen)."""
+    return tuple(vars(cls)[field.name].__set__ for field in dataclasses.fields(cls))
+
+
+_set_leaf, _set_src, _set_dst, _set_box, _set_stage, _set_relay = _slot_setters(Piece)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,9 +168,7 @@ class Fan:
         return [Piece(leaf, src, d, box, stage) for d in self.dsts]
 
 
-_set_fan_leaf, _set_fan_src, _set_fan_dsts, _set_fan_box, _set_fan_stage = (
-    vars(Fan)[field.name].__set__ for field in dataclasses.fields(Fan)
-)
+_set_fan_leaf, _set_fan_src, _set_fan_dsts, _set_fan_box, _set_fan_stage = _slot_setters(Fan)
 
 Sent = Piece | Fan
 """What an assignment sends: a piece to one receiver, or a fan to several."""

@@ -230,14 +230,20 @@ class SlabCut:
         per (group, receiver): the group and the stream index. A slab's bytes are summed
         per group, then handed to the group's streams: at thousands of GPUs a leaf's
         relays are 20,000 entries but 1.4 million (entry, receiver) pairs."""
-        pieces, boxes, wholes = zip(*self.entries, strict=True) if self.entries else ((), (), ())
+        _, boxes, wholes = zip(*self.entries, strict=True) if self.entries else ((), (), ())
         group, _, slot_group, slot_stream = self._numbered
         extent = _extents(boxes, len(boxes[0]) if boxes else 0)
         size = extent.prod(axis=1)
         rows = np.maximum(extent[:, self.dim], 1)
         whole = np.fromiter(wholes, bool, len(wholes))
-        stage = np.fromiter(map(operator.attrgetter("stage"), pieces), np.int64, len(pieces))
+        stage = self._entry_stages
         return rows, size // rows * self.itemsize, whole, stage, group, slot_group, slot_stream
+
+    @functools.cached_property
+    def _entry_stages(self) -> np.ndarray:
+        """Each entry's stage (its piece's), read once for `_arrays` and `_numbered`."""
+        pieces = (p for p, _, _ in self.entries)
+        return np.fromiter(map(operator.attrgetter("stage"), pieces), np.int64, len(self.entries))
 
     @functools.cached_property
     def _numbered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -261,7 +267,7 @@ class SlabCut:
                 receiver.append(p.dsts[0])
             else:
                 receiver.append(-1 - fanned.setdefault(p.dsts, len(fanned)))
-        stage = np.fromiter(map(operator.attrgetter("stage"), pieces), np.int64, len(pieces))
+        stage = self._entry_stages
         src = np.fromiter(map(operator.attrgetter("src"), pieces), np.int64, len(pieces))
         to = np.array(receiver, np.int64)
         m = 1 + max(  # device ids are below m
