@@ -3583,6 +3583,30 @@ SURFACE_MUTANTS: list[Mutant] = [
         "a stage planned by parts lists each round's entries part by part, not in pair order",
     ),
     Mutant(
+        "units-runs-within-one-bucket-on-accelerators",
+        "jaxreshard/planning/schedule.py",
+        (
+            (
+                "fits and _fits([*run, index], loads, bucket_bytes, max_copies, unit_bytes)",
+                "fits and _fits([*run, index], loads, bucket_bytes, max_copies)",
+            ),
+        ),
+        ("tests/test_lower.py::test_on_accelerators_runs_of_leaves_fill_units_of_many_buckets",),
+        "on accelerators a run of leaves stops at one bucket, not at the unit's many buckets",
+    ),
+    Mutant(
+        "units-copy-cap-per-unit-not-per-bucket",
+        "jaxreshard/planning/schedule.py",
+        (
+            (
+                "max_copies * max(1, -(-nbytes.get(d, 0) // bucket_bytes))",
+                "max_copies * max(1, -(-limit // bucket_bytes))",
+            ),
+        ),
+        ("tests/test_lower.py::test_on_accelerators_runs_of_leaves_fill_units_of_many_buckets",),
+        "a unit of many buckets may give a device the copies of all of them in one bucket",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -239,6 +239,46 @@ def test_on_cpu_a_small_model_whose_layers_fit_one_unit_moves_in_one_step():
     assert not platform_options("gpu", 1 << 16)["lone_stretch_as_run"]
 
 
+def test_on_accelerators_runs_of_leaves_fill_units_of_many_buckets():
+    """On accelerators (`platform_options`) consecutive leaves share a unit until some device's
+    bytes would pass `GPU_UNIT_BUCKETS` buckets, not one bucket: each (sender, receiver) pair
+    has one long stream for them all instead of one per small unit, so fewer rounds, each a
+    latency. A unit still holds at most `MAX_UNIT_COPIES` pieces per device for each bucket
+    its bytes fill, so no bucket's programs grow with the run. CPU keeps units of one bucket."""
+    bucket = 4096
+    # Distinct shapes (nothing repeats), 1-12 KiB a receiver each: 78 KiB, 20 buckets.
+    leaves = [
+        leaf_spec(
+            (64, 16 * (i + 1)), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")), path=f"w{i}"
+        )
+        for i in range(12)
+    ]
+    gpu, _ = check(leaves, bucket_bytes=bucket, **platform_options("gpu", bucket))
+    cpu, _ = check(leaves, bucket_bytes=bucket, **platform_options("cpu", bucket))
+    assert [u.leaves for u in gpu.units] == [tuple(range(12))]
+    assert len(cpu.units) >= 12
+    assert len(gpu.buckets) >= 20
+    # Many small leaves: the copy cap, not the bytes, cuts the run.
+    small = [
+        leaf_spec((8, 4 * (i + 1)), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")), path=f"b{i}")
+        for i in range(40)
+    ]
+    schedule, _ = check(
+        small, bucket_bytes=bucket, gather_bytes=0, **platform_options("gpu", bucket)
+    )
+    assert len(schedule.units) > 1
+    for unit in schedule.units:
+        for side in ("src", "dst"):
+            pieces, nbytes = Counter(), Counter()
+            for p in unit.pieces:
+                for device in (p.src,) if side == "src" else getattr(p, "dsts", (p.dst,)):
+                    pieces[device] += 1
+                    nbytes[device] += box_size(p.box) * small[p.leaf].itemsize
+            for device, n in pieces.items():
+                cap = schedule_module.MAX_UNIT_COPIES * max(1, -(-nbytes[device] // bucket))
+                assert n <= cap, (side, device, n, nbytes[device])
+
+
 def test_the_slabs_of_a_large_leaf_share_their_programs():
     big = [leaf_spec((1024, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))]
     _, lowered = check(big, bucket_bytes=4096)

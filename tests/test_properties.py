@@ -206,3 +206,68 @@ def test_named_cases(name):
     host = random_array(shape, "float32", seed=1)
     plan = check_refit(host, src, dst, None, 64)
     assert plan.stats.bytes_sent == expected
+
+
+def test_accelerator_units_are_exact(monkeypatch):
+    """The unit rules of accelerators (`schedule.platform_options("gpu")`), run on the CPU
+    devices: units that span many buckets, runs of several leaves over several buckets, tails
+    on three-quarter rungs, no page-fault cost. Trees of 2-4 leaves on one pair of meshes in
+    random layouts, with and without a topology of two domains: exact values, the source left
+    intact, the lower bound sent (per leaf, from the JAX shardings), staging within the bucket."""
+    from jaxreshard import api
+    from jaxreshard.planning import schedule
+
+    monkeypatch.setattr(api, "platform_options", lambda _, b: schedule.platform_options("gpu", b))
+    seen: Counter = Counter()
+    devs = jax.devices()
+    two_domains = jr.Topology.from_groups([devs[:4], devs[4:]])
+
+    @settings(
+        max_examples=12 * EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(
+        data=st.data(),
+        count=st.integers(2, 4),
+        bucket=st.sampled_from([128, 256]),
+        topology=st.sampled_from([None, two_domains]),
+    )
+    def check(data, count, bucket, topology):
+        src0, dst0 = data.draw(layouts(2))
+        shardings = [(src0, dst0)]
+        for _ in range(count - 1):  # the same meshes, other specs: leaves that can share units
+            pair = []
+            for s in (src0, dst0):
+                names = list(s.mesh.axis_names)
+                pair.append(NamedSharding(s.mesh, P(*spec_over(data.draw, names, 2))))
+            shardings.append((pair[0], pair[1]))
+        hosts, srcs, dsts, lower = [], [], [], 0
+        for i, (src, dst) in enumerate(shardings):
+            rows = data.draw(st.sampled_from([1, 2, 8])) * math.lcm(ways(src, 0), ways(dst, 0))
+            cols = math.lcm(ways(src, 1), ways(dst, 1)) * data.draw(st.sampled_from([1, 4]))
+            host = random_array((rows * 4, cols), "float32", seed=i)
+            hosts.append(host)
+            srcs.append(jax.device_put(host, src))
+            dsts.append(dst)
+            lower += jax_lower_bound_bytes(src, dst, host.shape, 4)
+        plan = jr.plan(srcs, dsts, bucket_bytes=bucket, topology=topology)
+        out = plan(srcs)
+        for x, y, host, src, dst in zip(srcs, out, hosts, (s for s, _ in shardings), dsts):
+            assert_exact(y, host, dst)
+            assert_exact(x, host, src)
+        assert plan.stats.bytes_sent == lower, (plan.stats.bytes_sent, lower)
+        assert plan.stats.staging_bytes <= 2 * plan.bucket_bytes
+        units = plan.schedule.units
+        unit_of = Counter(b.unit for b in plan.schedule.buckets)
+        seen["examples"] += 1
+        seen["several buckets in a unit"] += any(n > 1 for n in unit_of.values())
+        seen["several leaves in a unit of several buckets"] += any(
+            len(units[u].leaves) > 1 and n > 1 for u, n in unit_of.items()
+        )
+
+    check()
+    print(f"distribution: {dict(seen)}")
+    assert seen["several buckets in a unit"] >= 0.5 * seen["examples"], seen
+    assert seen["several leaves in a unit of several buckets"] >= 0.25 * seen["examples"], seen

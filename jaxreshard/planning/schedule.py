@@ -641,16 +641,21 @@ FAULT_COST = 2.0
 faults of first touch (about 1 GB/s here, against 2-3 GB/s a collective-permute moves per
 device), for the send and the receive buffer."""
 
-GPU_UNIT_BUCKETS = 32
-"""On accelerators a large leaf is cut into slabs (units, `schedule.split_units`) that span up
-to this many buckets per device: each unit runs after the one before, and every (sender,
-receiver) pair costs it at least one round, so small units make small messages whose rounds
-are mostly latency. In the cluster model (`python -m jaxreshard.simulate`, DeepSeek-V3
-128 -> 128, when this was chosen: before the per-leaf import share and the GPU chunk choice,
-which brought 32 buckets to 0.70 s) 1 bucket per unit modeled 2.2 s, 8 buckets 0.98 s, 32
-buckets 0.82 s, 128 buckets 0.78 s; a unit's buckets are distinct programs (compiled once,
-shared by the slabs of a leaf), so 32 keeps the first call's compile count moderate. Staging
-stays one bucket. On CPU a unit is one bucket (compile time dominates there)."""
+GPU_UNIT_BUCKETS = 128
+"""On accelerators a unit (`schedule.split_units`: a run of leaves, or a slab of a large leaf)
+spans up to this many buckets per device: units run one after another, and every (sender,
+receiver) pair costs a unit at least one round, so small units make short streams whose rounds
+are mostly latency (a receiver of Kimi-K2's experts takes 256 streams a unit, however large
+the unit). Each bucket of a unit is a program of its own (shared by equal units, such as a
+leaf's slabs), so larger units trade distinct programs for rounds; the copies each program
+holds stay capped (`MAX_UNIT_COPIES` per bucket a device fills, `_fits`). Staging stays one
+bucket. Chosen in the cluster model (`python -m jaxreshard.simulate --all`, 2026-12-07),
+modeled time over the physical bound with 32 buckets and runs of leaves within one bucket (the
+rule until then) / 128 / 256 buckets, runs filling units: DeepSeek-V3 2.41 / 2.29 / 2.29, Qwen3-235B 2.48 / 2.36 / 2.33, Kimi-K2
+1.27 / 1.25 / 1.22, Llama-3.1-70B 1.27 / 1.24 / 1.24, 4,096 GPUs 2.76 / 2.45 / 2.36; distinct
+transfer programs 314 / 230 / 356 on DeepSeek-V3, 389 / 312 / 452 at 4,096 GPUs, 93 / 141 /
+252 on Kimi-K2: 256 doubles the programs for the last few percent. No GPU has compiled these
+programs (README, Limitations). On CPU a unit is one bucket (compile time dominates there)."""
 
 
 def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
@@ -735,11 +740,12 @@ def split_units(
     gather_bytes: int | None = None,
     lone_stretch_as_run: bool = False,
 ) -> tuple[Unit, ...]:
-    """Cut the plan into units: runs of consecutive leaves whose bytes fit one bucket.
+    """Cut the plan into units: runs of consecutive leaves whose bytes fit one unit
+    (``unit_bytes``: one bucket on CPU, `GPU_UNIT_BUCKETS` on accelerators).
 
-    A unit never takes some device's sending or receiving past ``bucket_bytes``, never gives a
-    device more than ``max_copies`` pieces to send or receive (`MAX_UNIT_COPIES`), and never
-    mixes meshes (programs run per mesh). A leaf that moves by gathers (`gathered`, with
+    A unit never takes some device's sending or receiving past ``unit_bytes``, never gives a
+    device more than ``max_copies`` pieces to send or receive (`MAX_UNIT_COPIES`) for each
+    bucket its bytes fill (`_fits`), and never mixes meshes (programs run per mesh). A leaf that moves by gathers (`gathered`, with
     ``gather_bytes``) counts one copy per device it touches, whatever its pieces.
 
     *Repeats.* A model's layers make the tree periodic: the same leaf shapes, layouts and
@@ -805,7 +811,9 @@ def split_units(
                 parts.append(("slab", [index], k))
                 continue
             fits = _meshes(leaves[run[0]]) == _meshes(leaves[index]) if run else True
-            if run and not (fits and _fits([*run, index], loads, bucket_bytes, max_copies)):
+            if run and not (
+                fits and _fits([*run, index], loads, bucket_bytes, max_copies, unit_bytes)
+            ):
                 parts.append(("run", run, 0))
                 run = []
             run.append(index)  # (alone, a leaf with too many pieces is a unit of its own)
@@ -1151,13 +1159,32 @@ def _per_device(devices: np.ndarray, sizes: np.ndarray) -> tuple[dict[int, int],
     )
 
 
-def _fits(run: Iterable[int], loads: Sequence[Load], bucket_bytes: int, max_copies: int) -> bool:
-    for side, limit in ((0, bucket_bytes), (1, bucket_bytes), (2, max_copies), (3, max_copies)):
-        total: dict[int, int] = defaultdict(int)
+def _fits(
+    run: Iterable[int],
+    loads: Sequence[Load],
+    bucket_bytes: int,
+    max_copies: int,
+    unit_bytes: int | None = None,
+) -> bool:
+    """Whether the leaves ``run`` fit one unit: no device sends, or receives, more than
+    ``unit_bytes`` (default: one bucket), nor more than ``max_copies`` pieces for each bucket
+    those bytes fill (at least one), so that each of the unit's bucket programs holds about
+    ``max_copies`` copies at most, however many buckets the unit spans."""
+    limit = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
+    run = list(run)
+    for bytes_side, copies_side in ((0, 2), (1, 3)):
+        nbytes: dict[int, int] = defaultdict(int)
+        copies: dict[int, int] = defaultdict(int)
         for i in run:
-            for d, n in loads[i][side].items():
-                total[d] += n
-        if any(n > limit for n in total.values()):
+            for d, n in loads[i][bytes_side].items():
+                nbytes[d] += n
+            for d, n in loads[i][copies_side].items():
+                copies[d] += n
+        if any(n > limit for n in nbytes.values()):
+            return False
+        if any(
+            n > max_copies * max(1, -(-nbytes.get(d, 0) // bucket_bytes)) for d, n in copies.items()
+        ):
             return False
     return True
 
