@@ -254,7 +254,9 @@ def test_accelerator_units_are_exact(monkeypatch):
             lower += jax_lower_bound_bytes(src, dst, host.shape, 4)
         plan = jr.plan(srcs, dsts, bucket_bytes=bucket, topology=topology)
         out = plan(srcs)
-        for x, y, host, src, dst in zip(srcs, out, hosts, (s for s, _ in shardings), dsts):
+        for x, y, host, src, dst in zip(
+            srcs, out, hosts, (s for s, _ in shardings), dsts, strict=True
+        ):
             assert_exact(y, host, dst)
             assert_exact(x, host, src)
         assert plan.stats.bytes_sent == lower, (plan.stats.bytes_sent, lower)

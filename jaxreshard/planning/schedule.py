@@ -645,17 +645,18 @@ GPU_UNIT_BUCKETS = 128
 """On accelerators a unit (`schedule.split_units`: a run of leaves, or a slab of a large leaf)
 spans up to this many buckets per device: units run one after another, and every (sender,
 receiver) pair costs a unit at least one round, so small units make short streams whose rounds
-are mostly latency (a receiver of Kimi-K2's experts takes 256 streams a unit, however large
-the unit). Each bucket of a unit is a program of its own (shared by equal units, such as a
-leaf's slabs), so larger units trade distinct programs for rounds; the copies each program
-holds stay capped (`MAX_UNIT_COPIES` per bucket a device fills, `_fits`). Staging stays one
-bucket. Chosen in the cluster model (`python -m jaxreshard.simulate --all`, 2026-12-07),
-modeled time over the physical bound with 32 buckets and runs of leaves within one bucket (the
-rule until then) / 128 / 256 buckets, runs filling units: DeepSeek-V3 2.41 / 2.29 / 2.29, Qwen3-235B 2.48 / 2.36 / 2.33, Kimi-K2
-1.27 / 1.25 / 1.22, Llama-3.1-70B 1.27 / 1.24 / 1.24, 4,096 GPUs 2.76 / 2.45 / 2.36; distinct
-transfer programs 314 / 230 / 356 on DeepSeek-V3, 389 / 312 / 452 at 4,096 GPUs, 93 / 141 /
-252 on Kimi-K2: 256 doubles the programs for the last few percent. No GPU has compiled these
-programs (README, Limitations). On CPU a unit is one bucket (compile time dominates there)."""
+are mostly latency (a receiver of Kimi-K2's experts takes 256 streams a unit, however large the
+unit). Each bucket of a unit is a program of its own (shared by equal units, such as a leaf's
+slabs), so larger units trade distinct programs for rounds; the copies each program holds stay
+capped (`MAX_UNIT_COPIES` per bucket a device fills, `_fits`). Staging stays one bucket. Chosen
+in the cluster model (`python -m jaxreshard.simulate --all`, 2026-12-07), modeled time over the
+physical bound with 32 buckets and runs of leaves within one bucket (the rule until then) / 128
+/ 256 buckets, runs filling units: DeepSeek-V3 2.41 / 2.29 / 2.29, Qwen3-235B 2.48 / 2.36 /
+2.33, Kimi-K2 1.27 / 1.25 / 1.22, Llama-3.1-70B 1.27 / 1.24 / 1.24, 4,096 GPUs 2.76 / 2.45 /
+2.36; distinct transfer programs 314 / 230 / 356 on DeepSeek-V3, 389 / 312 / 452 at 4,096 GPUs,
+93 / 141 / 252 on Kimi-K2: 256 doubles the programs for the last few percent. No GPU has
+compiled these programs (README, Limitations). On CPU a unit is one bucket (compile time
+dominates there)."""
 
 
 def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
@@ -745,8 +746,9 @@ def split_units(
 
     A unit never takes some device's sending or receiving past ``unit_bytes``, never gives a
     device more than ``max_copies`` pieces to send or receive (`MAX_UNIT_COPIES`) for each
-    bucket its bytes fill (`_fits`), and never mixes meshes (programs run per mesh). A leaf that moves by gathers (`gathered`, with
-    ``gather_bytes``) counts one copy per device it touches, whatever its pieces.
+    bucket its bytes fill (`_fits`), and never mixes meshes (programs run per mesh). A leaf that
+    moves by gathers (`gathered`, with ``gather_bytes``) counts one copy per device it touches,
+    whatever its pieces.
 
     *Repeats.* A model's layers make the tree periodic: the same leaf shapes, layouts and
     dtypes every ``p`` leaves. `_period` finds the longest such stretch; inside it units hold

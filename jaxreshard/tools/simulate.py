@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -649,6 +650,13 @@ class Result:
     two_lanes: costmodel.ModeledTime | None = None  # if the lanes overlapped (`simulate`)
     without: dict[str, float] = dataclasses.field(default_factory=dict)  # (`WITHOUT`)
 
+    @functools.cached_property
+    def transfer_programs(self) -> int:
+        """Distinct transfer programs the plan compiles on its first call: buckets whose
+        rounds (sizes and pairs) are the same share one. Each bucket of a distinct unit also
+        has its pack and unpack programs."""
+        return len(set(self.rounds.rounds_by_bucket()))
+
     @property
     def ratio(self) -> float:
         """Modeled time (overheads included) over the physical bound."""
@@ -724,6 +732,7 @@ class Result:
             "units": len(self.units),
             "pipelined_units": sum(u.overlap for u in self.units),
             "rounds": s.rounds,
+            "transfer_programs": self.transfer_programs,
             "published": self.published,
             "note": self.note,
         }
@@ -1082,6 +1091,8 @@ def format_result(r: Result) -> str:
                                   f"{_gb(relayed)}"),
         ("rounds", f"{m.rounds} in {s.buckets} buckets, chunk {s.chunk_bytes / MiB:.1f} MiB; "
                    f"pieces per stage {r.stages}"),
+        ("programs", f"{r.transfer_programs} distinct transfer programs, each compiled once "
+                     f"(and a pack and an unpack per bucket of each distinct unit)"),
         ("busiest device", f"sends {_gb(s.max_device_send_bytes)}, receives "
                            f"{_gb(s.max_device_recv_bytes)}"),
         ("planning", f"{r.planning_seconds:.2f} s to rounds"
