@@ -3587,8 +3587,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/planning/schedule.py",
         (
             (
-                "fits and _fits([*run, index], loads, bucket_bytes, max_copies, unit_bytes)",
-                "fits and _fits([*run, index], loads, bucket_bytes, max_copies)",
+                "load = _RunLoad(loads, bucket_bytes, max_copies, unit_bytes)  # (the run's)",
+                "load = _RunLoad(loads, bucket_bytes, max_copies)  # (the run's)",
             ),
         ),
         ("tests/test_lower.py::test_on_accelerators_runs_of_leaves_fill_units_of_many_buckets",),
@@ -3599,12 +3599,19 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/planning/schedule.py",
         (
             (
-                "max_copies * max(1, -(-nbytes.get(d, 0) // bucket_bytes))",
-                "max_copies * max(1, -(-limit // bucket_bytes))",
+                "1, -(-nbytes // self.bucket_bytes)",
+                "1, -(-self.limit // self.bucket_bytes)",
             ),
         ),
         ("tests/test_lower.py::test_on_accelerators_runs_of_leaves_fill_units_of_many_buckets",),
         "a unit of many buckets may give a device the copies of all of them in one bucket",
+    ),
+    Mutant(
+        "units-run-past-the-copy-cap-takes-others",
+        "jaxreshard/planning/schedule.py",
+        (("        return touched == len(self.over)\n", "        return True\n"),),
+        ("tests/test_lower.py",),
+        "a run past a unit's copy cap on some device takes a leaf that leaves that device past it",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

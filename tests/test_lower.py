@@ -279,6 +279,47 @@ def test_on_accelerators_runs_of_leaves_fill_units_of_many_buckets():
                 assert n <= cap, (side, device, n, nbytes[device])
 
 
+def test_a_run_fits_a_unit_by_its_bytes_and_its_copies_per_bucket():
+    """`schedule._RunLoad`, on hand-made loads (bytes out, bytes in, pieces sent, pieces
+    received per device): a run fits a unit while no device sends or receives more than the
+    unit's bytes, nor more than ``max_copies`` pieces for each bucket its bytes fill. A leaf
+    that alone breaks that takes no other leaf, unless that leaf's bytes bring the devices
+    past the cap back within it (a leaf of few bytes and many pieces, then a large one)."""
+
+    def leaf(src, dst, nbytes, pieces):
+        return {src: nbytes}, {dst: nbytes}, Counter({src: pieces}), Counter({dst: pieces})
+
+    loads = [
+        leaf(0, 1, 1000, 24),  # a bucket's bytes in 24 pieces: at the cap
+        leaf(0, 1, 1000, 24),  # a second bucket's: still at the cap (48 pieces, 2 buckets)
+        leaf(0, 1, 0, 1),  # one piece more (a local copy: no bytes) in the same 2: over
+        leaf(2, 3, 10, 30),  # 30 pieces in one bucket's bytes: over, alone
+        leaf(4, 5, 10, 1),  # other devices
+        leaf(0, 1, 3001, 1),  # 4,001 bytes with the first: over a unit of 4 buckets
+        leaf(2, 3, 1000, 1),  # with leaf 3: 31 pieces in 2 buckets' bytes, within the cap
+    ]
+    run = schedule_module._RunLoad(loads, bucket_bytes=1000, max_copies=24, unit_bytes=4000)
+    run.add(0)
+    assert run.fits(1)
+    run.add(1)
+    assert not run.fits(2)
+    assert run.within()
+    run.clear()
+    run.add(3)
+    assert not run.within()
+    assert not run.fits(4)  # (the devices of leaf 4 are not those over the cap)
+    assert run.fits(6)
+    run.add(6)
+    assert run.within()
+    run.clear()
+    run.add(0)
+    assert run.fits(4)
+    assert not run.fits(5)
+    assert schedule_module._fits([0, 1], loads, 1000, 24, 4000)
+    assert not schedule_module._fits([0, 1], loads, 1000, 24)  # (a unit of one bucket)
+    assert not schedule_module._fits([0, 1, 2], loads, 1000, 24, 4000)
+
+
 def test_the_slabs_of_a_large_leaf_share_their_programs():
     big = [leaf_spec((1024, 64), (*FSDP_TP, ("fsdp", "tp")), (*TP4, (None, "tp")))]
     _, lowered = check(big, bucket_bytes=4096)

@@ -648,7 +648,7 @@ receiver) pair costs a unit at least one round, so small units make short stream
 are mostly latency (a receiver of Kimi-K2's experts takes 256 streams a unit, however large the
 unit). Each bucket of a unit is a program of its own (shared by equal units, such as a leaf's
 slabs), so larger units trade distinct programs for rounds; the copies each program holds stay
-capped (`MAX_UNIT_COPIES` per bucket a device fills, `_fits`). Staging stays one bucket. Chosen
+capped (`MAX_UNIT_COPIES` per bucket a device fills, `_RunLoad`). Staging stays one bucket. Chosen
 in the cluster model (`python -m jaxreshard.simulate --all`, 2026-12-07), modeled time over the
 physical bound with 32 buckets and runs of leaves within one bucket (the rule until then) / 128
 / 256 buckets, runs filling units: DeepSeek-V3 2.41 / 2.29 / 2.29, Qwen3-235B 2.48 / 2.36 /
@@ -746,7 +746,7 @@ def split_units(
 
     A unit never takes some device's sending or receiving past ``unit_bytes``, never gives a
     device more than ``max_copies`` pieces to send or receive (`MAX_UNIT_COPIES`) for each
-    bucket its bytes fill (`_fits`), and never mixes meshes (programs run per mesh). A leaf that
+    bucket its bytes fill (`_RunLoad`), and never mixes meshes (programs run per mesh). A leaf that
     moves by gathers (`gathered`, with ``gather_bytes``) counts one copy per device it touches,
     whatever its pieces.
 
@@ -794,6 +794,7 @@ def split_units(
         of each mesh pair in turn (in the order the pairs first appear)."""
         parts: list[tuple[str, list[int], int]] = []
         run: list[int] = []
+        load = _RunLoad(loads, bucket_bytes, max_copies, unit_bytes)  # (the run's)
         groups: dict[tuple[object, object], list[int]] = {}
         for index in indices:
             groups.setdefault(_meshes(leaves[index]), []).append(index)
@@ -810,15 +811,16 @@ def split_units(
                 if run:
                     parts.append(("run", run, 0))
                     run = []
+                    load.clear()
                 parts.append(("slab", [index], k))
                 continue
             fits = _meshes(leaves[run[0]]) == _meshes(leaves[index]) if run else True
-            if run and not (
-                fits and _fits([*run, index], loads, bucket_bytes, max_copies, unit_bytes)
-            ):
+            if run and not (fits and load.fits(index)):
                 parts.append(("run", run, 0))
                 run = []
+                load.clear()
             run.append(index)  # (alone, a leaf with too many pieces is a unit of its own)
+            load.add(index)
         if run:
             parts.append(("run", run, 0))
         return parts
@@ -1168,27 +1170,84 @@ def _fits(
     max_copies: int,
     unit_bytes: int | None = None,
 ) -> bool:
-    """Whether the leaves ``run`` fit one unit: no device sends, or receives, more than
+    """Whether the leaves ``run`` fit one unit (`_RunLoad`)."""
+    load = _RunLoad(loads, bucket_bytes, max_copies, unit_bytes)
+    for index in run:
+        load.add(index)
+    return load.within()
+
+
+class _RunLoad:
+    """The bytes and pieces a run of leaves gives each device to send and to receive, kept as
+    the run grows. A run fits one unit if no device sends, or receives, more than
     ``unit_bytes`` (default: one bucket), nor more than ``max_copies`` pieces for each bucket
     those bytes fill (at least one), so that each of the unit's bucket programs holds about
-    ``max_copies`` copies at most, however many buckets the unit spans."""
-    limit = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
-    run = list(run)
-    for bytes_side, copies_side in ((0, 2), (1, 3)):
-        nbytes: dict[int, int] = defaultdict(int)
-        copies: dict[int, int] = defaultdict(int)
-        for i in run:
-            for d, n in loads[i][bytes_side].items():
+    ``max_copies`` copies at most, however many buckets the unit spans. `fits` asks about one
+    more leaf by its own devices only: on accelerators a run holds hundreds of leaves, and
+    asking about the whole run again for each leaf took time quadratic in its length."""
+
+    def __init__(
+        self,
+        loads: Sequence[Load],
+        bucket_bytes: int,
+        max_copies: int,
+        unit_bytes: int | None = None,
+    ) -> None:
+        self.loads = loads
+        self.bucket_bytes = bucket_bytes
+        self.max_copies = max_copies
+        self.limit = bucket_bytes if unit_bytes is None else max(unit_bytes, bucket_bytes)
+        self.clear()
+
+    def clear(self) -> None:
+        """Start an empty run."""
+        self.over: set[tuple[int, int]] = set()  # (side, device) past the limits
+        # Per side (sending, receiving): bytes and pieces per device, and where each sits
+        # in a leaf's `Load`.
+        self.sides = [
+            (defaultdict(int), defaultdict(int), 0, 2),
+            (defaultdict(int), defaultdict(int), 1, 3),
+        ]
+
+    def _ok(self, nbytes: int, copies: int) -> bool:
+        return nbytes <= self.limit and copies <= self.max_copies * max(
+            1, -(-nbytes // self.bucket_bytes)
+        )
+
+    def fits(self, index: int) -> bool:
+        """Whether the run with leaf ``index`` added fits: every device that leaf touches
+        within the limits, and no other past them (a leaf with many pieces and few bytes,
+        alone past its copy cap, may be brought within it by a leaf of many bytes)."""
+        load = self.loads[index]
+        touched = 0
+        for side, (nbytes, copies, b, c) in enumerate(self.sides):
+            more_bytes, more_copies = load[b], load[c]
+            for d in more_bytes.keys() | more_copies.keys():
+                if not self._ok(
+                    nbytes.get(d, 0) + more_bytes.get(d, 0),
+                    copies.get(d, 0) + more_copies.get(d, 0),
+                ):
+                    return False
+                touched += (side, d) in self.over
+        return touched == len(self.over)
+
+    def add(self, index: int) -> None:
+        """Add leaf ``index`` to the run."""
+        load = self.loads[index]
+        for side, (nbytes, copies, b, c) in enumerate(self.sides):
+            for d, n in load[b].items():
                 nbytes[d] += n
-            for d, n in loads[i][copies_side].items():
+            for d, n in load[c].items():
                 copies[d] += n
-        if any(n > limit for n in nbytes.values()):
-            return False
-        if any(
-            n > max_copies * max(1, -(-nbytes.get(d, 0) // bucket_bytes)) for d, n in copies.items()
-        ):
-            return False
-    return True
+            for d in load[b].keys() | load[c].keys():
+                if self._ok(nbytes.get(d, 0), copies.get(d, 0)):
+                    self.over.discard((side, d))
+                else:
+                    self.over.add((side, d))
+
+    def within(self) -> bool:
+        """Whether the whole run fits."""
+        return not self.over
 
 
 def _signature(leaf: LeafSpec) -> tuple[object, ...]:
