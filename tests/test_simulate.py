@@ -825,6 +825,27 @@ def test_cli_prints_the_table_and_writes_json(capsys, tmp_path):
     assert record["modeled_s"] >= record["lower_bound_s"] > 0
 
 
+def test_units_span_the_buckets_asked_for(capsys, tmp_path):
+    """``--unit-buckets N``: units of at most ``N`` buckets' bytes a device (and the relays
+    pipelined into them); the default is what `jaxreshard.plan` takes on GPUs
+    (`GPU_UNIT_BUCKETS`). Smaller units, more of them. The record counts the plan's distinct
+    transfer programs."""
+    argv = ["--model", "qwen3-4b", "--src", "FSDP8", "--dst", "TP8", "--colocated"]
+    argv += ["--bucket-mib", "4"]
+    records = {}
+    for n in (None, 1, 2):
+        path = tmp_path / f"{n}.json"
+        assert (
+            sim.main([*argv, *(("--unit-buckets", str(n)) if n else ()), "--json", str(path)]) == 0
+        )
+        (records[n],) = json.loads(path.read_text())
+    assert "distinct transfer programs" in capsys.readouterr().out
+    r = sim.simulate("qwen3-4b", "FSDP8", "TP8", "h100", colocated=True, bucket_bytes=4 << 20)
+    assert records[None]["units"] == len(r.units)
+    assert records[None]["transfer_programs"] == len(set(r.rounds.rounds_by_bucket())) >= 1
+    assert records[1]["units"] > records[2]["units"] > records[None]["units"]
+
+
 def test_the_summary_reads_each_scenarios_record():
     """`--all` keeps only each scenario's record (its plan is let go once printed): the
     summary line shows the record's modeled time, bound, ratios and baselines."""

@@ -652,9 +652,10 @@ class Result:
 
     @functools.cached_property
     def transfer_programs(self) -> int:
-        """Distinct transfer programs the plan compiles on its first call: buckets whose
-        rounds (sizes and pairs) are the same share one. Each bucket of a distinct unit also
-        has its pack and unpack programs."""
+        """About the transfer programs the plan compiles on its first call: its buckets with
+        distinct rounds (slot sizes and pairs; the executor shares one program between alike
+        buckets, and slot dtypes, which a `RoundPlan` does not hold, may split them further).
+        Each bucket of a distinct unit also has its pack and unpack programs."""
         return len(set(self.rounds.rounds_by_bucket()))
 
     @property
@@ -838,6 +839,7 @@ def simulate(
     placement: str = "rack-aligned",
     domain_size: int | None = None,
     bucket_bytes: int = GPU_BUCKET_BYTES,
+    unit_buckets: int | None = None,
     itemsize: int = 2,
     fan_out: bool = True,
     materialize: bool = False,
@@ -850,6 +852,8 @@ def simulate(
     Source devices are cluster slots ``0 ..``; destination devices start on the next rack
     (``placement="rack-aligned"``), right after them (``"contiguous"``), or are the same
     slots when ``colocated``. ``itemsize`` is the bytes per parameter at the destination.
+    ``unit_buckets``: the most buckets a unit spans (default: `GPU_UNIT_BUCKETS`, what
+    `jaxreshard.plan` takes on GPUs).
 
     Planning time covers layouts, sender choice and fan-out (`route`), units, chunk sizes and
     round colouring (`schedule.plan_unit_rounds`) and `plan_stats`; not the cost model's work.
@@ -901,6 +905,8 @@ def simulate(
             for p in model.params
         ]
     platform = platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes)
+    if unit_buckets is not None:
+        platform["unit_bytes"] = unit_buckets * bucket_bytes
     routing = planner_options(bucket_bytes)
     assignment = assign(leaves, topo, fan_out=fan_out, **routing)
     options = {
@@ -1169,6 +1175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--bucket-mib", type=_positive(float), default=GPU_BUCKET_BYTES / MiB)
     parser.add_argument(
+        "--unit-buckets",
+        type=_positive(int),
+        help="the most buckets a unit spans (default: what jaxreshard.plan takes on GPUs, "
+        "schedule.GPU_UNIT_BUCKETS)",
+    )
+    parser.add_argument(
         "--bytes-per-param",
         type=int,
         choices=(1, 2, 4),
@@ -1264,6 +1276,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict
     9.0 s with the same four let go, no collections in either; memory, not the collector)."""
     common: dict[str, object] = {
         "bucket_bytes": int(args.bucket_mib * MiB),
+        "unit_buckets": args.unit_buckets,
         "fan_out": not args.no_fan_out,
         "materialize": args.materialize,
         "placement": args.placement or "rack-aligned",

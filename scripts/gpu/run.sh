@@ -14,3 +14,4 @@ timeout 120 python3 scripts/gpu/mock_gpus_async.py
 timeout 120 python3 scripts/gpu/mock_gpus_groups.py
 timeout 120 python3 scripts/gpu/mock_gpus_whole.py
 timeout 120 python3 scripts/gpu/mock_gpus_ragged.py
+timeout 180 python3 scripts/gpu/mock_gpus_units.py
