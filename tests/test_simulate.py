@@ -844,6 +844,13 @@ def test_units_span_the_buckets_asked_for(capsys, tmp_path):
     assert records[None]["units"] == len(r.units)
     assert records[None]["transfer_programs"] == len(set(r.rounds.rounds_by_bucket())) >= 1
     assert records[1]["units"] > records[2]["units"] > records[None]["units"]
+    assert records[None]["program_copies"] is None  # (counted with --materialize only)
+    cut = sim.simulate(
+        "qwen3-4b", "FSDP8", "TP8", "h100", colocated=True, bucket_bytes=4 << 20, materialize=True
+    )
+    total, most = cut.program_copies
+    # Every bucket of this plan's distinct units has some device copy at least one segment.
+    assert total >= most >= 1 and total >= cut.transfer_programs
 
 
 def test_the_summary_reads_each_scenarios_record():

@@ -647,16 +647,20 @@ spans up to this many buckets per device: units run one after another, and every
 receiver) pair costs a unit at least one round, so small units make short streams whose rounds
 are mostly latency (a receiver of Kimi-K2's experts takes 256 streams a unit, however large the
 unit). Each bucket of a unit is a program of its own (shared by equal units, such as a leaf's
-slabs), so larger units trade distinct programs for rounds; the copies each program holds stay
-capped (`MAX_UNIT_COPIES` per bucket a device fills, `_RunLoad`). Staging stays one bucket. Chosen
-in the cluster model (`python -m jaxreshard.simulate --all`, 2026-12-07), modeled time over the
-physical bound with 32 buckets and runs of leaves within one bucket (the rule until then) / 128
-/ 256 buckets, runs filling units: DeepSeek-V3 2.41 / 2.29 / 2.29, Qwen3-235B 2.48 / 2.36 /
-2.33, Kimi-K2 1.27 / 1.25 / 1.22, Llama-3.1-70B 1.27 / 1.24 / 1.24, 4,096 GPUs 2.76 / 2.45 /
-2.36; distinct transfer programs 314 / 230 / 356 on DeepSeek-V3, 389 / 312 / 452 at 4,096 GPUs,
-93 / 141 / 252 on Kimi-K2: 256 doubles the programs for the last few percent. No GPU has
-compiled these programs (README, Limitations). On CPU a unit is one bucket (compile time
-dominates there)."""
+slabs), so larger units trade distinct programs for rounds; a unit's copies stay capped
+(`MAX_UNIT_COPIES` per bucket a device fills, `_RunLoad`), on average per program: small leaves
+after a large one in a run put their pieces in its last bucket (Llama-3.1-70B: 224 copies in one
+program, 96 before). Staging stays one bucket. Chosen in the cluster model (`python -m
+jaxreshard.simulate --all`, 2026-12-07), modeled time over the physical bound with 32 buckets
+and runs of leaves within one bucket (the rule until then) / 128 / 256 buckets, runs filling
+units: DeepSeek-V3 2.41 / 2.29 / 2.29, Qwen3-235B 2.48 / 2.36 / 2.33, Kimi-K2 1.27 / 1.25 /
+1.22, Llama-3.1-70B 1.27 / 1.24 / 1.24, 4,096 GPUs 2.76 / 2.45 / 2.36; distinct transfer
+programs 314 / 230 / 356 on DeepSeek-V3, 389 / 312 / 452 at 4,096 GPUs, 93 / 141 / 252 on
+Kimi-K2: 256 doubles the programs for the last few percent. The pack and unpack programs' copies
+grow where a leaf's slabs span more buckets (over the buckets of distinct units, the busiest
+device's: Kimi-K2 911 / 4,763 at 32 / 128, NeMo-RL's setup 4,690 / 10,036, DeepSeek-V3 3,118 /
+2,901; `simulate --materialize`). No GPU has compiled these programs (README, Limitations). On
+CPU a unit is one bucket (compile time dominates there)."""
 
 
 def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
@@ -1181,10 +1185,12 @@ class _RunLoad:
     """The bytes and pieces a run of leaves gives each device to send and to receive, kept as
     the run grows. A run fits one unit if no device sends, or receives, more than
     ``unit_bytes`` (default: one bucket), nor more than ``max_copies`` pieces for each bucket
-    those bytes fill (at least one), so that each of the unit's bucket programs holds about
-    ``max_copies`` copies at most, however many buckets the unit spans. `fits` asks about one
-    more leaf by its own devices only: on accelerators a run holds hundreds of leaves, and
-    asking about the whole run again for each leaf took time quadratic in its length."""
+    those bytes fill (at least one), so that the unit's bucket programs hold ``max_copies``
+    copies each on average, however many buckets the unit spans (not each: a pair's stream
+    lays its pieces end to end, so small leaves after a large one land in its last bucket).
+    `fits` asks about one more leaf by its own devices only: on accelerators a run holds
+    hundreds of leaves, and asking about the whole run again for each leaf took time
+    quadratic in its length."""
 
     def __init__(
         self,

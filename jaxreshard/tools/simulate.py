@@ -53,6 +53,7 @@ import re
 import resource
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,7 @@ from jaxreshard.planning.schedule import (
     ALIGN,
     PlanStats,
     RoundPlan,
+    Schedule,
     Unit,
     cut_plan_schedule,
     plan_stats,
@@ -649,6 +651,10 @@ class Result:
     executor_floor: costmodel.LowerBound | None = None
     two_lanes: costmodel.ModeledTime | None = None  # if the lanes overlapped (`simulate`)
     without: dict[str, float] = dataclasses.field(default_factory=dict)  # (`WITHOUT`)
+    # With ``materialize``: over the buckets of units with distinct streams (equal units share
+    # their programs), the busiest device's copies (message segments) per bucket, summed, and
+    # the most in one bucket: what a first call's pack and unpack programs compile.
+    program_copies: tuple[int, int] | None = None
 
     @functools.cached_property
     def transfer_programs(self) -> int:
@@ -734,6 +740,8 @@ class Result:
             "pipelined_units": sum(u.overlap for u in self.units),
             "rounds": s.rounds,
             "transfer_programs": self.transfer_programs,
+            # (with --materialize) the pack and unpack programs' copies: sum and most.
+            "program_copies": list(self.program_copies) if self.program_copies else None,
             "published": self.published,
             "note": self.note,
         }
@@ -919,11 +927,13 @@ def simulate(
     stats = plan_stats(leaves, assignment, rounds, crosses=topo.crosses)
     planning = time.perf_counter() - start
     full_seconds = None
+    program_copies = None
     if materialize:  # also cut every message's segments, as jaxreshard.plan does
         start = time.perf_counter()
         schedule = cut_plan_schedule(leaves, units, rounds, link_class=topo.link_class)
         full_seconds = planning + time.perf_counter() - start
         assert plan_stats(leaves, assignment, schedule, crosses=topo.crosses) == stats
+        program_copies = _program_copies(schedule, leaves)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stages: dict[int, int] = {}
     for piece in (*assignment.sent, *assignment.fans):
@@ -983,6 +993,7 @@ def simulate(
         baselines=baselines,
         planning_seconds=planning,
         full_planning_seconds=full_seconds,
+        program_copies=program_copies,
         peak_rss_bytes=peak,
         stages=stages,
         published=published,
@@ -990,6 +1001,28 @@ def simulate(
         units=units,
         leaves=tuple(leaves),
     )
+
+
+def _program_copies(schedule: Schedule, leaves: Sequence[LeafSpec]) -> tuple[int, int]:
+    """Over the buckets of units with distinct streams, the busiest device's message segments
+    (a pack's or an unpack's copies) per bucket: their sum and the most in one bucket."""
+    first: dict[object, int] = {}
+    for u, unit in enumerate(schedule.units):
+        first.setdefault(tuple(sorted(unit.stream_bytes(leaves).items())), u)
+    distinct = set(first.values())
+    total = most = 0
+    for bucket in schedule.buckets:
+        if bucket.unit not in distinct:
+            continue
+        sends: Counter[int] = Counter()
+        receives: Counter[int] = Counter()
+        for m in bucket.messages:
+            sends[m.src] += len(m.segments)
+            receives[m.dst] += len(m.segments)
+        busiest = max([*sends.values(), *receives.values(), 0])
+        total += busiest
+        most = max(most, busiest)
+    return total, most
 
 
 def run_scenario(name: str, **overrides: object) -> Result:
@@ -1098,7 +1131,10 @@ def format_result(r: Result) -> str:
         ("rounds", f"{m.rounds} in {s.buckets} buckets, chunk {s.chunk_bytes / MiB:.1f} MiB; "
                    f"pieces per stage {r.stages}"),
         ("programs", f"{r.transfer_programs} distinct transfer programs, each compiled once "
-                     f"(and a pack and an unpack per bucket of each distinct unit)"),
+                     f"(and a pack and an unpack per bucket of each distinct unit"
+                     + (f": the busiest device's copies in them {r.program_copies[0]:,}, at most "
+                        f"{r.program_copies[1]:,} in one" if r.program_copies else "")
+                     + ")"),
         ("busiest device", f"sends {_gb(s.max_device_send_bytes)}, receives "
                            f"{_gb(s.max_device_recv_bytes)}"),
         ("planning", f"{r.planning_seconds:.2f} s to rounds"
