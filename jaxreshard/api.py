@@ -1471,6 +1471,7 @@ def plan(
     dst_shardings: Any,
     *,
     bucket_bytes: int | None = None,
+    unit_buckets: int | None = None,
     dtype: Any = None,
     topology: Topology | None = None,
     compiler_options: Mapping[str, Any] | None = None,
@@ -1486,6 +1487,11 @@ def plan(
         (one sharding for everything, one per subtree), as ``jax.jit``'s ``out_shardings``.
       bucket_bytes: largest per-device staging buffer, per direction (at least 16 bytes,
         the widest element). Defaults to `default_bucket_bytes` of the destination's backend.
+      unit_buckets: the most buckets a *unit* spans (a run of leaves, or a slab of a large
+        leaf, moved apart from the others; README, How it works). Each bucket of a unit is a
+        program of its own, and every (sender, receiver) pair costs a unit a round: larger
+        units make fewer rounds on every call and more programs to compile on the first.
+        Defaults to 1 on CPU and `schedule.GPU_UNIT_BUCKETS` (128) on accelerators.
       dtype: destination dtype: one dtype, or a tree (prefix) of dtypes with None meaning
         "keep". The cast runs on the senders, so narrowing halves the bytes sent. An entry
         standing for a subtree casts its floating leaves only. An `Fp8Blockwise` entry
@@ -1537,7 +1543,7 @@ def plan(
     process): a part with replicas is sent from one on the receiver's own process when there is
     one; other parts are balanced over all replicas.
     """
-    _check_options(bucket_bytes, topology, compiler_options, fallback)
+    _check_options(bucket_bytes, topology, compiler_options, fallback, unit_buckets)
     _check_flattenable(
         {"the source tree": src_tree, "dst_shardings": dst_shardings, "dtype=": dtype}
     )
@@ -1557,6 +1563,7 @@ def plan(
             dtypes,
             named,
             bucket_bytes=bucket_bytes,
+            unit_buckets=unit_buckets,
             topology=topology,
             compiler_options=compiler_options,
             fallback=fallback,
@@ -1581,6 +1588,8 @@ def plan(
     if topology is None:
         topology = Topology.from_devices(_plan_devices(dsts, avals))
     options = platform_options(platform, int(bucket_bytes))
+    if unit_buckets is not None:
+        options["unit_bytes"] = int(unit_buckets) * int(bucket_bytes)
     assignment = route(leaves, topology, fan_out=fan_out, **planner_options(int(bucket_bytes)))
     # Leaves whose every destination shard is a whole source shard go as they are, without
     # staging (`planning.whole`); the schedule stages the rest.
@@ -1957,6 +1966,7 @@ def reshard(
     dst_shardings: Any,
     *,
     bucket_bytes: int | None = None,
+    unit_buckets: int | None = None,
     dtype: Any = None,
     donate: Any = None,
     topology: Topology | None = None,
@@ -1974,6 +1984,7 @@ def reshard(
             src_tree,
             dst_shardings,
             bucket_bytes=bucket_bytes,
+            unit_buckets=unit_buckets,
             dtype=dtype,
             topology=topology,
             compiler_options=compiler_options,
@@ -2038,6 +2049,7 @@ def cached_plan(
     dst_shardings: Any,
     *,
     bucket_bytes: int | None = None,
+    unit_buckets: int | None = None,
     dtype: Any = None,
     topology: Topology | None = None,
     compiler_options: Mapping[str, Any] | None = None,
@@ -2047,11 +2059,16 @@ def cached_plan(
 
     Same arguments as `plan`. Useful to read a cached plan's ``stats`` or ``describe()``.
     """
-    _check_options(bucket_bytes, topology, compiler_options, fallback)
+    _check_options(bucket_bytes, topology, compiler_options, fallback, unit_buckets)
     options = tuple(sorted((compiler_options or {}).items()))
     try:
         key = _cache_key(
-            src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback
+            src_tree,
+            dst_shardings,
+            bucket_bytes,
+            dtype,
+            (topology, options, unit_buckets),
+            fallback,
         )
     except (ValueError, TypeError):  # (checked only then: every jr.reshard call comes here)
         _check_flattenable(
@@ -2073,6 +2090,7 @@ def cached_plan(
             src_tree,
             dst_shardings,
             bucket_bytes=bucket_bytes,
+            unit_buckets=unit_buckets,
             dtype=dtype,
             topology=topology,
             compiler_options=compiler_options,
@@ -2174,8 +2192,28 @@ MAX_BUCKET_BYTES = 1 << 48
 chunks in 64-bit integer arrays."""
 
 
-def _check_options(bucket_bytes: Any, topology: Any, compiler_options: Any, fallback: Any) -> None:
+MAX_UNIT_BUCKETS = 1 << 20
+"""The largest ``unit_buckets`` taken (far beyond what any plan spans)."""
+
+
+def _check_options(
+    bucket_bytes: Any,
+    topology: Any,
+    compiler_options: Any,
+    fallback: Any,
+    unit_buckets: Any = None,
+) -> None:
     """Refuse bad plan options before anything else looks at them."""
+    if unit_buckets is not None and (
+        isinstance(unit_buckets, bool)
+        or not isinstance(unit_buckets, (int, np.integer))
+        or not 1 <= unit_buckets <= MAX_UNIT_BUCKETS
+    ):
+        raise ReshardError(
+            f"unit_buckets must be a positive int (a count of buckets) of at most 2**20, got "
+            f"{unit_buckets!r}\nHow to fix: pass a count such as 32, or None for the backend's "
+            "default"
+        )
     if bucket_bytes is not None and (
         isinstance(bucket_bytes, bool)
         or not isinstance(bucket_bytes, (int, np.integer))

@@ -2019,8 +2019,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "src_tree, dst_shardings, bucket_bytes, dtype, (topology, options), fallback\n",
-                "src_tree, dst_shardings, bucket_bytes, dtype, (topology,), fallback\n",
+                "            (topology, options, unit_buckets),\n",
+                "            (topology, unit_buckets),\n",
             ),
         ),
         (
@@ -3612,6 +3612,30 @@ SURFACE_MUTANTS: list[Mutant] = [
         (("        return touched == len(self.over)\n", "        return True\n"),),
         ("tests/test_lower.py",),
         "a run past a unit's copy cap on some device takes a leaf that leaves that device past it",
+    ),
+    Mutant(
+        "api-unit-buckets-ignored",
+        "jaxreshard/api.py",
+        (
+            (
+                '        options["unit_bytes"] = int(unit_buckets) * int(bucket_bytes)\n',
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_reshard.py::test_units_of_several_buckets_are_exact_and_cached_apart",),
+        "jr.plan takes unit_buckets= and plans with the backend's default unit anyway",
+    ),
+    Mutant(
+        "api-cache-ignores-unit-buckets",
+        "jaxreshard/api.py",
+        (
+            (
+                "            (topology, options, unit_buckets),\n",
+                "            (topology, options),\n",
+            ),
+        ),
+        ("tests/test_reshard.py::test_units_of_several_buckets_are_exact_and_cached_apart",),
+        "jr.reshard's cache hands a plan made with one unit_buckets= to a call asking another",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -712,6 +712,17 @@ def test_a_boolean_bucket_bytes_is_refused():
         assert "How to fix" in str(e.value)
 
 
+def test_a_unit_buckets_that_is_not_a_positive_count_is_refused():
+    """``unit_buckets`` counts buckets: a positive int, not a bool, a float or text; refused
+    by `jr.plan`, `jr.reshard` and `jr.cached_plan` alike, naming the option and the fix."""
+    src = jax.device_put(random_array((16, 8), "float32"), sharding(*SRC))
+    for bad in (0, -1, True, 1.5, "32", 1 << 21):
+        for call in (jr.plan, jr.reshard, jr.cached_plan):
+            with pytest.raises(jr.ReshardError, match="unit_buckets") as e:
+                call(src, sharding(*DST), unit_buckets=bad)
+            assert "How to fix" in str(e.value)
+
+
 def test_bad_leaves_found_by_different_checks_are_named_in_one_error():
     """Regression (an adversarial probe): where bad leaves fell to different checks, the
     error named only the first check's, and the caller met the others one fix at a time: an

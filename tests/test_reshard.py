@@ -10,6 +10,7 @@ leaves) and by one copy each (large leaves).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +209,29 @@ def test_a_leaf_larger_than_a_bucket_is_split_across_buckets():
     plan, _ = run_case(CASES[0], bucket_bytes=1024)
     assert plan.stats.buckets > 1
     assert plan.stats.staging_bytes <= 2 * 1024
+
+
+def test_units_of_several_buckets_are_exact_and_cached_apart():
+    """``unit_buckets=N``: consecutive leaves share a unit of up to ``N`` buckets a device
+    (CPU's default is 1), so a unit runs in several buckets; values stay exact, staging within
+    the bucket, and `jr.reshard` caches the plans of different ``unit_buckets`` apart."""
+    hosts = {f"w{i}": random_array((64, 16 * (i + 1)), "float32", seed=i) for i in range(6)}
+    src_s, dst_s = sharding(*CASES[0].src), sharding(*CASES[0].dst)
+    tree = {k: jax.device_put(v, src_s) for k, v in hosts.items()}
+    plans = {n: jr.plan(tree, dst_s, bucket_bytes=1024, unit_buckets=n) for n in (None, 8)}
+    assert len(plans[8].schedule.units) < len(plans[None].schedule.units)
+    assert max(len(u.leaves) for u in plans[8].schedule.units) > 1
+    per_unit = Counter(b.unit for b in plans[8].schedule.buckets)
+    assert max(per_unit.values()) > 1
+    for p in plans.values():
+        out = p(tree)
+        for k, host in hosts.items():
+            assert_exact(out[k], host, dst_s)
+        assert p.stats.staging_bytes <= 2 * 1024
+    a = jr.cached_plan(tree, dst_s, bucket_bytes=1024, unit_buckets=8)
+    b = jr.cached_plan(tree, dst_s, bucket_bytes=1024)
+    assert a is not b and a is jr.cached_plan(tree, dst_s, bucket_bytes=1024, unit_buckets=8)
+    assert len(a.schedule.units) == len(plans[8].schedule.units)
 
 
 def test_a_scalar_larger_than_a_bucket_moves_whole():

@@ -720,14 +720,14 @@ class _Agreement:
                 lines.append(
                     f"Every leaf agrees, but the schedules differ: bucket_bytes "
                     f"{self.plan.bucket_bytes} here, {theirs['bucket_bytes']} on process {q}, "
-                    "or a topology= that depends on the process."
+                    "or unit_buckets= or a topology= that depends on the process."
                 )
         lines.append(
             "How to fix: every process must call jr.plan / jr.reshard with the same global "
             "description: the same tree, shapes and dtypes, shardings on the same meshes (same "
             "device order) with the same PartitionSpecs, and the same dtype=, bucket_bytes=, "
-            "topology= and compiler_options=; and make their plans' first calls in the same "
-            f"order (this was the first call of plan #{self.n + 1} over processes "
+            "unit_buckets=, topology= and compiler_options=; and make their plans' first calls "
+            f"in the same order (this was the first call of plan #{self.n + 1} over processes "
             f"{list(self.group)} on both: two plans whose first calls came in another order "
             "on each differ here, though each process holds both)"
         )
