@@ -2196,6 +2196,15 @@ MAX_UNIT_BUCKETS = 1 << 20
 """The largest ``unit_buckets`` taken (far beyond what any plan spans)."""
 
 
+def _not_a_count(value: Any, most: int) -> bool:
+    """Whether ``value`` is given and is not an int from 1 to ``most`` (a bool is no count)."""
+    return value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not 1 <= value <= most
+    )
+
+
 def _check_options(
     bucket_bytes: Any,
     topology: Any,
@@ -2204,21 +2213,13 @@ def _check_options(
     unit_buckets: Any = None,
 ) -> None:
     """Refuse bad plan options before anything else looks at them."""
-    if unit_buckets is not None and (
-        isinstance(unit_buckets, bool)
-        or not isinstance(unit_buckets, (int, np.integer))
-        or not 1 <= unit_buckets <= MAX_UNIT_BUCKETS
-    ):
+    if _not_a_count(unit_buckets, MAX_UNIT_BUCKETS):
         raise ReshardError(
             f"unit_buckets must be a positive int (a count of buckets) of at most 2**20, got "
             f"{unit_buckets!r}\nHow to fix: pass a count such as 32, or None for the backend's "
             "default"
         )
-    if bucket_bytes is not None and (
-        isinstance(bucket_bytes, bool)
-        or not isinstance(bucket_bytes, (int, np.integer))
-        or not 1 <= bucket_bytes <= MAX_BUCKET_BYTES
-    ):
+    if _not_a_count(bucket_bytes, MAX_BUCKET_BYTES):
         raise ReshardError(
             f"bucket_bytes must be a positive int (bytes) of at most 2**48, got "
             f"{bucket_bytes!r}\nHow to fix: pass a number of bytes such as 16 << 20, or None "

@@ -2034,24 +2034,24 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "or not 1 <= bucket_bytes <= MAX_BUCKET_BYTES",
-                "or not 0 <= bucket_bytes <= MAX_BUCKET_BYTES",
+                "or not 1 <= value <= most",
+                "or not 0 <= value <= most",
             ),
         ),
         ("tests/test_errors.py::test_a_bad_option_is_refused_with_its_fix[bucket_bytes]",),
-        "api.py `_check_options`: bucket_bytes=0 taken",
+        "api.py `_check_options`: bucket_bytes=0 (and unit_buckets=0) taken",
     ),
     Mutant(
         "api-bucket-bytes-bool-taken",
         "jaxreshard/api.py",
         (
             (
-                "        isinstance(bucket_bytes, bool)\n        or not isinstance",
+                "        isinstance(value, bool)\n        or not isinstance",
                 "        not isinstance",
             ),
         ),
         ("tests/test_errors.py::test_a_boolean_bucket_bytes_is_refused",),
-        "api.py `_check_options`: bucket_bytes=True taken as 1 byte",
+        "api.py `_check_options`: bucket_bytes=True taken as 1 byte (and unit_buckets=True as 1)",
     ),
     Mutant(
         "api-cache-evicts-one-early",
