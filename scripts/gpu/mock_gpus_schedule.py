@@ -15,20 +15,15 @@ import os
 import sys
 import time
 
-MOCK = os.environ.get("MOCK", "1x8x1")
-if MOCK:
-    os.environ["JAX_MOCK_GPU_TOPOLOGY"] = MOCK
-
 import jax
 import numpy as np
-
-if MOCK:  # (the environment variable alone did not take, with jax 0.11.2)
-    jax.config.update("jax_mock_gpu_topology", MOCK)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from mock_hlo import read_schedule
+from mock_hlo import read_schedule, use_mock_topology
 
 import jaxreshard as jr
+
+MOCK = use_mock_topology("1x8x1")  # (before anything asks JAX for devices)
 
 rec: dict = {"jax": jax.__version__, "mock": MOCK}
 

@@ -19,25 +19,21 @@ import os
 import sys
 import time
 
-MOCK = os.environ.get("MOCK", "1x16x8")
-if MOCK:
-    os.environ["JAX_MOCK_GPU_TOPOLOGY"] = MOCK
-
 import jax
 import numpy as np
-
-if MOCK:  # (the environment variable alone did not take, with jax 0.11.2)
-    jax.config.update("jax_mock_gpu_topology", MOCK)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mock_hlo import use_mock_topology
 
 import jaxreshard as jr
 from jaxreshard import api
 from jaxreshard.planning import schedule
 
+MOCK = use_mock_topology("1x16x8")  # (before anything asks JAX for devices)
+
 rec: dict = {"jax": jax.__version__, "mock": MOCK}
 # The accelerators' options wherever this runs (on CPU devices too, for the smoke test).
-api.platform_options = lambda _, b: schedule.platform_options("gpu", b)
+api.platform_options = lambda _, *args: schedule.platform_options("gpu", *args)
 try:
     devs = jax.devices()
     n = len(devs) // 8 * 8

@@ -1,7 +1,9 @@
-"""What the mock-GPU scripts share: reading a compiled module's schedule, and the plain
+"""What the mock-GPU scripts share: choosing the mock topology, reading a compiled module's
+schedule, and the plain
 program of two independent ppermutes over 8 devices (one across two domains of four, one
 inside them)."""
 
+import os
 import re
 
 import jax
@@ -10,6 +12,19 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+
+def use_mock_topology(default: str) -> str:
+    """JAX's mock GPU client with the topology ``$MOCK`` (``default`` when unset; slices x
+    hosts x GPUs per host), or the devices there are where ``MOCK`` is set empty. Call before
+    anything asks JAX for devices. Returns the topology ("" for none)."""
+    mock = os.environ.get("MOCK", default)
+    if mock:
+        os.environ["JAX_MOCK_GPU_TOPOLOGY"] = mock
+        # (the environment variable alone did not take, with jax 0.11.2)
+        jax.config.update("jax_mock_gpu_topology", mock)
+    return mock
+
 
 ACROSS = [(i, (i + 4) % 8) for i in range(8)]
 INSIDE = [(i, 4 * (i // 4) + (i + 1) % 4) for i in range(8)]
