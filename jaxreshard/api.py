@@ -1587,9 +1587,7 @@ def plan(
     fan_out = topology is not None  # relays only where the caller described the domains
     if topology is None:
         topology = Topology.from_devices(_plan_devices(dsts, avals))
-    options = platform_options(platform, int(bucket_bytes))
-    if unit_buckets is not None:
-        options["unit_bytes"] = int(unit_buckets) * int(bucket_bytes)
+    options = platform_options(platform, int(bucket_bytes), unit_buckets)
     assignment = route(leaves, topology, fan_out=fan_out, **planner_options(int(bucket_bytes)))
     # Leaves whose every destination shard is a whole source shard go as they are, without
     # staging (`planning.whole`); the schedule stages the rest.

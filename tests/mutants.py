@@ -3618,8 +3618,8 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                '        options["unit_bytes"] = int(unit_buckets) * int(bucket_bytes)\n',
-                "        pass\n",
+                "platform_options(platform, int(bucket_bytes), unit_buckets)",
+                "platform_options(platform, int(bucket_bytes))",
             ),
         ),
         ("tests/test_reshard.py::test_units_of_several_buckets_are_exact_and_cached_apart",),

@@ -217,7 +217,9 @@ def test_accelerator_units_are_exact(monkeypatch):
     from jaxreshard import api
     from jaxreshard.planning import schedule
 
-    monkeypatch.setattr(api, "platform_options", lambda _, b: schedule.platform_options("gpu", b))
+    monkeypatch.setattr(
+        api, "platform_options", lambda _, *args: schedule.platform_options("gpu", *args)
+    )
     seen: Counter = Counter()
     devs = jax.devices()
     two_domains = jr.Topology.from_groups([devs[:4], devs[4:]])

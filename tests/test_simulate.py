@@ -771,8 +771,8 @@ def test_where_lanes_overlap_a_bucket_holds_a_round_of_each(bucket_mib, monkeypa
     assert chunk[0] + chunk[1] <= bucket
     assert any(lanes == {True, False} for lanes in _lanes_per_bucket(r))
 
-    def taking_turns(platform, bucket_bytes):
-        return {**schedule.platform_options(platform, bucket_bytes), "lanes_overlap": False}
+    def taking_turns(*args):
+        return {**schedule.platform_options(*args), "lanes_overlap": False}
 
     monkeypatch.setattr(sim, "platform_options", taking_turns)
     r = sim.simulate("qwen3-4b", "FSDP8", "TP4 DP2", "h100", bucket_bytes=bucket)

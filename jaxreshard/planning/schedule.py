@@ -663,9 +663,12 @@ device's: Kimi-K2 911 / 4,763 at 32 / 128, NeMo-RL's setup 4,690 / 10,036, DeepS
 CPU a unit is one bucket (compile time dominates there)."""
 
 
-def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
+def platform_options(
+    platform: str, bucket_bytes: int, unit_buckets: int | None = None
+) -> dict[str, Any]:
     """The `build_plan_schedule` options that depend on the backend (``"cpu"``, ``"gpu"``,
-    ``"tpu"``): ``unit_bytes``, one bucket on CPU and `GPU_UNIT_BUCKETS` buckets elsewhere,
+    ``"tpu"``): ``unit_bytes``, ``unit_buckets`` buckets where given (`jaxreshard.plan`'s
+    option), else one bucket on CPU and `GPU_UNIT_BUCKETS` buckets elsewhere,
     ``fault_cost``, `FAULT_COST` on CPU only (fresh pages fault there; accelerators' allocators
     reuse device memory), and ``ladder_rungs``, the tails' ladder (`CPU_LADDER_RUNGS`,
     `ACCELERATOR_LADDER_RUNGS`), and ``lone_stretch_as_run`` (`split_units`), on CPU only,
@@ -678,8 +681,10 @@ def platform_options(platform: str, bucket_bytes: int) -> dict[str, Any]:
     buckets (host work, launches). `jaxreshard.plan` and the cluster model both take them
     from here."""
     cpu = platform == "cpu"
+    if unit_buckets is None:
+        unit_buckets = 1 if cpu else GPU_UNIT_BUCKETS
     return {
-        "unit_bytes": bucket_bytes if cpu else GPU_UNIT_BUCKETS * bucket_bytes,
+        "unit_bytes": int(unit_buckets) * bucket_bytes,
         "fault_cost": FAULT_COST if cpu else 0.0,
         "ladder_rungs": CPU_LADDER_RUNGS if cpu else ACCELERATOR_LADDER_RUNGS,
         "lone_stretch_as_run": cpu,

@@ -912,9 +912,9 @@ def simulate(
             )
             for p in model.params
         ]
-    platform = platform_options("cpu" if topology_name == "cpu" else "gpu", bucket_bytes)
-    if unit_buckets is not None:
-        platform["unit_bytes"] = unit_buckets * bucket_bytes
+    platform = platform_options(
+        "cpu" if topology_name == "cpu" else "gpu", bucket_bytes, unit_buckets
+    )
     routing = planner_options(bucket_bytes)
     assignment = assign(leaves, topo, fan_out=fan_out, **routing)
     options = {
@@ -1004,11 +1004,12 @@ def simulate(
 
 
 def _program_copies(schedule: Schedule, leaves: Sequence[LeafSpec]) -> tuple[int, int]:
-    """Over the buckets of units with distinct streams, the busiest device's message segments
-    (a pack's or an unpack's copies) per bucket: their sum and the most in one bucket."""
+    """Over the buckets of units with distinct streams (and overlap: `plan_unit_rounds` shares
+    rounds on both), the busiest device's message segments (a pack's or an unpack's copies)
+    per bucket: their sum and the most in one bucket."""
     first: dict[object, int] = {}
     for u, unit in enumerate(schedule.units):
-        first.setdefault(tuple(sorted(unit.stream_bytes(leaves).items())), u)
+        first.setdefault((unit.overlap, tuple(sorted(unit.stream_bytes(leaves).items()))), u)
     distinct = set(first.values())
     total = most = 0
     for bucket in schedule.buckets:
