@@ -708,6 +708,8 @@ class Plan:
             inner_old = self._crossing.donations([old[i] for i in self.moved])
         weak = [bool(getattr(flat[i], "weak_type", False)) for i in self.moved]
         moved = self._crossing.results(self.runtime.run(src, inner_old, profile, check), weak)
+        if old is not None:
+            self._crossing.free_unused([old[i] for i in self.moved])
         self._free_staging_unless_kept()
         for i, x in zip(self.moved, moved, strict=True):
             out[i] = x
@@ -1008,6 +1010,11 @@ class Plan:
                 path, x = self.paths[i], leaves[i]
                 if isinstance(x, jax.Array) and x.is_deleted():
                     problems.append((path, "is deleted"))
+                    continue
+                if isinstance(x, np.ma.MaskedArray):
+                    problems.append(
+                        (path, f"jax.device_put cannot take it ({device_put_problem(x)})")
+                    )
                     continue
                 try:
                     got = (tuple(np.shape(x)), _host_dtype(x))
@@ -2235,6 +2242,12 @@ def _check_options(
             f"{type(compiler_options).__name__}\nHow to fix: pass a dict, as for jax.jit's "
             "compiler_options"
         )
+    if compiler_options is not None and not all(isinstance(k, str) for k in compiler_options):
+        keys = [k for k in compiler_options if not isinstance(k, str)]
+        raise ReshardTypeError(
+            f"compiler_options must name XLA options by str, got the keys {keys!r}\nHow to "
+            "fix: pass option names as strings, as for jax.jit's compiler_options"
+        )
     if fallback not in (None, "device_put"):
         raise ReshardError(
             f'fallback must be None or "device_put", got {fallback!r}\nHow to fix: leave it '
@@ -2452,6 +2465,8 @@ def _host_dtype(x: Any) -> Any:
 def device_put_problem(x: Any) -> str | None:
     """Why ``jax.device_put`` cannot take leaf ``x`` (None: it can), found without calling it:
     it would refuse a string, an object or an array of strings only when called."""
+    if isinstance(x, np.ma.MaskedArray):  # (an ndarray, whose copy would drop the mask)
+        return "a NumPy masked array: its mask would be lost; pass x.filled(value) instead"
     try:
         dtype = _host_dtype(x)
     except TypeError as e:
@@ -2514,7 +2529,10 @@ def _takes_entry(src: Any, want: Any, own: bool) -> bool:
 
 
 def _on_device(dtype: Any) -> bool:
-    """Whether arrays of ``dtype`` can be on a device (numbers and booleans)."""
+    """Whether arrays of ``dtype`` can be on a device (numbers and booleans; not NumPy's
+    time deltas, which it counts as integers and JAX refuses)."""
+    if getattr(dtype, "kind", None) in ("m", "M"):
+        return False
     return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
 
 

@@ -3638,6 +3638,44 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jr.reshard's cache hands a plan made with one unit_buckets= to a call asking another",
     ),
     Mutant(
+        "boundary-frees-host-donations-before-the-move",
+        "jaxreshard/run/boundary.py",
+        (
+            (
+                "            if b.stages_out:\n                out.append(None)\n",
+                "            if b.stages_out:\n"
+                "                x.delete()\n"
+                "                out.append(None)\n",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_a_refused_call_keeps_donated_leaves_in_host_memory_and_a_done_one_takes_them",
+        ),
+        "a call the runtime refuses has already deleted the donated leaves bound for host memory",
+    ),
+    Mutant(
+        "api-masked-fallback-leaf-taken",
+        "jaxreshard/api.py",
+        (
+            (
+                "    if isinstance(x, np.ma.MaskedArray):  # (an ndarray, whose copy would drop "
+                "the mask)\n",
+                "    if False:  # (an ndarray, whose copy would drop the mask)\n",
+            ),
+            (
+                "                if isinstance(x, np.ma.MaskedArray):\n",
+                "                if False:\n",
+            ),
+        ),
+        (
+            "tests/test_errors.py::"
+            "test_masked_arrays_and_time_deltas_are_refused_when_planning_and_in_a_call",
+        ),
+        "a NumPy masked array as a fallback leaf loses its mask through the copy "
+        "jax.device_put takes",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
@@ -3664,10 +3702,9 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jaxreshard/api.py",
         (
             (
-                "        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, "
-                "check), weak)\n        self._free_staging_unless_kept()\n",
-                "        moved = self._crossing.results(self.runtime.run(src, inner_old, profile, "
-                "check), weak)\n",
+                "            self._crossing.free_unused([old[i] for i in self.moved])\n"
+                "        self._free_staging_unless_kept()\n",
+                "            self._crossing.free_unused([old[i] for i in self.moved])\n",
             ),
         ),
         (

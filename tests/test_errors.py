@@ -124,6 +124,34 @@ def test_a_fallback_leaf_device_put_cannot_take_is_refused_when_planning():
         jr.plan({"n": np.arange(8, dtype=">f4")}, {"n": dst}, fallback="device_put")
 
 
+def test_masked_arrays_and_time_deltas_are_refused_when_planning_and_in_a_call():
+    """A NumPy masked array (an ndarray whose copy would drop its mask) and a timedelta64
+    array (an integer to NumPy, refused by jax.device_put) as fallback leaves are refused
+    when planning, naming the leaf; a masked array passed to a plan made for a plain one is
+    refused by the call (a review, 2026-12-07: the mask was silently dropped, and time
+    deltas were refused only by each call)."""
+    dst = {"n": sharding(*DST[:3], None)}
+    masked = np.ma.masked_array(np.ones(4, np.float32), mask=[0, 1, 0, 0])
+    for bad, why in (
+        (masked, "masked array"),
+        (np.arange(4).astype("timedelta64[s]"), "timedelta64"),
+    ):
+        with pytest.raises(jr.ReshardTypeError, match=rf"\['n'\]: .*{why}"):
+            jr.plan({"n": bad}, dst, fallback="device_put")
+    plan = jr.plan({"n": np.ones(4, np.float32)}, dst, fallback="device_put")
+    with pytest.raises(jr.ReshardError, match=r"\['n'\]: .*masked array"):
+        plan({"n": masked})
+
+
+def test_compiler_options_named_by_other_than_str_are_refused_by_every_entry_point(src):
+    """Regression (a review, 2026-12-07): option names that do not sort together escaped
+    `jr.reshard` as a bare TypeError."""
+    for call in (jr.plan, jr.reshard, jr.cached_plan):
+        with pytest.raises(jr.ReshardTypeError, match=r"compiler_options.*\[1\]") as e:
+            call(src, dst_tree(), compiler_options={1: True, "xla_cpu_enable_fast_math": False})
+        assert "How to fix" in str(e.value)
+
+
 def test_verify_of_a_fallback_leaf_device_put_refuses_names_it(src):
     """`verify` puts fallback leaves again: under a transfer guard that refuses it, it raises
     the error a call raises, naming the leaf (a fuzz, 2026-12-06: JAX's own JaxRuntimeError

@@ -361,6 +361,27 @@ def test_a_refit_loop_with_host_memory_destinations_compiles_nothing_after_its_f
     assert np.asarray(out["host"]).tobytes() == host.tobytes()
 
 
+def test_a_refused_call_keeps_donated_leaves_in_host_memory_and_a_done_one_takes_them():
+    """Regression (a review, 2026-12-07): a donated leaf whose destination is in host memory
+    (freed, not written in place) was deleted before the runtime could still refuse the call
+    (here: compiler options XLA refuses on the first call); a donation is taken whole, once
+    the move is done, or not at all."""
+    src = {
+        "host": jax.device_put(random_array((64,), "float32", 4), sharding(*SRC, "dp")),
+        "w": jax.device_put(random_array((256,), "float32", 5), sharding(*SRC, "tp")),
+    }
+    dst = {"host": sharding(*DST, "tp").with_memory_kind("pinned_host"), "w": sharding(*DST)}
+    old = jax.tree.map(lambda x, s: jax.device_put(jnp.zeros_like(x), s), src, dst)
+    refused = jr.plan(src, dst, compiler_options={"no_such_xla_option": True})
+    with pytest.raises(jr.ReshardError, match="no_such_xla_option"):
+        refused(src, donate=old)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(old))
+    out = jr.plan(src, dst)(src, donate=old)
+    assert all(x.is_deleted() for x in jax.tree.leaves(old))
+    assert out["host"].sharding.memory_kind == "pinned_host"
+    assert np.asarray(out["host"]).tobytes() == np.asarray(src["host"]).tobytes()
+
+
 @pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
 def test_host_memory_to_host_memory(kind):
     host = random_array((8, 8), "float32")

@@ -226,7 +226,8 @@ class Crossing:
 
     def donations(self, old: Sequence[jax.Array]) -> list[jax.Array | None]:
         """The runtime's view of ``donate=`` leaves; None where a destination lives in another
-        memory (its buffers cannot receive device-memory writes: it is freed instead)."""
+        memory (its buffers cannot receive device-memory writes: `free_unused` frees it once
+        the move is done, not here, as the runtime may still refuse the call)."""
         if self.plain:  # (weakly typed ones viewed strongly, as in `sources`)
             return [
                 self._view(x, b.dst) if x.weak_type else x
@@ -235,7 +236,6 @@ class Crossing:
         out: list[jax.Array | None] = []
         for x, b in zip(old, self.boundaries, strict=True):
             if b.stages_out:
-                x.delete()
                 out.append(None)
                 continue
             x = _unwrap(x)
@@ -243,6 +243,15 @@ class Crossing:
                 x = self._view(x, b.dst)
             out.append(x)
         return out
+
+    def free_unused(self, old: Sequence[jax.Array]) -> None:
+        """Delete the ``donate=`` leaves `donations` left out (destinations in another
+        memory), after a move that took the rest: a donation is consumed whole or not at all."""
+        if self.plain:
+            return
+        for x, b in zip(old, self.boundaries, strict=True):
+            if b.stages_out and not x.is_deleted():
+                x.delete()
 
     def inner(self, out: Sequence[jax.Array]) -> list[jax.Array]:
         """The runtime's view of results (`results` undone): key data, in device memory."""
