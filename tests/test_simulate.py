@@ -851,6 +851,11 @@ def test_units_span_the_buckets_asked_for(capsys, tmp_path):
     total, most = cut.program_copies
     # Every bucket of this plan's distinct units has some device copy at least one segment.
     assert total >= most >= 1 and total >= cut.transfer_programs
+    # Priced as cut, the same rounds: only the copies are counted otherwise (packs shared,
+    # rows known).
+    assert records[None]["modeled_as_cut_s"] is None
+    assert cut.modeled_as_cut.transfer == pytest.approx(cut.modeled.transfer)
+    assert cut.record()["modeled_as_cut_s"] == cut.modeled_as_cut.seconds > 0
 
 
 def test_the_summary_reads_each_scenarios_record():

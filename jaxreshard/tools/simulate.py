@@ -655,6 +655,10 @@ class Result:
     # their programs), the busiest device's copies (message segments) per bucket, summed, and
     # the most in one bucket: what a first call's pack and unpack programs compile.
     program_copies: tuple[int, int] | None = None
+    # With ``materialize``: the same plan priced as `jr.plan` cuts it (`cut_plan_schedule`),
+    # where a message sent alike to several peers is packed once (`lower.Step.shared`) and
+    # each copy's rows are known; ``modeled`` prices its rounds, which hold no contents.
+    modeled_as_cut: costmodel.ModeledTime | None = None
 
     @functools.cached_property
     def transfer_programs(self) -> int:
@@ -742,6 +746,8 @@ class Result:
             "transfer_programs": self.transfer_programs,
             # (with --materialize) the pack and unpack programs' copies: sum and most.
             "program_copies": list(self.program_copies) if self.program_copies else None,
+            # (with --materialize) the plan priced as cut: shared packs counted once.
+            "modeled_as_cut_s": self.modeled_as_cut.seconds if self.modeled_as_cut else None,
             "published": self.published,
             "note": self.note,
         }
@@ -928,6 +934,7 @@ def simulate(
     planning = time.perf_counter() - start
     full_seconds = None
     program_copies = None
+    schedule = None
     if materialize:  # also cut every message's segments, as jaxreshard.plan does
         start = time.perf_counter()
         schedule = cut_plan_schedule(leaves, units, rounds, link_class=topo.link_class)
@@ -968,6 +975,11 @@ def simulate(
         rounds, topo, profiles, leaves=leaves, local=assignment.local, units=units
     )
     modeled = times[0]
+    as_cut = None
+    if schedule is not None:  # (its messages' contents: packs shared, rows known)
+        (as_cut,) = costmodel.modeled_times(
+            schedule, topo, [profile], leaves=leaves, local=assignment.local, units=units
+        )
     without = {
         name: t.seconds for name, t in zip(WITHOUT, times[1 : 1 + len(WITHOUT)], strict=True)
     }
@@ -994,6 +1006,7 @@ def simulate(
         planning_seconds=planning,
         full_planning_seconds=full_seconds,
         program_copies=program_copies,
+        modeled_as_cut=as_cut,
         peak_rss_bytes=peak,
         stages=stages,
         published=published,
@@ -1090,6 +1103,14 @@ def format_result(r: Result) -> str:
         ("modeled time", f"{_ms(m.seconds)} (rounds {_ms(m.transfer)}, pack {_ms(m.pack)}, "
                          f"unpack {_ms(m.unpack)}, local {_ms(m.local)}, buckets "
                          f"{_ms(m.overhead)}; {order}; {lanes})"),
+        *(
+            [("modeled as cut", f"{_ms(r.modeled_as_cut.seconds)} (the same plan priced with "
+                                f"its messages' contents, as jaxreshard.plan cuts them: a "
+                                f"message sent alike to several peers packed once; pack "
+                                f"{_ms(r.modeled_as_cut.pack)}, unpack "
+                                f"{_ms(r.modeled_as_cut.unpack)})")]
+            if r.modeled_as_cut else []
+        ),
         *(
             [("two lanes at once", f"{_ms(r.two_lanes.seconds)} (the same plan if a bucket's "
                                    f"rounds across and inside domains ran at once: "
