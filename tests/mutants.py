@@ -3676,6 +3676,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         "jax.device_put takes",
     ),
     Mutant(
+        "join-makes-only-its-own-units-destinations",
+        "jaxreshard/planning/lower.py",
+        (
+            (
+                "        units += [maker[i] for x in group for call in x.unpacks for i in "
+                "call.targets if i in maker]\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_lower.py::"
+            "test_a_group_holding_a_later_slab_makes_the_leaf_its_first_slab_makes",
+        ),
+        "a group of joined steps holding a later slab of a leaf writes it before the unit that "
+        "makes its destination has run",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

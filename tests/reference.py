@@ -136,7 +136,9 @@ def run_lowered(
             shards[d] = raw.view(dtype).reshape(box_shape(box))
         dst.append(shards)
     union = lowered.union
+    made: set[int] = set()  # destinations made so far (a call without donate= allocates them)
     for step in lowered.steps:
+        made.update(step.fresh)
         send: dict[tuple[int, int], np.ndarray] = {}
         filled: dict[tuple[int, int], np.ndarray] = {}
         for call in step.packs:
@@ -204,6 +206,7 @@ def run_lowered(
                     recv[union[r], t] = send[union[s], t].copy()
         for call in step.unpacks:
             program = call.program
+            assert made.issuperset(call.targets), "an unpack writes a destination not made yet"
             for row, d in zip(call.table, program.mesh.devices, strict=True):
                 base = _bases(program, row)
                 for w in program.writes:

@@ -424,6 +424,21 @@ def test_steps_of_one_kind_join_wherever_they_sit_without_relays(monkeypatch):
     assert all(len({kinds[b] for b in s.buckets}) == 1 for s in joined.steps)
 
 
+def test_a_group_holding_a_later_slab_makes_the_leaf_its_first_slab_makes(monkeypatch):
+    """Regression (a fuzz, 2026-12-07): two leaves cut into slabs, each slab a unit; a group
+    of alike steps took the second leaf's last slab into the group of the first leaf's last
+    slab, ahead of the unit that makes the second leaf's destination (its first slab's): the
+    call then wrote a destination it had not made (KeyError in the runtime). A group makes
+    the destinations of the units that make any leaf it writes."""
+    src = ((8,), ("x",), tuple(range(8)), (None, "x"))
+    dst = ((5,), ("y",), (4, 1, 3, 7, 2), (None, "y"))
+    leaves = [leaf_spec((4, 200, 7), src, dst, "uint16", path=f"w{i}") for i in range(2)]
+    join_steps(True, monkeypatch)
+    schedule, lowered = check(leaves, bucket_bytes=300, pooled=True)  # (made before written)
+    units = [{schedule.buckets[b].unit for b in s.buckets} for s in lowered.steps]
+    assert any(len(u) > 1 for u in units), "some step joins buckets of several units"
+
+
 @pytest.mark.parametrize(
     ("n", "most", "size"),
     [(32, 8, 8), (3, 2, 1), (12, 5, 4), (7, 4, 4), (5, 8, 5), (9, 1, 1)],

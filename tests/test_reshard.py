@@ -681,3 +681,19 @@ def test_boxes_that_are_not_whole_rows_keep_their_slots_flat(monkeypatch):
     plan = jr.plan(src, dst)
     assert slot_widths(plan.lowered) == {1}
     assert_exact(plan(src), host, dst)
+
+
+def test_leaves_cut_into_slabs_whose_steps_join_across_units_move_exactly():
+    """Regression (a fuzz, 2026-12-07): two leaves cut into slabs by tiny buckets, onto five
+    devices in another order; a joined step wrote the second leaf before the step that
+    makes its destination ran, and the call died in the runtime (KeyError). Also with the
+    destinations donated (nothing made then)."""
+    src_s = sharding(tuple(range(8)), (8,), ("x",), None, "x")
+    dst_s = sharding((4, 1, 3, 7, 2), (5,), ("y",), None, "y")
+    hosts = [random_array((4, 200, 7), "uint16", k) for k in range(2)]
+    src = [jax.device_put(h, src_s) for h in hosts]
+    plan = jr.plan(src, [dst_s] * 2, bucket_bytes=300)
+    out = plan(src)
+    out = plan(src, donate=out)
+    for o, h in zip(out, hosts, strict=True):
+        assert_exact(o, h, dst_s)

@@ -538,9 +538,14 @@ def _joined(steps: Sequence[Step], most_bytes: int) -> list[Step]:
     fresh: dict[int, list[int]] = defaultdict(list)
     for step in steps:
         fresh[step.unit] += step.fresh
+    # A leaf cut into slabs is made by its first slab's unit, and a group may hold a later
+    # slab's step ahead of it: the unit that makes each leaf a group writes is made too.
+    maker = {i: u for u, made in fresh.items() for i in made}
     out = []
     for _, group in sorted(groups, key=lambda g: g[0]):
-        made = [i for x in group for i in fresh.pop(x.unit, [])]
+        units = [x.unit for x in group]
+        units += [maker[i] for x in group for call in x.unpacks for i in call.targets if i in maker]
+        made = [i for u in units for i in fresh.pop(u, [])]
         out.append(_join(group, tuple(dict.fromkeys(made))))
     return out
 
