@@ -394,6 +394,34 @@ def case_order_refused() -> None:
     ok("order_refused")
 
 
+def case_order_refused_keeps_donations() -> None:
+    """(A review, 2026-12-07.) Process 0 refuses a call in its own checks while process 1
+    makes it with ``donate=`` its previous result, one leaf of it in host memory (freed, not
+    written in place): process 1's call raises and both its donated leaves survive (the one
+    bound for host memory had been deleted first); its next call takes them."""
+    trainer = NamedSharding(mesh(BY_PROCESS[0], (4,), ("x",)), P("x"))
+    sampler_mesh = mesh(BY_PROCESS[1], (4,), ("x",))
+    dst = {
+        "dev": NamedSharding(sampler_mesh, P("x")),
+        "host": NamedSharding(sampler_mesh, P("x"), memory_kind="pinned_host"),
+    }
+    full = {"dev": data((16, 8), 91), "host": data((16, 8), 92)}
+    tree = {k: source(v, trainer) for k, v in full.items()}
+    plan = jr.plan(tree, dst)
+    out = plan(tree)
+    bad = dict(tree)
+    if PID == 0:
+        bad["dev"] = source(data((16, 8), 93, np.int32), trainer)
+    _refused("DONATED", lambda: plan(bad, donate=out if PID == 1 else None))
+    if PID == 1:
+        assert not any(x.is_deleted() for x in out.values()), "a refused call took donations"
+    new = plan(tree, donate=out if PID == 1 else None)
+    if PID == 1:
+        assert all(x.is_deleted() for x in out.values())
+        check(new, full, dst)
+    ok("order_refused_keeps_donations")
+
+
 def case_order_fallback() -> None:
     """(A fuzz.) A plan with a NumPy step counter sent to every device by
     ``fallback="device_put"``, whose copy runs a collective (jax.device_put of a host value
@@ -881,6 +909,7 @@ SCENARIOS = {
     "order": [
         case_order_ok,
         case_order_refused,
+        case_order_refused_keeps_donations,
         case_order_fallback,
         case_order_fallback_only,
         case_order_refusals,

@@ -679,6 +679,14 @@ def test_a_call_refused_on_one_process_raises_on_the_others_and_the_next_calls_p
 
 
 @pytest.mark.multiprocess
+def test_a_call_refused_on_a_peer_keeps_the_donated_leaves_bound_for_host_memory(run_order):
+    """Regression (a review, 2026-12-07): the leaves of a refused call's ``donate=`` tree whose
+    destination is in host memory were deleted before the peer's refusal was read."""
+    run_order.case_ok("order_refused_keeps_donations")
+    assert "DONATED 1: jaxreshard: process 0 refused call #" in run_order.outputs[1]
+
+
+@pytest.mark.multiprocess
 def test_a_refused_call_of_a_plan_with_fallback_leaves_raises_on_the_peer_and_calls_pair(
     run_order,
 ):
