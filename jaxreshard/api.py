@@ -1011,16 +1011,11 @@ class Plan:
                 if isinstance(x, jax.Array) and x.is_deleted():
                     problems.append((path, "is deleted"))
                     continue
-                if isinstance(x, np.ma.MaskedArray):
-                    problems.append(
-                        (path, f"jax.device_put cannot take it ({device_put_problem(x)})")
-                    )
+                why = device_put_problem(x)  # (the check the plan made of its own leaf)
+                if why:
+                    problems.append((path, f"jax.device_put cannot take it ({why})"))
                     continue
-                try:
-                    got = (tuple(np.shape(x)), _host_dtype(x))
-                except TypeError as e:  # (a string, an object: what the plan never took)
-                    problems.append((path, f"jax.device_put cannot take it ({e})"))
-                    continue
+                got = (tuple(np.shape(x)), _host_dtype(x))
                 if got != (shape, dtype):
                     problems.append(
                         (path, f"expected {dtype}{list(shape)}, got {got[1]}{list(got[0])}")
@@ -2242,8 +2237,8 @@ def _check_options(
             f"{type(compiler_options).__name__}\nHow to fix: pass a dict, as for jax.jit's "
             "compiler_options"
         )
-    if compiler_options is not None and not all(isinstance(k, str) for k in compiler_options):
-        keys = [k for k in compiler_options if not isinstance(k, str)]
+    keys = [k for k in compiler_options or () if not isinstance(k, str)]
+    if keys:
         raise ReshardTypeError(
             f"compiler_options must name XLA options by str, got the keys {keys!r}\nHow to "
             "fix: pass option names as strings, as for jax.jit's compiler_options"

@@ -2643,9 +2643,9 @@ SURFACE_MUTANTS: list[Mutant] = [
         API,
         (
             (
-                "                except TypeError as e:  # (a string, an object: what the plan "
-                "never took)\n",
-                "                except KeyError as e:\n",
+                "                why = device_put_problem(x)  # (the check the plan made of "
+                "its own leaf)\n",
+                "                why = None\n",
             ),
         ),
         (
@@ -3662,10 +3662,6 @@ SURFACE_MUTANTS: list[Mutant] = [
                 "    if isinstance(x, np.ma.MaskedArray):  # (an ndarray, whose copy would drop "
                 "the mask)\n",
                 "    if False:  # (an ndarray, whose copy would drop the mask)\n",
-            ),
-            (
-                "                if isinstance(x, np.ma.MaskedArray):\n",
-                "                if False:\n",
             ),
         ),
         (
