@@ -77,6 +77,14 @@ few kernel launches, so larger buckets (`GPU_BUCKET_BYTES`) pay off.
 """
 GPU_BUCKET_BYTES = 128 * MiB
 
+SMALL_BUCKET_BYTES = 1 * MiB
+"""Below this ``bucket_bytes``, a plan of `MANY_BUCKETS` buckets or more is logged as a
+warning: each bucket costs host dispatches and a collective's latency (hundreds of
+microseconds on CPU, about as long as moving a MiB), so such a plan's calls are bound by its
+bucket count, not by its bytes (a fuzz case of 64-byte buckets made 25,001 buckets and a
+first call of 199 s)."""
+MANY_BUCKETS = 1024
+
 
 def default_bucket_bytes(platform: str) -> int:
     """The default ``bucket_bytes`` for a backend name (``"cpu"``, ``"gpu"``, ``"tpu"``)."""
@@ -1609,7 +1617,7 @@ def plan(
         bucket_bytes=int(bucket_bytes),
         whole=whole_steps(leaves, whole, int(bucket_bytes)),
     )
-    return Plan(
+    made = Plan(
         treedef,
         paths,
         avals,
@@ -1625,6 +1633,27 @@ def plan(
         moved=moved,
         fallback=[(i, dst) for i, dst, _ in fallen],
         fallback_avals={i: aval for i, _, aval in fallen},
+    )
+    _warn_if_many_small_buckets(made, platform)
+    return made
+
+
+def _warn_if_many_small_buckets(made: Plan, platform: str) -> None:
+    """Logs a warning for a plan of `MANY_BUCKETS` buckets or more under `SMALL_BUCKET_BYTES`
+    (a call then costs about a bucket's host and collective overhead per bucket)."""
+    stats = made.stats
+    if made.bucket_bytes >= SMALL_BUCKET_BYTES or stats.buckets < MANY_BUCKETS:
+        return
+    log.warning(
+        "jaxreshard: bucket_bytes=%d makes %d buckets (%d dispatches a call): each bucket "
+        "costs host dispatches and a collective's latency, so every call of this plan is "
+        "bound by its bucket count rather than its bytes. How to fix: pass bucket_bytes of a "
+        "few MiB or more (the default on %s: %d), or None",
+        made.bucket_bytes,
+        stats.buckets,
+        stats.dispatches,
+        platform,
+        default_bucket_bytes(platform),
     )
 
 

@@ -3689,6 +3689,22 @@ SURFACE_MUTANTS: list[Mutant] = [
         "makes its destination has run",
     ),
     Mutant(
+        "api-many-small-buckets-unwarned",
+        "jaxreshard/api.py",
+        (
+            (
+                "    if made.bucket_bytes >= SMALL_BUCKET_BYTES or stats.buckets < MANY_BUCKETS:\n",
+                "    if made.bucket_bytes >= SMALL_BUCKET_BYTES or stats.buckets < 1 << 30:\n",
+            ),
+        ),
+        (
+            "tests/test_errors.py::"
+            "test_buckets_too_small_for_their_bytes_are_warned_of_once_and_still_planned",
+        ),
+        "a plan of thousands of tiny buckets is made without a word, every call of it bound by "
+        "its bucket count",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

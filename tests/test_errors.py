@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -738,6 +739,26 @@ def test_a_boolean_bucket_bytes_is_refused():
         with pytest.raises(jr.ReshardError, match="bucket_bytes") as e:
             jr.plan(src, sharding(*DST), bucket_bytes=flag)
         assert "How to fix" in str(e.value)
+
+
+def test_buckets_too_small_for_their_bytes_are_warned_of_once_and_still_planned(caplog):
+    """A ``bucket_bytes`` far below the leaves' bytes makes a plan of thousands of buckets,
+    each a few host dispatches and a collective's latency: planned (it is valid) but logged as
+    a warning naming the bucket count and the fix. The same bytes in a few buckets, and a
+    small bucket that makes few buckets, are not warned of."""
+    src = jax.device_put(random_array((1024, 256), "float32"), sharding(*SRC))
+    with caplog.at_level(logging.WARNING, logger="jaxreshard"):
+        plan = jr.plan(src, sharding(*DST), bucket_bytes=256)
+    assert plan.stats.buckets >= 1024
+    warned = [r.getMessage() for r in caplog.records if "bucket_bytes=256" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert f"makes {plan.stats.buckets} buckets" in warned[0] and "How to fix" in warned[0]
+    caplog.clear()
+    small = jax.device_put(random_array((16, 8), "float32"), sharding(*SRC))
+    with caplog.at_level(logging.WARNING, logger="jaxreshard"):
+        jr.plan(src, sharding(*DST), bucket_bytes=4 << 20)
+        jr.plan(small, sharding(*DST), bucket_bytes=64)
+    assert "bucket_bytes" not in caplog.text
 
 
 def test_a_unit_buckets_that_is_not_a_positive_count_is_refused():
