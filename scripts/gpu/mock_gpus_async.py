@@ -25,15 +25,11 @@ collective-permutes: the script runs there too, as a check of itself.
 import json
 import os
 
-os.environ.setdefault("MOCK", "1x8x1")
-if not os.environ["MOCK"]:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 from jax.sharding import PartitionSpec as P
+from mock_hlo import ACROSS, INSIDE, line_mesh, read_schedule, two_permutes, use_mock_topology
 
-if os.environ["MOCK"]:
-    jax.config.update("jax_mock_gpu_topology", os.environ["MOCK"])
-from mock_hlo import ACROSS, INSIDE, line_mesh, read_schedule, two_permutes
+MOCK = use_mock_topology("1x8x1")  # (before anything asks JAX for devices)
 
 try:
     from jax._src.lax.parallel import ppermute_start
@@ -69,7 +65,7 @@ def lanes(*xs: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def main() -> None:
-    rec: dict = {"jax": jax.__version__, "devices": len(jax.devices()), "mock": os.environ["MOCK"]}
+    rec: dict = {"jax": jax.__version__, "devices": len(jax.devices()), "mock": MOCK}
     if ppermute_start is None:
         rec["error"] = "this JAX has no jax._src.lax.parallel.ppermute_start"
     else:

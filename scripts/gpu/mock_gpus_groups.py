@@ -7,15 +7,13 @@ overlap limit of 2; reads the schedule as there."""
 import json
 import os
 
-os.environ.setdefault("MOCK", "1x8x1")
 import jax
 from jax.experimental.scheduling_groups import scheduling_group
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec as P
-from mock_hlo import line_mesh, read_schedule, two_permutes
+from mock_hlo import line_mesh, read_schedule, two_permutes, use_mock_topology
 
-if os.environ["MOCK"]:
-    jax.config.update("jax_mock_gpu_topology", os.environ["MOCK"])
+MOCK = use_mock_topology("1x8x1")  # (before anything asks JAX for devices)
 
 LIMIT = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 

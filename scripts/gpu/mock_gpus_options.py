@@ -7,17 +7,15 @@ reads the schedule: collective-permutes left synchronous, async ones, the most i
 import json
 import os
 
-os.environ.setdefault("MOCK", "1x8x1")
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-if os.environ["MOCK"]:
-    jax.config.update("jax_mock_gpu_topology", os.environ["MOCK"])
-from mock_hlo import line_mesh, read_schedule, two_permutes
+from mock_hlo import line_mesh, read_schedule, two_permutes, use_mock_topology
 
 import jaxreshard as jr
+
+MOCK = use_mock_topology("1x8x1")  # (before anything asks JAX for devices)
 
 LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 SETS = {

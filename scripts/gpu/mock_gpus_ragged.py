@@ -32,18 +32,14 @@ import json
 import os
 import re
 
-os.environ.setdefault("MOCK", "1x8x1")
-if not os.environ["MOCK"]:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mock_hlo import line_mesh, read_schedule, use_mock_topology
 
-if os.environ["MOCK"]:
-    jax.config.update("jax_mock_gpu_topology", os.environ["MOCK"])
-from mock_hlo import line_mesh, read_schedule
+MOCK = use_mock_topology("1x8x1")  # (before anything asks JAX for devices)
 
 WORDS = 4 << 20  # 16 MiB of uint32 a message
 ROUNDS = [  # round k: device i sends to ROUNDS[k][i]
@@ -73,7 +69,7 @@ def read_ragged(text: str) -> dict:
 
 
 def main() -> None:
-    rec: dict = {"jax": jax.__version__, "devices": len(jax.devices()), "mock": os.environ["MOCK"]}
+    rec: dict = {"jax": jax.__version__, "devices": len(jax.devices()), "mock": MOCK}
     mesh, _ = line_mesh()
     spec = P("g")
     sharded = NamedSharding(mesh, spec)

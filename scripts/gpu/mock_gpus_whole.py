@@ -10,19 +10,17 @@ import json
 import os
 import re
 
-os.environ.setdefault("MOCK", "1x8x1")
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-if os.environ["MOCK"]:
-    jax.config.update("jax_mock_gpu_topology", os.environ["MOCK"])
-from mock_hlo import read_schedule
+from mock_hlo import read_schedule, use_mock_topology
 
 import jaxreshard as jr
 from jaxreshard.planning import whole
+
+MOCK = use_mock_topology("1x8x1")  # (before anything asks JAX for devices)
 
 devs = jax.devices()[:8]
 first = Mesh(np.array(devs[:4]), ("tp",))

@@ -16,9 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 def use_mock_topology(default: str) -> str:
     """JAX's mock GPU client with the topology ``$MOCK`` (``default`` when unset; slices x
-    hosts x GPUs per host), or the devices there are where ``MOCK`` is set empty. Call before
-    anything asks JAX for devices. Returns the topology ("" for none)."""
+    hosts x GPUs per host), or the devices there are where ``MOCK`` is set empty (8 host
+    devices on CPU, unless ``XLA_FLAGS`` says otherwise). Call before anything asks JAX for
+    devices. Returns the topology ("" for none)."""
     mock = os.environ.get("MOCK", default)
+    if not mock:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     if mock:
         os.environ["JAX_MOCK_GPU_TOPOLOGY"] = mock
         # (the environment variable alone did not take, with jax 0.11.2)
