@@ -1771,28 +1771,53 @@ class QuantizedPlan:
         return jax.tree_util.tree_unflatten(self.treedef, inner)
 
     def _donated_sources(self, flat: Sequence[Any], donate: Any) -> list[tuple[str, str]]:
-        """The ``donate=`` leaves that are one of the fp8 source arrays, or over its buffers,
-        by path (a plain source leaf the inner plan checks itself). A fuzz found such a
-        source deleted by the call (2026-12-06)."""
-        sources = [
-            flat[i]
-            for i, fmt in zip(self.quantized, self.formats, strict=True)
-            if isinstance(flat[i], jax.Array) and flat[i].dtype == fmt.fmt
-        ]  # (only an array of the values' dtype can be donated as values)
+        """The ``donate=`` leaves that are one of the quantized source arrays, or over its
+        buffers, by path. The inner plan checks donated leaves against its own sources only,
+        the quantized copies, so it cannot see these (a fuzz found an fp8 source donated as
+        the values deleted by the call, 2026-12-06; a review, a float32 source donated at a
+        plain leaf of its shape and sharding, and an fp8 source in a donate= tree of another
+        pytree type that the inner plan takes by path, 2026-12-07)."""
+        sources = [flat[i] for i in self.quantized if isinstance(flat[i], jax.Array)]
         if donate is None or not sources:
             return []
+        inner = self.inner
         leaves, treedef = jax.tree_util.tree_flatten(donate)
-        if treedef != self.inner.treedef:
-            return []  # (the inner plan names the mismatch)
-        ids, buffers = {id(x) for x in sources}, _buffer_addresses(sources)
-        dtypes = {x.dtype for x in sources}
-        return [
-            (self.inner.paths[j], _DONATES_A_SOURCE)
-            for j, x in enumerate(leaves)
-            if isinstance(x, jax.Array)
-            and x.dtype in dtypes
-            and (id(x) in ids or not buffers.isdisjoint(_buffer_addresses([x])))
+        if treedef == inner.treedef:
+            by_path = dict(zip(inner.paths, leaves, strict=True))
+        else:  # (taken leaf by leaf, by path, as the inner plan takes it)
+            flat_donate = jax.tree_util.tree_flatten_with_path(donate)[0]
+            by_path = {keystr(p): x for p, x in flat_donate}
+        ids = {id(x) for x in sources}
+        found = {path for path, x in by_path.items() if id(x) in ids}
+        # Another array over a source's buffers: only where a destination's shards could be
+        # such buffers (`_source_aliasing`), so a refit loop reads few buffer addresses.
+        others = [
+            (path, x)
+            for path in (inner.paths[j] for j in self._source_aliasing)
+            if path not in found and isinstance(x := by_path.get(path), jax.Array)
         ]
+        if others:
+            buffers = _buffer_addresses(sources)
+            found.update(p for p, x in others if not buffers.isdisjoint(_buffer_addresses([x])))
+        return [(path, _DONATES_A_SOURCE) for path in by_path if path in found]
+
+    @functools.cached_property
+    def _source_aliasing(self) -> tuple[int, ...]:
+        """The inner plan's leaves (by path index) whose destination shards hold buffers of
+        the dtype and shape of a quantized source's shards on one device: where a donated
+        array could be a source's own buffers under another array object."""
+
+        def buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
+            shard = tuple(s.shard_shape(shape))
+            return {(jnp.dtype(dtype), shard, d.id) for d in s.device_set}
+
+        held = set().union(*(buffers(*aval) for aval in self._avals))
+        inner = self.inner
+        return tuple(
+            inner.moved[k]
+            for k, aval in enumerate(inner._dst_avals)
+            if not buffers(*aval).isdisjoint(held)
+        )
 
     def _other_problems(self, flat: Sequence[Any]) -> list[tuple[str, str]]:
         """The problems of the source leaves that are not fp8, against the inner plan's avals
@@ -1900,9 +1925,10 @@ def _plan_quantized(
             problems.append((paths[i], why))
             continue
         grid = want.scale_shape(shape)
-        # The quantizer computes over the source's mesh: Manual axes as Auto ones (a review:
-        # a block straddling shards over Manual axes failed inside JAX).
-        on_mesh = boundary.as_named(x.sharding, shape)
+        # The quantizer computes over the source's mesh: Manual and Explicit axes as Auto
+        # ones (reviews: a block straddling shards over Manual axes failed inside JAX, and
+        # every call of a leaf over Explicit axes, whose reshapes need an output sharding).
+        on_mesh = boundary.as_auto(boundary.as_named(x.sharding, shape))
         s_src = quant.scale_sharding(on_mesh, shape, want)
         s_dst = quant.scale_sharding(dst, shape, want)
         values = jax.ShapeDtypeStruct(shape, want.fmt, sharding=on_mesh)

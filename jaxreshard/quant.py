@@ -33,6 +33,7 @@ blocks is refused before anything moves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,7 +188,27 @@ def quantize(x: jax.Array, fmt: Fp8Blockwise) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize(values: jax.Array, scales: jax.Array, fmt: Fp8Blockwise) -> jax.Array:
-    """``values * scales`` in float32 (each scale broadcast over its block)."""
+    """``values * scales`` in float32 (each scale broadcast over its block; traceable).
+
+    Values over Explicit mesh axes (sharding in types) are computed with those axes as
+    Auto ones (`jax.sharding.auto_axes`), the result typed as the values are: the block
+    reshapes below would otherwise need an output sharding of their own (a review found
+    `QuantizedArray.dequantize` failing on a sampler mesh of Explicit axes)."""
+    if _explicit(values):
+        body = functools.partial(_dequantize, fmt=fmt)
+        typed = jax.typeof(values).sharding
+        return jax.sharding.auto_axes(body, out_sharding=typed)(values, scales)
+    return _dequantize(values, scales, fmt)
+
+
+def _explicit(x: Any) -> bool:
+    """Whether ``x``'s type carries a sharding over Explicit mesh axes."""
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return explicit is not None and explicit in getattr(mesh, "axis_types", ())
+
+
+def _dequantize(values: jax.Array, scales: jax.Array, fmt: Fp8Blockwise) -> jax.Array:
     shape = values.shape
     blocks = fmt.blocks(shape)
     grid = fmt.scale_shape(shape) if fmt.block is not None else (1,) * len(shape)

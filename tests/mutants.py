@@ -1585,7 +1585,12 @@ SURFACE_MUTANTS: list[Mutant] = [
     Mutant(
         "fp8-quantizer-over-manual-axes",
         "jaxreshard/api.py",
-        (("on_mesh = boundary.as_named(x.sharding, shape)", "on_mesh = x.sharding"),),
+        (
+            (
+                "on_mesh = boundary.as_auto(boundary.as_named(x.sharding, shape))",
+                "on_mesh = x.sharding",
+            ),
+        ),
         ("tests/test_fp8.py::test_a_source_over_manual_mesh_axes_quantizes_as_over_auto_ones",),
         "an fp8 plan's quantizer computes over the source's Manual mesh axes: a block "
         "straddling shards fails inside JAX",
@@ -3703,6 +3708,46 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a plan of thousands of tiny buckets is made without a word, every call of it bound by "
         "its bucket count",
+    ),
+    Mutant(
+        "api-quantized-donation-checks-fp8-sources-only",
+        "jaxreshard/api.py",
+        (
+            (
+                "        sources = [flat[i] for i in self.quantized if isinstance(flat[i], "
+                "jax.Array)]\n",
+                "        sources = [flat[i] for i, f in zip(self.quantized, self.formats) if "
+                "isinstance(flat[i], jax.Array) and flat[i].dtype == f.fmt]\n",
+            ),
+        ),
+        ("tests/test_fp8.py::test_a_quantized_source_donated_anywhere_is_refused_and_kept",),
+        "a float32 source of an fp8 leaf donated at a plain leaf of its layout is deleted by "
+        "the call",
+    ),
+    Mutant(
+        "api-quantizer-over-explicit-axes",
+        "jaxreshard/api.py",
+        (
+            (
+                "        on_mesh = boundary.as_auto(boundary.as_named(x.sharding, shape))\n",
+                "        on_mesh = boundary.as_named(x.sharding, shape)\n",
+            ),
+        ),
+        (
+            "tests/test_fp8.py::"
+            "test_fp8_leaves_over_explicit_mesh_axes_quantize_move_and_dequantize",
+        ),
+        "an fp8 leaf whose source mesh has Explicit axes plans, then fails on every call",
+    ),
+    Mutant(
+        "quant-dequantize-over-explicit-axes",
+        "jaxreshard/quant.py",
+        (("    if _explicit(values):\n", "    if False:\n"),),
+        (
+            "tests/test_fp8.py::"
+            "test_fp8_leaves_over_explicit_mesh_axes_quantize_move_and_dequantize",
+        ),
+        "QuantizedArray.dequantize fails on a result over Explicit mesh axes",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

@@ -7,6 +7,7 @@ and the dequantized result lies within the format's rounding of each block's ama
 
 from __future__ import annotations
 
+import collections
 import re
 import threading
 
@@ -18,6 +19,8 @@ import pytest
 from arrays import sharding
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from jaxreshard import api
@@ -94,6 +97,36 @@ def test_deepseek_blocks_bit_for_bit_with_scales_on_each_values_device():
         assert ss.index[1].start * 128 == vs.index[1].start
     out = plan(src, donate=out)  # donation of a quantized result
     assert_matches_reference(out["w"], host, (128, 128), jnp.float8_e4m3fn, dst)
+
+
+@pytest.mark.parametrize(
+    "src_types, dst_types",
+    [
+        ((AxisType.Explicit, AxisType.Explicit), (AxisType.Auto,)),  # the trainer's types
+        ((AxisType.Auto, AxisType.Auto), (AxisType.Explicit,)),  # the sampler's
+        ((AxisType.Explicit, AxisType.Auto), (AxisType.Explicit,)),  # mixed, and both
+    ],
+)
+def test_fp8_leaves_over_explicit_mesh_axes_quantize_move_and_dequantize(src_types, dst_types):
+    """Regressions (a review): a leaf whose source mesh has Explicit axes planned and then
+    failed on every call inside JAX (the quantizer's block reshapes need an output sharding
+    under sharding in types), and `dequantize` failed on a result over Explicit axes. Values
+    and scales equal the reference bit for bit; the dequantized array keeps the values'
+    sharding, eagerly and under jit."""
+    host = weights((256, 256), seed=9)
+    src_mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tp"), axis_types=src_types)
+    dst_mesh = Mesh(np.array(jax.devices()[4:]), ("tp",), axis_types=dst_types)
+    src = jax.device_put(host, NamedSharding(src_mesh, P("fsdp", "tp")))
+    dst = NamedSharding(dst_mesh, P(None, "tp"))
+    plan = jr.plan({"w": src}, {"w": dst}, dtype=jr.Fp8Blockwise(block=(32, 32)))
+    out = plan({"w": src})["w"]
+    assert_matches_reference(out, host, (32, 32), jnp.float8_e4m3fn, dst)
+    eager, traced = out.dequantize(), jax.jit(lambda q: q.dequantize())(out)
+    for x in (eager, traced):
+        assert x.sharding.mesh == dst_mesh and x.sharding.spec == P(None, "tp")
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(eager))
+    again = plan({"w": src}, donate={"w": out})
+    assert_matches_reference(again["w"], host, (32, 32), jnp.float8_e4m3fn, dst)
 
 
 def test_bytes_sent_are_values_plus_scales_half_a_bf16_refit():
@@ -187,6 +220,35 @@ def test_an_fp8_source_donated_as_the_values_is_refused_and_kept():
     np.testing.assert_array_equal(np.asarray(src), host)
     again = plan(src, donate=out)  # the result, as before
     np.testing.assert_array_equal(np.asarray(again.values), np.asarray(plan(src).values))
+
+
+def test_a_quantized_source_donated_anywhere_is_refused_and_kept():
+    """Regressions (a review): a float32 source of an fp8 leaf donated at a plain leaf of its
+    shape and sharding, and an fp8 source donated as the values in a donate= tree of another
+    pytree type (an OrderedDict for a dict, which the inner plan takes by path), were both
+    accepted and deleted the caller's source. Refused, naming the leaf; nothing deleted."""
+    first, second = sharding(*DST[:2], ("x",), "x"), sharding(*SRC[:1], (4,), ("x",), "x")
+    w = jax.device_put(weights((64, 64), seed=3), second)  # the fp8 leaf's source
+    b = jax.device_put(weights((64, 64), seed=4), first)
+    src = {"w": w, "b": b}
+    fmt = jr.Fp8Blockwise(block=(16, 16))
+    plan = jr.plan(src, {"w": first, "b": second}, dtype={"w": fmt, "b": None})
+    out = plan(src)
+    with pytest.raises(jr.ReshardError, match="would destroy the source") as e:
+        plan(src, donate={"w": out["w"], "b": w})  # b's destination is w's own layout
+    assert "['b']" in str(e.value) and "How to fix" in str(e.value)
+    assert not w.is_deleted() and not out["w"].values.is_deleted()
+
+    fp8 = jax.device_put(weights((64, 64), seed=5).astype(jnp.float8_e4m3fn), second)
+    quantized = jr.plan({"w": fp8}, {"w": second}, dtype={"w": fmt})
+    got = quantized({"w": fp8})
+    donated = collections.OrderedDict(w=jr.QuantizedArray(fp8, got["w"].scales, fmt))
+    with pytest.raises(jr.ReshardError, match="would destroy the source") as e:
+        quantized({"w": fp8}, donate=donated)
+    assert "['w'].values" in str(e.value)
+    assert not fp8.is_deleted() and not got["w"].scales.is_deleted()
+    again = plan(src, donate=out)  # the result, as before
+    np.testing.assert_array_equal(np.asarray(again["b"]), np.asarray(b))
 
 
 def test_the_plan_agreement_compares_the_dtype_fp8_leaves_are_quantized_from():

@@ -82,6 +82,20 @@ def _manual(sharding: NamedSharding) -> bool:
     return manual is not None and manual in getattr(sharding.mesh, "axis_types", ())
 
 
+def as_auto(sharding: NamedSharding) -> NamedSharding:
+    """``sharding`` over the same devices and axes typed Auto (itself where they are): a
+    program that reshapes its operands (the fp8 quantizer, `QuantizedArray.dequantize`)
+    cannot run over Explicit axes, whose arrays carry their sharding in their types and
+    refuse a reshape without an explicit output sharding. Arrays move onto it zero-copy
+    (`views.View`)."""
+    kinds = getattr(sharding.mesh, "axis_types", ())
+    auto = getattr(jax.sharding.AxisType, "Auto", None)
+    if all(k == auto for k in kinds):
+        return sharding
+    mesh = Mesh(sharding.mesh.devices, sharding.mesh.axis_names)
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
 def logical_ids(sharding: NamedSharding) -> Any:
     """JAX's private device permutation of a NamedSharding (None for almost every one): such
     a sharding places data other than its mesh and spec say (`api._layout` reads it from
