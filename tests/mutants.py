@@ -3750,6 +3750,23 @@ SURFACE_MUTANTS: list[Mutant] = [
         "QuantizedArray.dequantize fails on a result over Explicit mesh axes",
     ),
     Mutant(
+        "runtime-ahead-allocs-one-program-over-orders",
+        "jaxreshard/run/runtime.py",
+        (
+            (
+                "                for group in self._alloc_groups(leaves):  # (the programs "
+                "`_alloc` runs)\n",
+                "                for group in [list(leaves)] if leaves else []:\n",
+            ),
+        ),
+        (
+            "tests/test_leaves.py::"
+            "test_whole_shards_into_host_memory_on_devices_in_two_orders_compile_once",
+        ),
+        "the first call compiles one allocation program for destinations over two orders of "
+        "devices (which cannot compile), so a later call compiles the ones that run",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -361,6 +361,36 @@ def test_a_refit_loop_with_host_memory_destinations_compiles_nothing_after_its_f
     assert np.asarray(out["host"]).tobytes() == host.tobytes()
 
 
+def test_whole_shards_into_host_memory_on_devices_in_two_orders_compile_once():
+    """Regression (a review): leaves that move as whole shards share a step whatever the
+    order of their destinations' devices; the first call compiled their host-memory
+    destinations' allocation (made again by every call with donate=) as one program, which
+    cannot lay out arrays over two orders of devices, so the first call with donate=
+    compiled the per-order programs that run."""
+    tp, flipped = sharding(*DST, "tp"), sharding(DST[0][::-1], *DST[1:], "tp")
+    src = {
+        k: jax.device_put(
+            random_array((4096, 1024), "float32", i), sharding(*SRC[:1], (4,), ("x",), "x")
+        )
+        for i, k in enumerate("abc")
+    }
+    dst = {
+        "a": tp,
+        "b": tp.with_memory_kind("pinned_host"),
+        "c": flipped.with_memory_kind("pinned_host"),
+    }
+    plan = jr.plan(src, dst, bucket_bytes=64 << 20)
+    assert [sorted(s.whole) for s in plan.lowered.steps] == [[0, 1, 2]]  # (one step)
+    out = plan(src)
+    with COMPILES:
+        for _ in range(2):
+            out = plan(src, donate=out)
+    assert COMPILES.count == 0, COMPILES.events
+    for k in "abc":
+        assert out[k].sharding == dst[k]
+        assert np.asarray(out[k]).tobytes() == np.asarray(src[k]).tobytes()
+
+
 def test_a_refused_call_keeps_donated_leaves_in_host_memory_and_a_done_one_takes_them():
     """Regression (a review, 2026-12-07): a donated leaf whose destination is in host memory
     (freed, not written in place) was deleted before the runtime could still refuse the call

@@ -364,8 +364,8 @@ class Runtime:
             full = [i for i in step.fresh if self._allocates(i)]
             kept = [i for i in full if i in self._never_donated]  # what donate= allocates
             for leaves in dict.fromkeys(tuple(x) for x in ([full] if fresh else []) + [kept]):
-                if leaves:
-                    jobs.append(functools.partial(_compiled, self._alloc_fn(leaves), ()))
+                for group in self._alloc_groups(leaves):  # (the programs `_alloc` runs)
+                    jobs.append(functools.partial(_compiled, self._alloc_fn(group), ()))
             for run in (*step.packs, *step.unpacks):
                 if id(run.fn) not in seen:
                     seen.add(id(run.fn))
@@ -582,13 +582,17 @@ class Runtime:
         )
 
     def _alloc(self, leaves: Sequence[int]) -> list[jax.Array]:
-        # One zeros program per order of devices: a jitted program's outputs must share one,
-        # and a step may make leaves whose meshes hold the same devices in other orders.
         made: dict[int, jax.Array] = {}
-        for group in views.by_device_order([self.dst_shardings[i] for i in leaves]):
-            ids = [leaves[k] for k in group]
+        for ids in self._alloc_groups(leaves):
             made.update(zip(ids, self._alloc_fn(ids)(), strict=True))
         return [made[i] for i in leaves]
+
+    def _alloc_groups(self, leaves: Sequence[int]) -> list[list[int]]:
+        """``leaves`` by the order of their destinations' devices, one zeros program each: a
+        jitted program's outputs must share one, and a step may make leaves whose meshes
+        hold the same devices in other orders."""
+        groups = views.by_device_order([self.dst_shardings[i] for i in leaves])
+        return [[leaves[k] for k in group] for group in groups]
 
     def _alloc_fn(self, leaves: Sequence[int]) -> Callable[[], tuple[jax.Array, ...]]:
         """The jitted program making zero arrays of ``leaves`` (one per distinct list)."""
