@@ -431,9 +431,9 @@ EXECUTOR_MUTANTS: list[Mutant] = [
         "jaxreshard/integrations/tunix.py",
         (
             (
-                "        lambda d, o, s: kept(s) if d is None else o, dst, out, source, "
+                "        lambda d, o, k: k if d is None else o, dst, out, staying, "
                 "is_leaf=_is_kept",
-                "        lambda d, o, s: o, dst, out, source, is_leaf=_is_kept",
+                "        lambda d, o, k: o, dst, out, staying, is_leaf=_is_kept",
             ),
         ),
         (
@@ -3765,6 +3765,26 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "the first call compiles one allocation program for destinations over two orders of "
         "devices (which cannot compile), so a later call compiles the ones that run",
+    ),
+    Mutant(
+        "tunix-kept-host-leaves-put-after-the-move",
+        "jaxreshard/integrations/tunix.py",
+        (
+            (
+                "        staying = _kept_values(dst, source) if kept else None\n",
+                "        staying = None\n",
+            ),
+            (
+                "        out = _with_kept(dst, out, staying)\n",
+                "        out = _with_kept(dst, out, _kept_values(dst, source))\n",
+            ),
+        ),
+        (
+            "tests/test_tunix_adapter.py::"
+            "test_a_host_leaf_under_a_none_target_the_transfer_guard_refuses_is_named_before_the_move",
+        ),
+        "a host leaf under a None target is put on a device after the move: under Tunix's "
+        "transfer guard the sync fails with the donated target consumed",
     ),
     Mutant(
         "api-cache-keeps-few-plans",

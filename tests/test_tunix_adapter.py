@@ -268,6 +268,28 @@ def test_a_leaf_under_a_none_target_device_put_cannot_take_is_refused_before_any
     assert jr_tunix.counters()["jaxreshard_calls"] == 0
 
 
+def test_a_host_leaf_under_a_none_target_the_transfer_guard_refuses_is_named_before_the_move():
+    """Under the transfer guard Tunix's ``sync_weights`` sets on CPU (explicit host-to-device
+    transfers disallowed), a NumPy leaf under a None target cannot become an array. Regression
+    (a review): the adapter made it after moving the other leaves, so JAX's error came after
+    the donated target was consumed; it is refused by name before anything moves."""
+    trainer, rollout = states()
+    source = {"w": trainer["up"]["kernel"], "step": np.int32(7)}
+    target = {"w": rollout["up"]["kernel"], "step": None}
+    with (
+        jr_tunix.installed(donate_target=True),
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        pytest.raises(jr_tunix.ReshardError, match=r"\['step'\]") as e,
+    ):
+        tunix_reshard.reshard_pytree(source, target, donate_input=True)
+    assert "How to fix" in str(e.value)
+    assert not target["w"].is_deleted() and not source["w"].is_deleted()
+    assert jr_tunix.counters()["jaxreshard_calls"] == 0
+    with jr_tunix.installed(donate_target=True):  # the guard lifted, the same sync moves
+        got = tunix_reshard.reshard_pytree(source, target)
+    assert int(got["step"]) == 7 and bits(got["w"]) == bits(source["w"])
+
+
 def test_a_target_that_fits_the_source_neither_way_is_refused_by_jaxreshard():
     """A target neither a prefix of the source nor laid out leaf for leaf like it is refused
     with jaxreshard's error naming the structures. Regression: taking the None target leaves

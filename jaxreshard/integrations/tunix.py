@@ -87,6 +87,10 @@ def reshard_pytree(
         _COUNTERS["calls"] += 1
     try:
         plan, dst, kept, moving, host, old = _planned(source, target, cache_plan)
+        # Kept leaves are made first (their host values through jax.device_put): one that
+        # fails fails before anything moves or is donated (a review: under Tunix's transfer
+        # guard it failed after the move, the donated target lost).
+        staying = _kept_values(dst, source) if kept else None
     except ReshardError as e:
         # Refused before a plan was called (a target leaf with no sharding, ...): under
         # jax.distributed the peers' same sync must raise too, not pair with this process's
@@ -95,7 +99,7 @@ def reshard_pytree(
         raise
     out = _run(plan, moving, old)
     if kept:
-        out = _with_kept(dst, out, source)
+        out = _with_kept(dst, out, staying)
     with _LOCK:
         if plan.moved:
             _COUNTERS["jaxreshard_calls"] += 1
@@ -270,20 +274,46 @@ def _without_kept(dst: Any, source: Any) -> Any:
     )
 
 
-def _with_kept(dst: Any, out: Any, source: Any) -> Any:
-    """``out`` with each subtree whose destination is None taken from ``source``: its arrays
-    as they are, other leaves (`_kept_host_leaves`) through ``jax.device_put`` as Tunix's
-    path (``jax.device_put(x, None)``) gives them."""
+def _kept_values(dst: Any, source: Any) -> Any:
+    """``dst`` with each None destination replaced by the source subtree the result keeps
+    there: its arrays as they are, other leaves (`_kept_host_leaves`) through
+    ``jax.device_put`` as Tunix's path (``jax.device_put(x, None)``) gives them. Raises
+    `ReshardError` naming the leaves ``jax.device_put`` refuses (under the caller's transfer
+    guard, say)."""
+    problems: list[tuple[str, str]] = []
 
-    def kept(subtree: Any) -> Any:
+    def put(path: Any, x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return x
+        try:
+            return jax.device_put(x)
+        except Exception as e:  # (named below, before anything moves)
+            problems.append((jax.tree_util.keystr(path), str(e).splitlines()[0]))
+            return None
+
+    def kept(path: Any, subtree: Any) -> Any:
         if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(subtree)):
             return subtree  # (the very object: an nnx.Variable stays the one passed)
-        return jax.tree_util.tree_map(
-            lambda x: x if isinstance(x, jax.Array) else jax.device_put(x), subtree
-        )
+        return jax.tree_util.tree_map_with_path(lambda p, x: put((*path, *p), x), subtree)
 
+    values = jax.tree_util.tree_map_with_path(
+        lambda path, d, s: kept(path, s) if d is None else None, dst, source, is_leaf=_is_kept
+    )
+    if problems:
+        raise leaf_error(
+            "jax.device_put refused these leaves under a None target",
+            problems,
+            "make them jax.Arrays where they should stay, or call under a transfer guard "
+            "that lets jax.device_put place them (Tunix's path puts them with it too)",
+        )
+    return values
+
+
+def _with_kept(dst: Any, out: Any, staying: Any) -> Any:
+    """``out`` with each subtree whose destination is None taken from ``staying``
+    (`_kept_values`)."""
     return jax.tree_util.tree_map(
-        lambda d, o, s: kept(s) if d is None else o, dst, out, source, is_leaf=_is_kept
+        lambda d, o, k: k if d is None else o, dst, out, staying, is_leaf=_is_kept
     )
 
 
