@@ -1808,6 +1808,8 @@ class QuantizedPlan:
         array could be a source's own buffers under another array object."""
 
         def buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
+            if boundary.is_key(dtype):  # (its buffers hold key data, never a float source's)
+                return set()
             shard = tuple(s.shard_shape(shape))
             return {(jnp.dtype(dtype), shard, d.id) for d in s.device_set}
 

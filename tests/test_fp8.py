@@ -251,6 +251,22 @@ def test_a_quantized_source_donated_anywhere_is_refused_and_kept():
     np.testing.assert_array_equal(np.asarray(again["b"]), np.asarray(b))
 
 
+def test_an_fp8_plan_beside_a_typed_key_leaf_takes_its_result_donated():
+    """Regression (a fuzz): the check of donate= leaves against the quantized sources read a
+    typed key's dtype as a NumPy one, so every call with donate= of a plan holding a key
+    leaf raised a bare TypeError."""
+    first, second = sharding(*SRC[:1], (4,), ("x",), "x"), sharding(*DST[:2], ("y",), "y")
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 4), sharding(*SRC[:1], (4,), ("x",)))
+    src = {"w": jax.device_put(weights((16, 16), seed=2), first), "k": keys}
+    dst = {"w": second, "k": sharding(*DST[:2], ("y",))}
+    plan = jr.plan(src, dst, dtype={"w": jr.Fp8Blockwise(block=(4, 4)), "k": None})
+    out = plan(src)
+    again = plan(src, donate=out)
+    assert_matches_reference(again["w"], np.asarray(src["w"]), (4, 4), jnp.float8_e4m3fn, second)
+    want = np.asarray(jax.random.key_data(keys))
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(again["k"])), want)
+
+
 def test_the_plan_agreement_compares_the_dtype_fp8_leaves_are_quantized_from():
     """Processes quantizing float32 on one side and bfloat16 on the other must disagree, as
     they do without fp8 (the moved values and scales are alike; a fuzz saw them agree)."""
