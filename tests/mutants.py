@@ -3787,6 +3787,19 @@ SURFACE_MUTANTS: list[Mutant] = [
         "transfer guard the sync fails with the donated target consumed",
     ),
     Mutant(
+        "api-quantized-aliasing-reads-key-dtype",
+        "jaxreshard/api.py",
+        (
+            (
+                "            if boundary.is_key(dtype):  # (its buffers hold key data, never a "
+                "float source's)\n                return set()\n",
+                "",
+            ),
+        ),
+        ("tests/test_fp8.py::test_an_fp8_plan_beside_a_typed_key_leaf_takes_its_result_donated",),
+        "every call with donate= of an fp8 plan holding a typed key leaf raises a bare TypeError",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),
