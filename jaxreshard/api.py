@@ -693,11 +693,27 @@ class Plan:
         profile: dict | None,
         copies: dict[int, jax.Array] | None = None,
     ) -> Any:
-        # Sources checked again: a call behind refits in flight (run on the worker, after
-        # them) may get an array over the buffers of a tree one of them consumed.
+        # Sources and donate= leaves checked again: a call behind refits in flight (run on
+        # the worker, after them) may get an array over the buffers of a tree one of them
+        # consumed (a donated one crashed the process in XLA). Refused in the order of calls,
+        # as a refusal before the move is (a review: the peers' same call paired with this
+        # process's next one, a step apart from then on).
         gone = [self.paths[i] for i in self.moved if _deleted(flat[i])]
-        if gone:
-            raise deleted_sources_error("the call", gone)
+        lost = [] if old is None else [self.paths[i] for i in self.moved if _deleted(old[i])]
+        if gone or lost:
+            errors = [deleted_sources_error("the call", gone)] if gone else []
+            if lost:
+                errors.append(
+                    leaf_error(
+                        "these donate= leaves were deleted before the call wrote them",
+                        [(path, "deleted (or donated to a refit in flight)") for path in lost],
+                        "donate a tree no call or refit in flight was given (nor arrays over "
+                        "its buffers), or leave donate= out",
+                    )
+                )
+            error = merged_error(errors)
+            self.refuse(error, on_worker=True)
+            raise error
         out: list[Any] = [None] * len(flat)
         check = self._order_check()
         if copies is None:  # (else made already, on the caller's thread)

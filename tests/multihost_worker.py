@@ -422,6 +422,36 @@ def case_order_refused_keeps_donations() -> None:
     ok("order_refused_keeps_donations")
 
 
+def case_order_refused_behind_a_refit() -> None:
+    """(A review, 2026-12-07.) Process 1 starts a refit donating its previous result, then
+    calls another plan on an array over that result's buffers (the same devices under other
+    axis names). The call waits behind the refit, which process 0 joins late, and finds its
+    source consumed: refused there, and process 0's same call raises naming it (it paired
+    with process 1's next call, a step apart from then on); the next calls pair up."""
+    trainer = mesh(BY_PROCESS[0], (2, 2), ("fsdp", "tp"))
+    sampler = mesh(BY_PROCESS[1], (2, 2), ("a", "b"))
+    renamed = mesh(BY_PROCESS[1], (2, 2), ("x", "y"))
+    there = {"w": NamedSharding(sampler, P(None, "b"))}
+    back_src, back = NamedSharding(renamed, P(None, "y")), {"w": NamedSharding(trainer, P())}
+    full = data((16, 16), 61)
+    tree = {"w": source(full, NamedSharding(trainer, P("fsdp", "tp")))}
+    forth = jr.plan(tree, there)
+    spare = forth(tree)
+    returning = jr.plan({"w": source(full, back_src)}, back)
+    check(returning({"w": source(full, back_src)}), {"w": full}, back)
+    if PID == 1:
+        alias = jax.device_put(spare["w"], back_src)  # (no copy: the same buffers)
+        refit = forth.start(tree, donate=spare)
+        _refused("BEHIND", lambda: returning({"w": alias}))
+        check(refit.result(), {"w": full}, there)
+    else:
+        time.sleep(2)  # (the refit stays in flight on process 1 meanwhile)
+        forth(tree)
+        _refused("BEHIND", lambda: returning({"w": source(full, back_src)}))
+    check(returning({"w": source(full + 1, back_src)}), {"w": full + 1}, back)
+    ok("order_refused_behind_a_refit")
+
+
 def case_order_fallback() -> None:
     """(A fuzz.) A plan with a NumPy step counter sent to every device by
     ``fallback="device_put"``, whose copy runs a collective (jax.device_put of a host value
@@ -910,6 +940,7 @@ SCENARIOS = {
         case_order_ok,
         case_order_refused,
         case_order_refused_keeps_donations,
+        case_order_refused_behind_a_refit,
         case_order_fallback,
         case_order_fallback_only,
         case_order_refusals,

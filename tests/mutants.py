@@ -3800,6 +3800,35 @@ SURFACE_MUTANTS: list[Mutant] = [
         "every call with donate= of an fp8 plan holding a typed key leaf raises a bare TypeError",
     ),
     Mutant(
+        "api-behind-refusal-not-placed",
+        "jaxreshard/api.py",
+        (("            self.refuse(error, on_worker=True)\n", ""),),
+        (
+            "tests/test_multihost.py::"
+            "test_a_call_refused_behind_a_refit_in_flight_raises_on_the_peer_and_calls_pair",
+        ),
+        "a call behind a refit in flight that finds its source consumed raises on its own "
+        "process only: the peer's same call pairs with the next one (the launch hangs to its "
+        "timeout)",
+    ),
+    Mutant(
+        "api-behind-donations-unchecked",
+        "jaxreshard/api.py",
+        (
+            (
+                "        lost = [] if old is None else [self.paths[i] for i in self.moved if "
+                "_deleted(old[i])]\n",
+                "        lost = []\n",
+            ),
+        ),
+        (
+            "tests/test_async.py::"
+            "test_a_call_behind_a_refit_donating_an_array_over_its_consumed_tree_is_refused",
+        ),
+        "a call behind a refit in flight donating an array over the tree that refit consumes "
+        "hands XLA a deleted buffer (the process crashed)",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

@@ -397,6 +397,35 @@ def test_host_leaves_are_read_as_start_returns_under_the_callers_transfer_guard(
                 call(src)
 
 
+def test_a_call_behind_a_refit_donating_an_array_over_its_consumed_tree_is_refused(
+    monkeypatch,
+):
+    """Regression (a review, 2026-12-07): a call waiting behind a refit in flight, whose
+    donate= leaf is an array over the buffers of the tree that refit consumes (the same
+    devices under other axis names: no copy), reached XLA with a deleted buffer and crashed
+    the process. Refused when its turn comes; the refit's result is exact."""
+    host, src = trees(0)
+    there = sharding(*DST, None, "tp")
+    renamed = sharding(DST[0], DST[1], ("x", "y"), None, "y")  # (the same layout)
+    forth, other = jr.plan(src, there), jr.plan(src, renamed)
+    spare = forth(src)
+    alias = {k: jax.device_put(v, renamed) for k, v in spare.items()}
+    assert alias["w0"].addressable_shards[0].data.unsafe_buffer_pointer() == (
+        spare["w0"].addressable_shards[0].data.unsafe_buffer_pointer()
+    )
+    gate, move = threading.Event(), forth._move
+    monkeypatch.setattr(forth, "_move", lambda *a: (gate.wait(30), move(*a))[1])
+    refit = forth.start(src, donate=spare)  # in flight until the gate opens
+    threading.Timer(0.5, gate.set).start()  # (the call below waits behind it meanwhile)
+    with pytest.raises(jr.ReshardError, match="donate= leaves were deleted") as e:
+        other(src, donate=alias)
+    assert "['w0']" in str(e.value) and "How to fix" in str(e.value)
+    for k, v in refit.result().items():
+        np.testing.assert_array_equal(np.asarray(v), host[k])
+    for k, v in other(src).items():  # the plan goes on
+        np.testing.assert_array_equal(np.asarray(v), host[k])
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_an_array_over_the_buffers_of_a_tree_donated_in_flight_is_refused_when_read(
     fp8, monkeypatch

@@ -687,6 +687,15 @@ def test_a_call_refused_on_a_peer_keeps_the_donated_leaves_bound_for_host_memory
 
 
 @pytest.mark.multiprocess
+def test_a_call_refused_behind_a_refit_in_flight_raises_on_the_peer_and_calls_pair(run_order):
+    """Regression (a review, 2026-12-07): a call queued behind a refit in flight that found
+    its source consumed by it raised on its own process only; the peer's same call paired
+    with the next one."""
+    run_order.case_ok("order_refused_behind_a_refit")
+    assert "BEHIND 0: jaxreshard: process 1 refused call #" in run_order.outputs[0]
+
+
+@pytest.mark.multiprocess
 def test_a_refused_call_of_a_plan_with_fallback_leaves_raises_on_the_peer_and_calls_pair(
     run_order,
 ):
