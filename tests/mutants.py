@@ -3829,6 +3829,19 @@ SURFACE_MUTANTS: list[Mutant] = [
         "hands XLA a deleted buffer (the process crashed)",
     ),
     Mutant(
+        "order-deletes-only-at-a-blocks-first-call",
+        "jaxreshard/run/multihost.py",
+        (
+            (
+                "    for block in range(first, last + 1):\n",
+                "    for block in range(last, last + 1) if n % _ORDER_BLOCK == 0 else ():\n",
+            ),
+        ),
+        ("tests/test_multihost.py::test_old_call_records_are_deleted_whichever_calls_are_refused",),
+        "a block of call records whose first call is refused is never deleted: the "
+        "coordinator's store grows for the rest of the job",
+    ),
+    Mutant(
         "api-cache-keeps-few-plans",
         "jaxreshard/api.py",
         (("_CACHE_SIZE = 256\n", "_CACHE_SIZE = 8\n"),),

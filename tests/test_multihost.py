@@ -227,9 +227,15 @@ class FakeClient:
             time.sleep(0.001)
         raise TimeoutError(key)
 
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        return self.blocking_key_value_get_bytes(key, timeout_in_ms)
+
     def key_value_delete(self, key: str) -> None:
+        """The key and, as the runtime's store does, every key in the directory it names."""
         with self.lock:
             self.store.pop(key, None)
+            for k in [k for k in self.store if k.startswith(key + "/")]:
+                del self.store[k]
 
 
 def _plans(devices, dst_spec_1=None):
@@ -418,6 +424,34 @@ def test_a_new_plans_agreement_waiting_for_a_peer_in_a_call_gives_both_up(device
     failed = {"group": [0, 1], "key": "g", "n": 4, "failed": "crossed"}
     client.key_value_set(f"{multihost._PREFIX}/waiting/0", json.dumps(failed))
     multihost._Agreement(client, 1, (0, 1), "g", 5, plan.fingerprint, plan)._check_blocked([0])
+
+
+def test_old_call_records_are_deleted_whichever_calls_are_refused(devices, monkeypatch):
+    """The order check's records are kept in blocks of `_ORDER_BLOCK` calls, and a block no
+    peer reads any more is deleted. Regression (a review): only a block's first call deleted
+    the block two before, so where that call was refused (or given up) the block stayed for
+    the rest of the job: 400 calls with the peer refusing calls 128, 192 and 256 left 544
+    keys where 160 stay without refusals. Process 0 over a fake key-value store, its peer's
+    records written ahead of each call."""
+    monkeypatch.setattr(multihost, "_STATE", multihost._State())
+    client = FakeClient()
+    monkeypatch.setattr(multihost, "_involvement", lambda plan, c: (client, 0, (0, 1)))
+    plan = _plans(devices)[0].identity
+    group = multihost.digest((0, 1))[:16]
+    block = multihost._ORDER_BLOCK
+    refused = {2 * block, 3 * block, 4 * block}
+    for n in range(400):
+        peer = {"fp": plan.fingerprint[:16], "plan": "plan A"}
+        if n in refused:
+            peer["refused"] = "a source leaf of another shape"
+        client.key_value_set(multihost._call_key(group, n, 1), json.dumps(peer))
+        if n in refused:
+            with pytest.raises(jr.ReshardError, match="process 1 refused call"):
+                multihost.check_order(plan, "plan A", client=client, timeout_s=5)
+        else:
+            multihost.check_order(plan, "plan A", client=client, timeout_s=5)
+    blocks = {k.split("/")[-3] for k in client.store if k.startswith(multihost._ORDER_PREFIX)}
+    assert blocks == {str(399 // block - 1), str(399 // block)}, sorted(blocks)
 
 
 def test_a_refusal_before_a_plan_takes_the_place_of_the_event_a_peer_waits_in(monkeypatch):

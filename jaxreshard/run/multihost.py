@@ -234,6 +234,8 @@ class _State:
     given_up: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
     # This process's last refusals before a plan (`place_refusal`): step and guess.
     refusals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Per group, the first block of call records this process has not deleted (`check_order`).
+    kept_from: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
     # Re-entrant: an agreement runs under it (one at a time per process), and what it finds
     # while it waits (a peer in a call it stands for: `_take_call`) updates the counts.
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
@@ -836,11 +838,16 @@ def check_order(
                 "moved.\nHow to fix: every involved process must call its plans in the same "
                 "order (the order of jr.reshard / plan calls and plan.start)"
             )
-    block = n // _ORDER_BLOCK
-    if n % _ORDER_BLOCK == 0 and block >= 2:
-        # Every peer has published call n - 1, so it has read every key up to n - 2: the
-        # block before the previous one is no longer read by anyone.
-        _ignore_missing(client.key_value_delete, f"{_ORDER_PREFIX}/{group_key}/{block - 2}")
+    # Every peer has published call n - 1, so it has read every key up to n - 2: the blocks
+    # before the previous one are no longer read by anyone. Every such block is deleted, not
+    # only the one a block's first call passes: that call may be refused, given up or
+    # crossed, and its block's keys then stayed for the rest of the job (a review).
+    last = n // _ORDER_BLOCK - 2  # (the last block no peer reads any more)
+    with _STATE.lock:
+        first = _STATE.kept_from[group_key]
+        _STATE.kept_from[group_key] = max(first, last + 1)
+    for block in range(first, last + 1):
+        _ignore_missing(client.key_value_delete, f"{_ORDER_PREFIX}/{group_key}/{block}")
 
 
 def refuse_call(plan: PlanIdentity, label: str, reason: str, *, client: Any = None) -> None:
