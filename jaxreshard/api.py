@@ -473,7 +473,8 @@ class Plan:
             the process (JAX segfaults so with plain ``jax.jit`` calls too).
           - ``donate=`` is consumed: do not use that tree after ``start``. Until the refit is
             done, a call that donates it again or reads it as a source raises `ReshardError`
-            (as does one that reads an array over its buffers once the refit consumed them).
+            (as does one that reads or donates an array over its buffers once the refit consumed
+            them).
           - Leaves sent by ``jax.device_put`` (``fallback=``) are copied before ``start``
             returns, under the caller's ``jax.transfer_guard``: a NumPy source may change
             afterwards. (Under ``jax.distributed`` their NumPy values are copied on the host
