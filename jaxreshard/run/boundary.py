@@ -113,12 +113,9 @@ def as_named(sharding: Sharding, shape: Sequence[int]) -> NamedSharding:
     not form a grid of boxes).
     """
     if isinstance(sharding, NamedSharding):
-        if not _manual(sharding):
-            return sharding
         # Programs cannot lay out results over Manual axes (jit refuses them outside a
         # shard_map): the same devices and axes, typed Auto; the result is re-wrapped.
-        mesh = Mesh(sharding.mesh.devices, sharding.mesh.axis_names)
-        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+        return as_auto(sharding) if _manual(sharding) else sharding
     kind = sharding.memory_kind
     if isinstance(sharding, SingleDeviceSharding):
         (device,) = sharding.device_set

@@ -20,12 +20,12 @@ def use_mock_topology(default: str) -> str:
     devices on CPU, unless ``XLA_FLAGS`` says otherwise). Call before anything asks JAX for
     devices. Returns the topology ("" for none)."""
     mock = os.environ.get("MOCK", default)
-    if not mock:
-        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     if mock:
         os.environ["JAX_MOCK_GPU_TOPOLOGY"] = mock
         # (the environment variable alone did not take, with jax 0.11.2)
         jax.config.update("jax_mock_gpu_topology", mock)
+    else:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     return mock
 
 
