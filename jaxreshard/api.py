@@ -1143,17 +1143,8 @@ class Plan:
         plan with fallback leaves, whose sources' layouts it does not know, checks every
         donated leaf against every source: `_check_arrays`.)"""
 
-        def buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
-            shard = s.shard_shape(shape)
-            if boundary.is_key(dtype):  # its buffers hold its key data
-                data, bits = boundary.key_data_shape(jax.ShapeDtypeStruct(shard, dtype))
-                kind: tuple[Any, ...] = (bits, data)
-            else:
-                kind = (jnp.dtype(dtype), tuple(shard))
-            return {(*kind, d.id) for d in s.device_set}
-
-        src = [buffers(*aval) for aval in self.src_avals]
-        dst = [buffers(*aval) for aval in self._dst_avals]
+        src = [_shard_buffers(*aval) for aval in self.src_avals]
+        dst = [_shard_buffers(*aval) for aval in self._dst_avals]
         every_src, every_dst = set().union(*src), set().union(*dst)
         return (
             tuple(self.moved[k] for k, b in enumerate(src) if not b.isdisjoint(every_dst)),
@@ -1823,19 +1814,12 @@ class QuantizedPlan:
         """The inner plan's leaves (by path index) whose destination shards hold buffers of
         the dtype and shape of a quantized source's shards on one device: where a donated
         array could be a source's own buffers under another array object."""
-
-        def buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
-            if boundary.is_key(dtype):  # (its buffers hold key data, never a float source's)
-                return set()
-            shard = tuple(s.shard_shape(shape))
-            return {(jnp.dtype(dtype), shard, d.id) for d in s.device_set}
-
-        held = set().union(*(buffers(*aval) for aval in self._avals))
+        held = set().union(*(_shard_buffers(*aval) for aval in self._avals))
         inner = self.inner
         return tuple(
             inner.moved[k]
             for k, aval in enumerate(inner._dst_avals)
-            if not buffers(*aval).isdisjoint(held)
+            if not _shard_buffers(*aval).isdisjoint(held)
         )
 
     def _other_problems(self, flat: Sequence[Any]) -> list[tuple[str, str]]:
@@ -2507,6 +2491,19 @@ def _leaf_spec(path: str, x: Any, dst: Any, want: Any, own: bool) -> tuple[Any, 
 _FallbackAval = tuple[tuple[int, ...], Any, Any]
 """A fallback leaf's planned shape and dtype (as ``jax.device_put`` makes it) and the dtype
 it is cast to, or None."""
+
+
+def _shard_buffers(shape: tuple[int, ...], dtype: Any, s: Sharding) -> set[tuple[Any, ...]]:
+    """What the buffers of an array of ``shape``, ``dtype`` and sharding ``s`` are, device by
+    device: ``(dtype, shard shape, device id)`` (a typed key's: its key data's). Arrays whose
+    sets are disjoint cannot share a buffer (`Plan._aliasing`)."""
+    shard = s.shard_shape(shape)
+    if boundary.is_key(dtype):  # its buffers hold its key data
+        data, bits = boundary.key_data_shape(jax.ShapeDtypeStruct(shard, dtype))
+        kind: tuple[Any, ...] = (bits, data)
+    else:
+        kind = (jnp.dtype(dtype), tuple(shard))
+    return {(*kind, d.id) for d in s.device_set}
 
 
 def _buffer_addresses(arrays: Sequence[Any]) -> set[tuple[int, int]]:

@@ -2620,17 +2620,19 @@ SURFACE_MUTANTS: list[Mutant] = [
         API,
         (
             (
-                "            if boundary.is_key(dtype):  # its buffers hold its key data\n",
-                "            if False:\n",
+                "    if boundary.is_key(dtype):  # its buffers hold its key data\n",
+                "    if False:\n",
             ),
         ),
         (
             "tests/test_errors.py::test_donating_a_key_over_a_plain_sources_buffers_or_its_data_"
             "is_refused",
+            "tests/test_fp8.py::test_an_fp8_plan_beside_a_typed_key_leaf_takes_its_result_donated",
         ),
         "a typed key's buffers are compared as the key's own dtype and shape, not its data's: a "
         "donate= leaf over a source key's data (or a key over a uint32 source) destroys the "
-        "source or crashes the process",
+        "source or crashes the process (and an fp8 plan holding a key leaf refuses every "
+        "donate= with a bare TypeError)",
     ),
     Mutant(
         "api-dtype-names-taken-as-fallback-values",
@@ -3785,19 +3787,6 @@ SURFACE_MUTANTS: list[Mutant] = [
         ),
         "a host leaf under a None target is put on a device after the move: under Tunix's "
         "transfer guard the sync fails with the donated target consumed",
-    ),
-    Mutant(
-        "api-quantized-aliasing-reads-key-dtype",
-        "jaxreshard/api.py",
-        (
-            (
-                "            if boundary.is_key(dtype):  # (its buffers hold key data, never a "
-                "float source's)\n                return set()\n",
-                "",
-            ),
-        ),
-        ("tests/test_fp8.py::test_an_fp8_plan_beside_a_typed_key_leaf_takes_its_result_donated",),
-        "every call with donate= of an fp8 plan holding a typed key leaf raises a bare TypeError",
     ),
     Mutant(
         "api-behind-refusal-not-placed",
